@@ -1,0 +1,411 @@
+"""`CocktailCache`: a transformers `Cache` whose context chunks are stored at FP16, INT4 or INT2.
+
+Shapes: B batch, H_kv key/value heads, L prompt length (after left padding), D head dim, C chunk size.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from . import quant
+from .config import CocktailConfig
+from .search import TextEncoder, assign_precisions, get_encoder, score_chunks
+from .store import FullPart, LayerStore, PackedSegment, _offsets
+
+logger = logging.getLogger(__name__)
+PACKED_BITS = (4, 2)
+
+
+@dataclass
+class SequencePlan:
+    """What the search needs and decides for one sequence of the batch (positions in padded coordinates)."""
+
+    pad: int  # left padding tokens
+    ctx_start: int  # context token span [ctx_start, ctx_end)
+    ctx_end: int
+    chunk_texts: list[str]
+    query: str | None
+    scores: list[float] | None = None
+    bits: list[int] | None = None  # one per chunk, original order
+    positions: dict = field(default_factory=dict)  # part ("full", 4, 2) -> LongTensor of prompt positions
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunk_texts)
+
+    def chunk_range(self, i: int, chunk_size: int) -> tuple[int, int]:
+        a = self.ctx_start + i * chunk_size
+        return a, min(a + chunk_size, self.ctx_end)
+
+    def build_positions(self, prompt_len: int, chunk_size: int) -> None:
+        parts: dict = {16: [], 4: [], 2: []}
+        for i, bits in enumerate(self.bits):
+            parts[bits].extend(range(*self.chunk_range(i, chunk_size)))
+        full = list(range(self.pad, self.ctx_start)) + parts[16] + list(range(self.ctx_end, prompt_len))
+        self.positions = {"full": torch.tensor(full, dtype=torch.long),
+                          4: torch.tensor(parts[4], dtype=torch.long), 2: torch.tensor(parts[2], dtype=torch.long)}
+
+
+class CocktailLayer(CacheLayerMixin):
+    """One layer of a :class:`CocktailCache`. Prefill stores the prompt's keys/values into a :class:`LayerStore`
+    (context chunks quantized by the precision plan); later tokens are appended to the full-precision part."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, cache: "CocktailCache"):
+        super().__init__()
+        self.cache = cache
+        self.config = cache.config
+        self.store: LayerStore | None = None
+        self.in_prefill = False
+        self.uses_split_attention = False
+        self.seq_len = 0
+
+    # ----------------------------------------------------------------- CacheLayerMixin
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """``key_states``, ``value_states``: ``(B, H_kv, L_new, D)``."""
+        if self.store is None:
+            self.lazy_initialization(key_states, value_states)
+            self._prefill(key_states, value_states)
+            key_states._cocktail_layer = self
+            return key_states, value_states
+        self.in_prefill = False
+        self.store.full.append(key_states, value_states)
+        self.seq_len += key_states.shape[2]
+        if self.uses_split_attention:
+            keys = self.store.full.keys
+            keys._cocktail_layer = self
+            return keys, self.store.full.values
+        self.cache._warn_dequantize_fallback()
+        return self.dequantized()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seq_len + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seq_len
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.store = None
+        self.in_prefill = False
+        self.uses_split_attention = False
+        self.seq_len = 0
+        self.is_initialized = False
+
+    # ----------------------------------------------------------------- storage
+    def _prefill(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        plans = self.cache._plans_for_prefill(k)
+        cfg = self.config
+        quantize_k, quantize_v = _quantizers(cfg.backend, k.device)
+        fulls_k, fulls_v = [], []
+        segs = {bits: ([], []) for bits in PACKED_BITS}
+        for b, plan in enumerate(plans):
+            pos = {p: t.to(k.device) for p, t in plan.positions.items()}
+            fulls_k.append(k[b].index_select(1, pos["full"]))
+            fulls_v.append(v[b].index_select(1, pos["full"]))
+            for bits in PACKED_BITS:
+                segs[bits][0].append(k[b].index_select(1, pos[bits]))
+                segs[bits][1].append(v[b].index_select(1, pos[bits]))
+        packed = [PackedSegment.from_sequences(*segs[bits], bits, cfg.chunk_size, cfg.group_size,
+                                               cfg.torch_scale_dtype(k.dtype),
+                                               quantize_k, quantize_v) for bits in PACKED_BITS]
+        self.store = LayerStore(FullPart.from_sequences(fulls_k, fulls_v), packed)
+        self.seq_len = k.shape[2]
+        self.in_prefill = True
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole cache at the model's precision in original token order, ``(B, H_kv, seq_len, D)`` each, left
+        padding as zeros (masked by the attention mask). Used by the plain sdpa/eager fallback."""
+        st = self.store
+        full = st.full
+        B, H, _, D = full.keys.shape
+        keys = full.keys.new_zeros((B, H, self.seq_len, D))
+        values = torch.zeros_like(keys)
+        n_new = self.seq_len - self.cache._prompt_len
+        for b, plan in enumerate(self.cache._plans):
+            dev = keys.device
+            fpos = torch.cat([plan.positions["full"].to(dev),
+                              torch.arange(self.cache._prompt_len, self.cache._prompt_len + n_new, device=dev)])
+            keys[b, :, fpos] = full.keys[b, :, full.start[b]:]
+            values[b, :, fpos] = full.values[b, :, full.start[b]:]
+            for seg in st.segments:
+                k_b, v_b = seg.sequence(b, keys.dtype)
+                p = plan.positions[seg.bits].to(dev)
+                keys[b, :, p] = k_b
+                values[b, :, p] = v_b
+        return keys, values
+
+    # ----------------------------------------------------------------- batch manipulation
+    def select_sequences(self, indices: list[int]) -> None:
+        """Keep (and reorder / repeat) sequences ``indices`` of the batch."""
+        if self.store is None:
+            return
+        st = self.store
+        dev = st.full.keys.device
+        idx = torch.tensor(indices, dtype=torch.long, device=dev)
+        full = FullPart(st.full.keys.index_select(0, idx), st.full.values.index_select(0, idx),
+                        [st.full.start[i] for i in indices])
+        segs = []
+        for seg in st.segments:
+            tok = [slice(seg.tok_off[i], seg.tok_off[i + 1]) for i in indices]
+            chk = [slice(seg.chunk_off[i], seg.chunk_off[i + 1]) for i in indices]
+
+            def cat(t, sl):
+                return torch.cat([t[:, s] for s in sl], dim=1) if sl else t[:, :0]
+
+            segs.append(PackedSegment(
+                seg.bits, seg.chunk_size, seg.group_size, cat(seg.k_codes, tok), cat(seg.k_scale, chk),
+                cat(seg.k_zero, chk), cat(seg.v_codes, tok), cat(seg.v_scale, tok), cat(seg.v_zero, tok),
+                _offsets([s.stop - s.start for s in tok]), _offsets([s.stop - s.start for s in chk])))
+        self.store = LayerStore(full, segs)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop expects a negative number of tokens to remove, got {tokens_to_remove}")
+        n = -tokens_to_remove
+        if n == 0 or self.store is None:
+            return
+        generated = self.seq_len - self.cache._prompt_len
+        if n > generated:
+            raise ValueError(f"CocktailCache can only crop tokens added after the prompt ({generated} here); "
+                             f"asked to remove {n}")
+        full = self.store.full
+        full.keys, full.values = full.keys[:, :, :-n], full.values[:, :, :-n]
+        self.seq_len -= n
+
+
+def _quantizers(backend: str, device: torch.device):
+    from .backend import resolve_backend
+
+    if resolve_backend(backend, device) == "triton":
+        from triton_ops import quantize_pack_keys, quantize_pack_values
+
+        return quantize_pack_keys, quantize_pack_values
+    return quant.quantize_pack_keys, quant.quantize_pack_values
+
+
+class CocktailCache(Cache):
+    """A KV cache that stores each context chunk at FP16, INT4 or INT2 by its relevance to the query.
+
+    Usage::
+
+        cache = CocktailCache(CocktailConfig(encoder=hf_cocktail.offline_encoder_path()))
+        inputs = cache.prepare_inputs(tokenizer, prompt, contexts=document, queries=question)
+        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
+
+    The chunk search runs once per ``generate``, at prefill, before any layer quantizes. Decode attention reads the
+    packed codes when the model uses ``attn_implementation="cocktail"``; under plain ``"sdpa"``/``"eager"`` each step
+    dequantizes the cache (correct, slower, with one warning).
+
+    Args:
+        config: the :class:`CocktailConfig` (default: paper settings).
+        encoder: optional object with ``encode(list[str]) -> Tensor (n, E)`` used instead of ``config.encoder``.
+    """
+
+    def __init__(self, config: CocktailConfig | None = None, encoder: TextEncoder | None = None):
+        super().__init__(layers=[])
+        self.config = config if config is not None else CocktailConfig()
+        if not isinstance(self.config, CocktailConfig):
+            raise TypeError(f"config must be a CocktailConfig, got {type(self.config).__name__}")
+        self._encoder = encoder
+        self._plans: list[SequencePlan] | None = None
+        self._prompt_len = 0
+        self._searched = False
+        self._warned_fallback = False
+
+    # ----------------------------------------------------------------- inputs
+    def prepare_inputs(self, tokenizer, prompts, contexts=None, queries=None, device=None, **tokenizer_kwargs):
+        """Tokenize ``prompts`` (left padding for batches), locate each context's token span and cut it into chunks.
+
+        Args:
+            tokenizer: a fast tokenizer (offsets are needed to locate the context).
+            prompts: ``str`` or list of ``B`` strings, the full prompts (chat template already applied).
+            contexts: ``str`` or list of ``B`` strings: the document inside each prompt ('' or None: no context).
+            queries: ``str`` or list of ``B`` strings: the question used by the search (may be None with
+                ``uniform_bits``).
+            device: where to put the returned tensors.
+
+        Returns:
+            the tokenizer's ``BatchEncoding`` (``input_ids``, ``attention_mask``) to pass to ``generate``.
+        """
+        single = isinstance(prompts, str)
+        prompts = [prompts] if single else list(prompts)
+        if not prompts or not all(isinstance(p, str) for p in prompts):
+            raise TypeError("prompts must be a non-empty str or list of str")
+        B = len(prompts)
+        contexts = self._per_sequence("contexts", contexts, B)
+        queries = self._per_sequence("queries", queries, B)
+        if self.config.uniform_bits is None:
+            for b, (c, q) in enumerate(zip(contexts, queries)):
+                if c and q is None:
+                    raise ValueError(f"queries[{b}] is None but the search needs a query (or set uniform_bits)")
+        if not getattr(tokenizer, "is_fast", False):
+            raise ValueError("prepare_inputs needs a fast tokenizer (offset mapping), got a slow one: "
+                             "load it with AutoTokenizer.from_pretrained(..., use_fast=True)")
+        old_side = tokenizer.padding_side
+        tokenizer.padding_side = "left"
+        try:
+            enc = tokenizer(prompts, return_tensors="pt", padding=True, return_offsets_mapping=True,
+                            **tokenizer_kwargs)
+        finally:
+            tokenizer.padding_side = old_side
+        offsets = enc.pop("offset_mapping")
+        L = enc["input_ids"].shape[1]
+        C = self.config.chunk_size
+        plans = []
+        for b in range(B):
+            mask = enc["attention_mask"][b]
+            pad = int(L - mask.sum())
+            cs = ce = pad
+            ctx = contexts[b]
+            if ctx:
+                c0 = prompts[b].find(ctx)
+                if c0 < 0:
+                    raise ValueError(f"contexts[{b}] was not found in prompts[{b}]: the context must appear verbatim "
+                                     f"in its prompt (got a context of {len(ctx)} characters)")
+                c1 = c0 + len(ctx)
+                inside = [t for t in range(pad, L) if mask[t] and offsets[b, t, 1] > offsets[b, t, 0]
+                          and offsets[b, t, 0] >= c0 and offsets[b, t, 1] <= c1]
+                if inside:
+                    cs, ce = inside[0], inside[-1] + 1
+            ids = enc["input_ids"][b]
+            texts = [tokenizer.decode(ids[a:min(a + C, ce)]) for a in range(cs, ce, C)]
+            plans.append(SequencePlan(pad, cs, ce, texts, queries[b]))
+        self.reset()
+        self._plans = plans
+        self._prompt_len = L
+        self._searched = False
+        if device is not None:
+            enc = enc.to(device)
+        return enc
+
+    @staticmethod
+    def _per_sequence(name, value, B):
+        if value is None or isinstance(value, str):
+            return [value] * B
+        value = list(value)
+        if len(value) != B:
+            raise ValueError(f"{name} must be a str or a list of {B} (one per prompt), got a list of {len(value)}")
+        for v in value:
+            if v is not None and not isinstance(v, str):
+                raise TypeError(f"{name} must hold str or None, got {type(v).__name__}")
+        return value
+
+    # ----------------------------------------------------------------- search
+    def _plans_for_prefill(self, k: torch.Tensor) -> list[SequencePlan]:
+        if self._plans is None:
+            raise RuntimeError("CocktailCache: call cache.prepare_inputs(tokenizer, prompts, contexts=..., "
+                               "queries=...) and pass its output to generate before the first forward")
+        B, _, L, D = k.shape
+        if B != len(self._plans) or L != self._prompt_len:
+            raise RuntimeError(f"CocktailCache was prepared for {len(self._plans)} prompt(s) of {self._prompt_len} "
+                               f"tokens but the model's prefill has batch {B} and {L} tokens; pass the output of "
+                               "prepare_inputs to generate unchanged")
+        if not self._searched:
+            self.run_search()
+        return self._plans
+
+    def run_search(self) -> None:
+        """Score every chunk and assign its precision (done automatically at prefill, once per ``generate``)."""
+        cfg = self.config
+        for plan in self._plans:
+            n = plan.num_chunks
+            if cfg.uniform_bits is not None:
+                plan.scores, plan.bits = None, [cfg.uniform_bits] * n
+            else:
+                encoder = self._encoder or get_encoder(cfg.encoder, cfg.encoder_device, cfg.encoder_batch_size)
+                scores = score_chunks(encoder, plan.query or "", plan.chunk_texts)
+                plan.scores, plan.bits = scores.tolist(), assign_precisions(scores, cfg.alpha, cfg.beta)
+            plan.build_positions(self._prompt_len, cfg.chunk_size)
+        self._searched = True
+
+    # ----------------------------------------------------------------- Cache API
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        while len(self.layers) <= layer_idx:
+            self.layers.append(CocktailLayer(self))
+        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+
+    def reset(self):
+        self.layers = []
+        self._searched = False
+
+    def _select(self, indices: list[int]) -> None:
+        for layer in self.layers:
+            layer.select_sequences(indices)
+        if self._plans is not None:
+            self._plans = [self._plans[i] for i in indices]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        self._select([int(i) for i in beam_idx.tolist()])
+
+    def batch_repeat_interleave(self, repeats: int):
+        B = len(self._plans or [])
+        self._select([b for b in range(B) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        idx = torch.as_tensor(indices)
+        if idx.dtype == torch.bool:
+            idx = idx.nonzero().flatten()
+        self._select([int(i) for i in idx.tolist()])
+
+    def _warn_dequantize_fallback(self):
+        if not self._warned_fallback:
+            logger.warning("CocktailCache is used with an attention implementation other than 'cocktail': every "
+                           "decode step dequantizes the whole cache (correct but slow). Load the model with "
+                           "attn_implementation='cocktail' to read the packed codes directly.")
+            self._warned_fallback = True
+
+    # ----------------------------------------------------------------- reports
+    def precision_map(self) -> list[list[int]]:
+        """Per sequence, the bits (16, 4 or 2) of each context chunk in original order."""
+        if not self._plans or not self._searched:
+            raise RuntimeError("precision_map() is available after the prefill of generate (the search runs there)")
+        return [list(p.bits) for p in self._plans]
+
+    def chunk_scores(self) -> list[list[float] | None]:
+        """Per sequence, each context chunk's similarity score (None with ``uniform_bits``)."""
+        if not self._plans or not self._searched:
+            raise RuntimeError("chunk_scores() is available after the prefill of generate")
+        return [p.scores for p in self._plans]
+
+    def _stores(self):
+        return [layer.store for layer in self.layers if isinstance(layer, CocktailLayer) and layer.store is not None]
+
+    def nbytes(self) -> int:
+        """Bytes really held by the cache's tensors (codes, scales/zeros and full-precision part)."""
+        return sum(st.nbytes() for st in self._stores())
+
+    def memory_report(self) -> dict:
+        """Breakdown of :meth:`nbytes` plus what the same tokens would take in a FP16 cache."""
+        stores = self._stores()
+        rep = {"codes_bytes": 0, "scales_zeros_bytes": 0, "full_precision_bytes": 0, "layers": len(stores)}
+        fp16_equiv = 0
+        for st in stores:
+            H, D = st.full.keys.shape[1], st.full.keys.shape[3]
+            rep["full_precision_bytes"] += st.full.nbytes()
+            rep["codes_bytes"] += sum(s.nbytes_codes() for s in st.segments)
+            rep["scales_zeros_bytes"] += sum(s.nbytes_params() for s in st.segments)
+            tokens = st.full.valid_tokens() + sum(s.num_tokens for s in st.segments)
+            fp16_equiv += tokens * H * D * 2 * 2
+        rep["total_bytes"] = rep["codes_bytes"] + rep["scales_zeros_bytes"] + rep["full_precision_bytes"]
+        rep["fp16_equivalent_bytes"] = fp16_equiv
+        rep["ratio_to_fp16"] = rep["total_bytes"] / fp16_equiv if fp16_equiv else float("nan")
+        counts = {16: 0, 4: 0, 2: 0}
+        for p in self._plans or []:
+            for bits in p.bits or []:
+                counts[bits] += 1
+        rep["chunks"] = {"fp16": counts[16], "int4": counts[4], "int2": counts[2]}
+        return rep

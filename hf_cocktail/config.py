@@ -1,0 +1,138 @@
+"""`CocktailConfig`: the one validated configuration object of hf-cocktail."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+CONFIG_NAME = "cocktail_config.json"
+FORMAT_VERSION = 1
+DEFAULT_ENCODER = "facebook/contriever"
+_BACKENDS = ("auto", "torch", "triton")
+_UNIFORM_BITS = (None, 16, 4, 2)
+_SCALE_DTYPES = ("float16", "bfloat16", "float32", "model")
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class CocktailConfig:
+    """Settings of a Cocktail KV cache.
+
+    Args:
+        chunk_size: context tokens per chunk (C). Each chunk gets one precision; for keys the chunk is also the
+            quantization group along tokens (per-channel scale/zero within the chunk).
+        alpha: ``T_low = s_min + alpha * (s_max - s_min)``; chunks with ``s <= T_low`` are INT2.
+        beta: ``T_high = s_max - beta * (s_max - s_min)``; chunks with ``s > T_high`` are FP16, the rest INT4.
+        encoder: retrieval encoder, a Hub id or a local folder. Sentence-transformers models use their own pooling;
+            plain encoders (Contriever) use mean pooling over non-padding tokens.
+        group_size: values are quantized per token in groups of ``group_size`` channels (G); must divide the head dim.
+        uniform_bits: ``None`` for the Cocktail search, or 16 / 4 / 2 to force every context chunk to one precision
+            (the uniform baselines).
+        backend: decode attention backend: ``"auto"`` (Triton on CUDA when installed, else PyTorch), ``"torch"``,
+            ``"triton"``.
+        scale_dtype: dtype of quantization scales and zeros: ``"float16"`` (default, as KIVI), ``"bfloat16"``,
+            ``"float32"`` or ``"model"`` (the model's dtype). A scale that overflows it raises an error.
+        encoder_batch_size: chunks embedded per encoder forward.
+        encoder_device: device of the encoder (``None``: CUDA if available, else CPU).
+    """
+
+    chunk_size: int = 32
+    alpha: float = 0.6
+    beta: float = 0.1
+    encoder: str = DEFAULT_ENCODER
+    group_size: int = 32
+    uniform_bits: int | None = None
+    backend: str = "auto"
+    scale_dtype: str = "float16"
+    encoder_batch_size: int = 64
+    encoder_device: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.chunk_size) and self.chunk_size >= 1,
+               f"chunk_size must be an integer >= 1, got {self.chunk_size!r}")
+        for name in ("alpha", "beta"):
+            v = getattr(self, name)
+            _check(_is_real(v) and 0.0 <= v <= 1.0, f"{name} must be a number in [0, 1], got {v!r}")
+        _check(self.alpha + self.beta <= 1.0 + 1e-12,
+               f"alpha + beta must be <= 1 (so that T_low <= T_high), got alpha={self.alpha!r}, beta={self.beta!r}")
+        _check(isinstance(self.encoder, str) and self.encoder.strip() != "",
+               f"encoder must be a non-empty Hub id or local path, got {self.encoder!r}")
+        _check(_is_int(self.group_size) and self.group_size >= 1 and (self.group_size & (self.group_size - 1)) == 0,
+               f"group_size must be a power of two >= 1, got {self.group_size!r}")
+        _check(self.uniform_bits in _UNIFORM_BITS and not isinstance(self.uniform_bits, bool),
+               f"uniform_bits must be one of None, 16, 4, 2, got {self.uniform_bits!r}")
+        _check(self.backend in _BACKENDS, f"backend must be one of {_BACKENDS}, got {self.backend!r}")
+        _check(self.scale_dtype in _SCALE_DTYPES,
+               f"scale_dtype must be one of {_SCALE_DTYPES}, got {self.scale_dtype!r}")
+        _check(_is_int(self.encoder_batch_size) and self.encoder_batch_size >= 1,
+               f"encoder_batch_size must be an integer >= 1, got {self.encoder_batch_size!r}")
+        _check(self.encoder_device is None or isinstance(self.encoder_device, str),
+               f"encoder_device must be None or a device string, got {self.encoder_device!r}")
+
+    def torch_scale_dtype(self, model_dtype):
+        """The torch dtype of scales/zeros for a model whose keys/values have ``model_dtype``."""
+        import torch
+
+        return model_dtype if self.scale_dtype == "model" else getattr(torch, self.scale_dtype)
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["format_version"] = FORMAT_VERSION
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], **overrides: Any) -> "CocktailConfig":
+        if not isinstance(d, dict):
+            raise TypeError(f"from_dict expects a dict, got {type(d).__name__}")
+        d = dict(d)
+        version = d.pop("format_version", FORMAT_VERSION)
+        if not _is_int(version) or version > FORMAT_VERSION or version < 1:
+            raise ValueError(
+                f"cocktail config format_version {version!r} is not supported by this hf-cocktail "
+                f"(it reads versions 1..{FORMAT_VERSION}); upgrade hf-cocktail: pip install -U hf-cocktail")
+        d.update(overrides)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown CocktailConfig keys {unknown}; allowed keys are {sorted(known)}")
+        return cls(**d)
+
+    def save_pretrained(self, save_directory: str | os.PathLike) -> str:
+        """Write ``cocktail_config.json`` into ``save_directory`` (created if needed); returns the file path."""
+        os.makedirs(save_directory, exist_ok=True)
+        path = os.path.join(save_directory, CONFIG_NAME)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
+            f.write("\n")
+        return path
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike, **overrides: Any) -> "CocktailConfig":
+        """Read ``cocktail_config.json`` from a local folder (or the file itself); ``overrides`` replace fields."""
+        path = os.fspath(name_or_path)
+        if os.path.isdir(path):
+            path = os.path.join(path, CONFIG_NAME)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no {CONFIG_NAME} found at {os.fspath(name_or_path)!r}")
+        with open(path, encoding="utf-8") as f:
+            try:
+                d = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} is not valid JSON: {e}") from e
+        return cls.from_dict(d, **overrides)

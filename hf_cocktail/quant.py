@@ -1,0 +1,148 @@
+"""Group quantization and bit packing: the plain-PyTorch reference (the spec of the storage format).
+
+Storage format of one precision segment (INT4 or INT2) of one layer, tokens of one or more sequences laid end to end:
+
+* codes: ``uint8`` of shape ``(H_kv, N, D * bits // 8)``. Channel ``d`` of a token is stored in byte ``d // per``
+  (``per = 8 // bits``) at bit offset ``(d % per) * bits`` (little end first).
+* keys are quantized **per channel within a chunk**: the chunk of C tokens is the group along tokens, so key scales
+  and zeros have shape ``(H_kv, M, D)`` with ``M = ceil(N / C)`` chunks. A segment may end with one partial chunk.
+* values are quantized **per token** in groups of G channels: scales and zeros have shape ``(H_kv, N, D // G)``.
+* asymmetric min-max: ``scale = (max - min) / (2**bits - 1)`` and ``zero = min``, both rounded to the storage dtype
+  first; then ``code = clamp(floor((x - zero) * (1 / scale) + 0.5), 0, 2**bits - 1)`` in fp32 (a group whose
+  ``scale`` is 0 gets code 0). Dequantization is ``code * scale + zero`` in fp32.
+
+The Triton kernels in ``triton_ops`` implement the same functions with the same signatures and are tested against
+these, integers bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_BITS = (2, 4)
+
+
+def _check_bits(bits: int) -> int:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
+    return 8 // bits
+
+
+def _check_head_dim(D: int, bits: int, group_size: int | None = None) -> None:
+    per = 8 // bits
+    if D % per:
+        raise ValueError(f"head dim D={D} must be a multiple of {per} to pack {bits}-bit codes into bytes")
+    if group_size is not None and D % group_size:
+        raise ValueError(f"group_size={group_size} must divide the head dim D={D}")
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack integer codes in ``[0, 2**bits)`` along the last dim: ``(..., D)`` -> ``uint8 (..., D * bits // 8)``."""
+    per = _check_bits(bits)
+    D = codes.shape[-1]
+    _check_head_dim(D, bits)
+    c = codes.to(torch.int32).reshape(*codes.shape[:-1], D // per, per)
+    shifts = torch.arange(per, device=codes.device, dtype=torch.int32) * bits
+    return (c << shifts).sum(-1).to(torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: ``uint8 (..., Dp)`` -> ``uint8 (..., Dp * 8 // bits)``."""
+    per = _check_bits(bits)
+    shifts = torch.arange(per, device=packed.device, dtype=torch.uint8) * bits
+    c = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return c.reshape(*packed.shape[:-1], packed.shape[-1] * per)
+
+
+def _quantize_groups(x: torch.Tensor, dim: int, bits: int, scale_dtype: torch.dtype):
+    """Min-max quantize ``x`` (fp32) with groups reduced over ``dim``. Returns (codes uint8, scale, zero)."""
+    qmax = (1 << bits) - 1
+    mn = x.amin(dim=dim, keepdim=True)
+    mx = x.amax(dim=dim, keepdim=True)
+    scale = ((mx - mn) / qmax).to(scale_dtype)
+    zero = mn.to(scale_dtype)
+    if not (bool(torch.isfinite(scale).all()) and bool(torch.isfinite(zero).all())):
+        raise ValueError(f"quantization scales/zeros overflow scale_dtype={scale_dtype} (key/value magnitudes up to "
+                         f"{float(x.abs().max()):.3g}); use CocktailConfig(scale_dtype='float32')")
+    s32, z32 = scale.float(), zero.float()
+    inv = torch.where(s32 > 0, 1.0 / s32, torch.zeros_like(s32))
+    codes = torch.floor((x - z32) * inv + 0.5).clamp_(0, qmax).to(torch.uint8)
+    return codes, scale.squeeze(dim), zero.squeeze(dim)
+
+
+def _check_finite(x: torch.Tensor, what: str) -> None:
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(
+            f"{what} contain NaN or inf; hf-cocktail refuses to quantize non-finite key/value states "
+            "(the model produced them: check its dtype, e.g. use bfloat16 or float32 instead of float16)")
+
+
+def quantize_pack_keys(k: torch.Tensor, bits: int, chunk_size: int, scale_dtype: torch.dtype | None = None):
+    """Quantize a key segment per channel within each chunk and pack it.
+
+    Args:
+        k: ``(H_kv, N, D)`` keys of chunk-ordered tokens (chunks of ``chunk_size`` tokens; the last may be partial).
+        bits: 4 or 2.
+        chunk_size: C, the group size along tokens.
+        scale_dtype: dtype of scales/zeros (default: ``k.dtype``).
+
+    Returns:
+        ``codes uint8 (H_kv, N, D*bits//8)``, ``scale (H_kv, M, D)``, ``zero (H_kv, M, D)`` with ``M = ceil(N/C)``.
+    """
+    _check_bits(bits)
+    H, N, D = k.shape
+    _check_head_dim(D, bits)
+    scale_dtype = scale_dtype or k.dtype
+    if N == 0:
+        return (k.new_zeros((H, 0, D * bits // 8), dtype=torch.uint8), k.new_zeros((H, 0, D), dtype=scale_dtype),
+                k.new_zeros((H, 0, D), dtype=scale_dtype))
+    _check_finite(k, "keys")
+    M = -(-N // chunk_size)
+    x = k.float()
+    pad = M * chunk_size - N
+    if pad:  # replicate the last token: min and max of the partial chunk are unchanged
+        x = torch.cat([x, x[:, -1:, :].expand(H, pad, D)], dim=1)
+    codes, scale, zero = _quantize_groups(x.reshape(H, M, chunk_size, D), 2, bits, scale_dtype)
+    codes = codes.reshape(H, M * chunk_size, D)[:, :N]
+    return pack_codes(codes, bits), scale, zero
+
+
+def quantize_pack_values(v: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype | None = None):
+    """Quantize a value segment per token in groups of ``group_size`` channels and pack it.
+
+    Args:
+        v: ``(H_kv, N, D)``; ``group_size`` (G) must divide D.
+
+    Returns:
+        ``codes uint8 (H_kv, N, D*bits//8)``, ``scale (H_kv, N, D//G)``, ``zero (H_kv, N, D//G)``.
+    """
+    _check_bits(bits)
+    H, N, D = v.shape
+    _check_head_dim(D, bits, group_size)
+    scale_dtype = scale_dtype or v.dtype
+    if N:
+        _check_finite(v, "values")
+    x = v.float().reshape(H, N, D // group_size, group_size)
+    codes, scale, zero = _quantize_groups(x, 3, bits, scale_dtype)
+    return pack_codes(codes.reshape(H, N, D), bits), scale, zero
+
+
+def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, chunk_size: int,
+                    out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``codes (H_kv, N, Dp)``, ``scale/zero (H_kv, M, D)`` -> keys ``(H_kv, N, D)``."""
+    c = unpack_codes(codes, bits).float()
+    N = c.shape[1]
+    idx = torch.arange(N, device=c.device) // chunk_size
+    s = scale.float().index_select(1, idx)
+    z = zero.float().index_select(1, idx)
+    return (c * s + z).to(out_dtype)
+
+
+def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group_size: int,
+                      out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``codes (H_kv, N, Dp)``, ``scale/zero (H_kv, N, D//G)`` -> values ``(H_kv, N, D)``."""
+    c = unpack_codes(codes, bits).float()
+    H, N, D = c.shape
+    c = c.reshape(H, N, D // group_size, group_size)
+    out = c * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
+    return out.reshape(H, N, D).to(out_dtype)
