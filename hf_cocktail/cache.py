@@ -41,11 +41,16 @@ class SequencePlan:
         a = self.ctx_start + i * chunk_size
         return a, min(a + chunk_size, self.ctx_end)
 
-    def build_positions(self, prompt_len: int, chunk_size: int) -> None:
+    def build_positions(self, prefill_len: int, chunk_size: int) -> None:
+        """Positions of each part among the first ``prefill_len`` prompt tokens (later ones are appended as new
+        tokens to the full-precision part)."""
+        if prefill_len < self.ctx_end:
+            raise RuntimeError(f"the prefill covers {prefill_len} tokens but the context ends at token "
+                               f"{self.ctx_end}: the whole context must be in the prefill")
         parts: dict = {16: [], 4: [], 2: []}
         for i, bits in enumerate(self.bits):
             parts[bits].extend(range(*self.chunk_range(i, chunk_size)))
-        full = list(range(self.pad, self.ctx_start)) + parts[16] + list(range(self.ctx_end, prompt_len))
+        full = list(range(self.pad, self.ctx_start)) + parts[16] + list(range(self.ctx_end, prefill_len))
         self.positions = {"full": torch.tensor(full, dtype=torch.long),
                           4: torch.tensor(parts[4], dtype=torch.long), 2: torch.tensor(parts[2], dtype=torch.long)}
 
@@ -134,11 +139,10 @@ class CocktailLayer(CacheLayerMixin):
         B, H, _, D = full.keys.shape
         keys = full.keys.new_zeros((B, H, self.seq_len, D))
         values = torch.zeros_like(keys)
-        n_new = self.seq_len - self.cache._prompt_len
+        p0 = self.cache._prefill_len
         for b, plan in enumerate(self.cache._plans):
             dev = keys.device
-            fpos = torch.cat([plan.positions["full"].to(dev),
-                              torch.arange(self.cache._prompt_len, self.cache._prompt_len + n_new, device=dev)])
+            fpos = torch.cat([plan.positions["full"].to(dev), torch.arange(p0, self.seq_len, device=dev)])
             keys[b, :, fpos] = full.keys[b, :, full.start[b]:]
             values[b, :, fpos] = full.values[b, :, full.start[b]:]
             for seg in st.segments:
@@ -178,7 +182,7 @@ class CocktailLayer(CacheLayerMixin):
         n = -tokens_to_remove
         if n == 0 or self.store is None:
             return
-        generated = self.seq_len - self.cache._prompt_len
+        generated = self.seq_len - self.cache._prefill_len
         if n > generated:
             raise ValueError(f"CocktailCache can only crop tokens added after the prompt ({generated} here); "
                              f"asked to remove {n}")
@@ -223,6 +227,7 @@ class CocktailCache(Cache):
         self._encoder = encoder
         self._plans: list[SequencePlan] | None = None
         self._prompt_len = 0
+        self._prefill_len = -1
         self._searched = False
         self._warned_fallback = False
 
@@ -310,12 +315,16 @@ class CocktailCache(Cache):
             raise RuntimeError("CocktailCache: call cache.prepare_inputs(tokenizer, prompts, contexts=..., "
                                "queries=...) and pass its output to generate before the first forward")
         B, _, L, D = k.shape
-        if B != len(self._plans) or L != self._prompt_len:
+        if B != len(self._plans) or L > self._prompt_len:
             raise RuntimeError(f"CocktailCache was prepared for {len(self._plans)} prompt(s) of {self._prompt_len} "
                                f"tokens but the model's prefill has batch {B} and {L} tokens; pass the output of "
                                "prepare_inputs to generate unchanged")
         if not self._searched:
             self.run_search()
+        if self._prefill_len != L:
+            for plan in self._plans:
+                plan.build_positions(L, self.config.chunk_size)
+            self._prefill_len = L
         return self._plans
 
     def run_search(self) -> None:
@@ -329,8 +338,39 @@ class CocktailCache(Cache):
                 encoder = self._encoder or get_encoder(cfg.encoder, cfg.encoder_device, cfg.encoder_batch_size)
                 scores = score_chunks(encoder, plan.query or "", plan.chunk_texts)
                 plan.scores, plan.bits = scores.tolist(), assign_precisions(scores, cfg.alpha, cfg.beta)
-            plan.build_positions(self._prompt_len, cfg.chunk_size)
         self._searched = True
+        self._prefill_len = -1  # positions are built at prefill, for its length
+
+    def set_precisions(self, bits: list[list[int]]) -> None:
+        """Impose the precision of every context chunk (per sequence, original order) instead of the search; call
+        after :meth:`prepare_inputs` and before ``generate`` (used by ablations and custom policies)."""
+        if self._plans is None:
+            raise RuntimeError("set_precisions() needs prepare_inputs() first")
+        if len(bits) != len(self._plans):
+            raise ValueError(f"bits must have one list per sequence ({len(self._plans)}), got {len(bits)}")
+        for b, (plan, row) in enumerate(zip(self._plans, bits)):
+            row = [int(x) for x in row]
+            if len(row) != plan.num_chunks:
+                raise ValueError(f"bits[{b}] must have {plan.num_chunks} entries (one per chunk), got {len(row)}")
+            bad = sorted({x for x in row if x not in (16, 4, 2)})
+            if bad:
+                raise ValueError(f"bits[{b}] values must be 16, 4 or 2, got {bad}")
+            plan.bits = row
+        self._searched = True
+        self._prefill_len = -1
+
+    def load_prefill(self, past_key_values, split_attention: bool = True) -> None:
+        """Fill the cache from an already computed full-precision prefill, e.g. a ``DynamicCache`` (one ``(keys,
+        values)`` pair of ``(B, H_kv, L', D)`` per layer, ``L'`` <= the prepared prompt length and covering the
+        context). Lets one prefill be branched into several caches. ``split_attention``: the model runs with
+        ``attn_implementation="cocktail"`` (else decode uses the dequantizing fallback)."""
+        self.layers = []
+        pairs = [(layer.keys, layer.values) for layer in past_key_values.layers] \
+            if hasattr(past_key_values, "layers") else list(past_key_values)
+        for i, (k, v) in enumerate(pairs):
+            self.update(k, v, i)
+            self.layers[i].uses_split_attention = split_attention
+            self.layers[i].in_prefill = False
 
     # ----------------------------------------------------------------- Cache API
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
