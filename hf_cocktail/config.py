@@ -113,26 +113,112 @@ class CocktailConfig:
             raise ValueError(f"unknown CocktailConfig keys {unknown}; allowed keys are {sorted(known)}")
         return cls(**d)
 
-    def save_pretrained(self, save_directory: str | os.PathLike) -> str:
-        """Write ``cocktail_config.json`` into ``save_directory`` (created if needed); returns the file path."""
+    def to_json_string(self) -> str:
+        """The exact text ``save_pretrained`` writes to ``cocktail_config.json``."""
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, repo_id: str | None = None,
+                        commit_message: str | None = None, token: str | bool | None = None,
+                        private: bool | None = None, model_card: bool | str = True, **card_kwargs: Any) -> str:
+        """Write ``cocktail_config.json`` (and a model card) into ``save_directory``; returns the config file path.
+
+        Args:
+            model_card: ``True``: write a generated ``README.md`` (:func:`hf_cocktail.hub.make_model_card`) unless
+                the folder already has one, which is kept (a hand-written card is never overwritten silently);
+                a ``str``: the card text, written over any existing ``README.md``; ``False``: no card.
+            push_to_hub: then upload ``cocktail_config.json`` and ``README.md`` of the folder, as they are on disk,
+                to ``repo_id`` (default: the folder's name), creating the repo if needed.
+            card_kwargs: passed to ``make_model_card`` (``base_model``, ``notes``, ``license``, ...).
+        """
         os.makedirs(save_directory, exist_ok=True)
         path = os.path.join(save_directory, CONFIG_NAME)
         with open(path, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
-            f.write("\n")
+            f.write(self.to_json_string())
+        if push_to_hub and repo_id is None:
+            repo_id = os.path.basename(os.path.abspath(save_directory))
+        _write_card(self, save_directory, model_card, repo_id or os.fspath(save_directory), card_kwargs)
+        if push_to_hub:
+            from .hub import README_NAME, upload_folder
+
+            upload_folder(save_directory, repo_id, commit_message=commit_message or _COMMIT_MESSAGE, private=private,
+                          token=token, allow_patterns=[CONFIG_NAME] + ([README_NAME] if model_card is not False else []))
         return path
 
+    def push_to_hub(self, repo_id: str, commit_message: str | None = None, private: bool | None = None,
+                    token: str | bool | None = None, revision: str | None = None, create_pr: bool = False,
+                    model_card: bool | str = True, **card_kwargs: Any):
+        """Upload this config (and a model card) to Hub repo ``repo_id``, created if needed; returns the CommitInfo.
+
+        ``model_card``: ``True`` uploads a generated card unless the repo already has a ``README.md`` (kept); a
+        ``str`` is uploaded as ``README.md`` (replacing the repo's); ``False`` uploads the config only.
+        ``card_kwargs`` go to :func:`hf_cocktail.hub.make_model_card`.
+        """
+        import tempfile
+
+        from .hub import hub_has_readme, upload_folder
+
+        if model_card is True:
+            if hub_has_readme(repo_id, token=token, revision=revision):
+                model_card, card_kwargs = False, {}
+            else:
+                card_kwargs = {"name_or_path": repo_id} | card_kwargs
+        with tempfile.TemporaryDirectory() as tmp:
+            self.save_pretrained(tmp, model_card=model_card, **card_kwargs)
+            return upload_folder(tmp, repo_id, commit_message=commit_message or _COMMIT_MESSAGE, private=private,
+                                 token=token, revision=revision, create_pr=create_pr)
+
     @classmethod
-    def from_pretrained(cls, name_or_path: str | os.PathLike, **overrides: Any) -> "CocktailConfig":
-        """Read ``cocktail_config.json`` from a local folder (or the file itself); ``overrides`` replace fields."""
-        path = os.fspath(name_or_path)
-        if os.path.isdir(path):
-            path = os.path.join(path, CONFIG_NAME)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"no {CONFIG_NAME} found at {os.fspath(name_or_path)!r}")
+    def from_pretrained(cls, name_or_path: str | os.PathLike, revision: str | None = None,
+                        cache_dir: str | os.PathLike | None = None, token: str | bool | None = None,
+                        local_files_only: bool | None = None, **overrides: Any) -> "CocktailConfig":
+        """Read ``cocktail_config.json`` from a local folder, the file itself, or a Hub repo id.
+
+        A path that exists locally is read directly (``revision``/``cache_dir``/``token`` are then unused); any
+        other name is a Hub repo id fetched with ``huggingface_hub.hf_hub_download``, which uses the local HF cache
+        and honours ``HF_HUB_OFFLINE=1`` / ``local_files_only=True``. ``overrides`` replace fields, e.g.
+        ``encoder=hf_cocktail.offline_encoder_path()`` to run a MiniLM preset without the Hub.
+        """
+        name = os.path.expanduser(os.fspath(name_or_path))
+        if os.path.exists(name) or _looks_like_local_path(name):
+            path = os.path.join(name, CONFIG_NAME) if os.path.isdir(name) else name
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"no {CONFIG_NAME} found at {name!r}" + (
+                    f" (the folder exists but has no {CONFIG_NAME})" if os.path.isdir(name) else
+                    " (no such local file or folder)"))
+        else:
+            from .hub import download_config
+
+            path = download_config(name, revision=revision, cache_dir=cache_dir, token=token,
+                                   local_files_only=local_files_only)
         with open(path, encoding="utf-8") as f:
             try:
                 d = json.load(f)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path} is not valid JSON: {e}") from e
         return cls.from_dict(d, **overrides)
+
+
+_COMMIT_MESSAGE = "Upload Cocktail KV-cache config"
+
+
+def _looks_like_local_path(name: str) -> bool:
+    """True when ``name`` can only be meant as a filesystem path, never a ``namespace/repo`` Hub id."""
+    return (os.path.isabs(name) or name.startswith((".", "~")) or "\\" in name or name.endswith(".json")
+            or name.count("/") > 1)
+
+
+def _write_card(config: CocktailConfig, folder: str | os.PathLike, model_card: bool | str, name_or_path: str,
+                card_kwargs: dict[str, Any]) -> None:
+    if not isinstance(model_card, (bool, str)):
+        raise TypeError(f"model_card must be True, False or the card text (str), got {type(model_card).__name__}")
+    if card_kwargs and model_card is not True:
+        raise TypeError(f"card options {sorted(card_kwargs)} only apply with model_card=True (a generated card)")
+    path = os.path.join(folder, "README.md")
+    if model_card is False or (model_card is True and os.path.exists(path)):
+        return
+    if model_card is True:
+        from .hub import make_model_card
+
+        model_card = make_model_card(config, **({"name_or_path": name_or_path} | card_kwargs))
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(model_card)

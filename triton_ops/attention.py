@@ -1,0 +1,267 @@
+"""Split-precision decode attention over a :class:`~hf_cocktail.store.LayerStore` (flash-decoding style).
+
+Shapes: B batch, H_q query heads, H_kv key/value heads (``n_rep = H_q // H_kv``), L_q query tokens, D head dim,
+R length of the full-precision part, C chunk size, G value group size.
+
+Kernel 1 runs one program per (sequence, kv head, block of query rows, token split). The splits cover the
+full-precision part, then the first packed segment (INT4), then the second (INT2), each cut into pieces of
+``tokens_per_split`` tokens of that sequence; ragged sequences just leave some splits empty. A program loads the
+``n_rep * L_q`` query rows of its kv head together (GQA without ``repeat_kv``), unpacks and dequantizes codes in
+registers and keeps an fp32 online softmax, and writes its partial (max, sum, unnormalised output). Kernel 2 merges
+the partials of a row with a log-sum-exp reduction and writes the output in ``query.dtype``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+
+import torch
+import triton
+import triton.language as tl
+
+from hf_cocktail.attention import split_precision_attention_torch
+from hf_cocktail.backend import resolve_backend
+from hf_cocktail.store import LayerStore
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+_TILE = 8192  # elements of the (query rows x tokens x D) product held in registers (64 per thread, 4 warps)
+_LOG2E = 1.4426950408889634
+_warned_dims: set[int] = set()
+
+
+@triton.jit
+def _online_update(acc, m_i, l_i, q, k, v, valid):
+    """One block of the online softmax: ``q (BQ, D)`` pre-scaled by ``scaling * log2(e)``, ``k, v (BT, D)`` fp32,
+    ``valid (BQ, BT)``. ``m_i``, ``l_i`` are the running max and sum in base 2, ``acc (BQ, D)`` the output sum."""
+    s = tl.where(valid, tl.sum(q[:, None, :] * k[None, :, :], axis=2), float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked rows: keep exp2 away from inf - inf
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _packed_split(acc, m_i, l_i, q, rmask, b, h, j, TPS,
+                  kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, tok_ptr, chk_ptr, N, M, C,
+                  D: tl.constexpr, BT: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr):
+    """Split ``j`` of sequence ``b`` in a packed segment: its tokens ``[tok_off[b] + j*TPS, ...)``. Key scales are
+    per (chunk, channel), chunk = ``chunk_off[b] + (token - tok_off[b]) // C``; value scales per (token, group)."""
+    PER: tl.constexpr = 8 // BITS
+    DP: tl.constexpr = D // PER
+    NG: tl.constexpr = D // G
+    QMAX: tl.constexpr = (1 << BITS) - 1
+    d = tl.arange(0, D)
+    byte = d // PER
+    shift = (d % PER) * BITS
+    grp = d // G
+    t0 = tl.load(tok_ptr + b)
+    c0 = tl.load(chk_ptr + b)
+    lo = t0 + j * TPS
+    hi = tl.minimum(lo + TPS, tl.load(tok_ptr + b + 1))
+    h64 = h.to(tl.int64)
+    kc_ptr += h64 * N * DP
+    vc_ptr += h64 * N * DP
+    ks_ptr += h64 * M * D
+    kz_ptr += h64 * M * D
+    vs_ptr += h64 * N * NG
+    vz_ptr += h64 * N * NG
+    for a in range(lo, hi, BT):
+        t = a + tl.arange(0, BT)
+        tm = t < hi
+        t64 = t.to(tl.int64)
+        m2 = tm[:, None]
+        c_off = t64[:, None] * DP + byte[None, :]
+        k_off = (c0 + (t - t0) // C).to(tl.int64)[:, None] * D + d[None, :]
+        v_off = t64[:, None] * NG + grp[None, :]
+        kq = (tl.load(kc_ptr + c_off, mask=m2, other=0).to(tl.int32) >> shift[None, :]) & QMAX
+        k = kq.to(tl.float32) * tl.load(ks_ptr + k_off, mask=m2, other=0.0).to(tl.float32) \
+            + tl.load(kz_ptr + k_off, mask=m2, other=0.0).to(tl.float32)
+        vq = (tl.load(vc_ptr + c_off, mask=m2, other=0).to(tl.int32) >> shift[None, :]) & QMAX
+        v = vq.to(tl.float32) * tl.load(vs_ptr + v_off, mask=m2, other=0.0).to(tl.float32) \
+            + tl.load(vz_ptr + v_off, mask=m2, other=0.0).to(tl.float32)
+        acc, m_i, l_i = _online_update(acc, m_i, l_i, q, k, v, rmask[:, None] & tm[None, :])
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _split_attn_kernel(q_ptr, s_qb, s_qh, s_ql,
+                       fk_ptr, fv_ptr, s_fb, s_fh, s_ft, start_ptr, R,
+                       a_kc, a_ks, a_kz, a_vc, a_vs, a_vz, a_tok, a_chk, a_N, a_M, a_C,
+                       b_kc, b_ks, b_kz, b_vc, b_vs, b_vz, b_tok, b_chk, b_N, b_M, b_C,
+                       po_ptr, pm_ptr, pl_ptr,
+                       H_kv, L_q, n_rep, n_qb, S_full, S_a, S_total, TPS, qk_scale,
+                       D: tl.constexpr, BQ: tl.constexpr, BT: tl.constexpr,
+                       BITS_A: tl.constexpr, G_A: tl.constexpr, BITS_B: tl.constexpr, G_B: tl.constexpr):
+    """Grid ``(B * H_kv * n_qb, S_total)``: partial attention of one block of query rows over one token split."""
+    pid = tl.program_id(0)
+    sp = tl.program_id(1)
+    qb = pid % n_qb
+    h = (pid // n_qb) % H_kv
+    b = pid // (n_qb * H_kv)
+    row = qb * BQ + tl.arange(0, BQ)  # row = rep * L_q + i (query head h * n_rep + rep, query token i)
+    rmask = row < n_rep * L_q
+    i = row % L_q
+    d = tl.arange(0, D)
+    q_off = b.to(tl.int64) * s_qb + (h * n_rep + row // L_q).to(tl.int64) * s_qh + i * s_ql
+    q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * qk_scale
+    acc = tl.zeros([BQ, D], dtype=tl.float32)
+    m_i = tl.full([BQ], float("-inf"), tl.float32)
+    l_i = tl.zeros([BQ], dtype=tl.float32)
+    if sp < S_full:
+        # full-precision part, right-aligned: sequence b owns [start[b], R); key t is visible to query token i
+        # iff t <= R - L_q + i (the last L_q tokens are the queries' own)
+        lo = tl.load(start_ptr + b) + sp * TPS
+        hi = tl.minimum(lo + TPS, R)
+        f_off = b.to(tl.int64) * s_fb + h.to(tl.int64) * s_fh
+        for a in range(lo, hi, BT):
+            t = a + tl.arange(0, BT)
+            tm = t < hi
+            off = f_off + t.to(tl.int64)[:, None] * s_ft + d[None, :]
+            k = tl.load(fk_ptr + off, mask=tm[:, None], other=0.0).to(tl.float32)
+            v = tl.load(fv_ptr + off, mask=tm[:, None], other=0.0).to(tl.float32)
+            valid = rmask[:, None] & tm[None, :] & (t[None, :] <= (R - L_q + i)[:, None])
+            acc, m_i, l_i = _online_update(acc, m_i, l_i, q, k, v, valid)
+    elif sp < S_full + S_a:
+        acc, m_i, l_i = _packed_split(acc, m_i, l_i, q, rmask, b, h, sp - S_full, TPS,
+                                      a_kc, a_ks, a_kz, a_vc, a_vs, a_vz, a_tok, a_chk, a_N, a_M, a_C,
+                                      D, BT, BITS_A, G_A)
+    else:
+        acc, m_i, l_i = _packed_split(acc, m_i, l_i, q, rmask, b, h, sp - S_full - S_a, TPS,
+                                      b_kc, b_ks, b_kz, b_vc, b_vs, b_vz, b_tok, b_chk, b_N, b_M, b_C,
+                                      D, BT, BITS_B, G_B)
+    r = (pid.to(tl.int64) * S_total + sp) * BQ + tl.arange(0, BQ)
+    tl.store(pm_ptr + r, m_i)
+    tl.store(pl_ptr + r, l_i)
+    tl.store(po_ptr + r[:, None] * D + d[None, :], acc)
+
+
+@triton.jit
+def _merge_kernel(po_ptr, pm_ptr, pl_ptr, o_ptr, s_ob, s_oh, s_ol, H_kv, L_q, n_rep, n_qb, S_total,
+                  D: tl.constexpr, BQ: tl.constexpr, BS: tl.constexpr):
+    """Grid ``(B * H_kv * n_qb,)``: log-sum-exp merge of the ``S_total`` partials of a block of query rows."""
+    pid = tl.program_id(0)
+    qb = pid % n_qb
+    h = (pid // n_qb) % H_kv
+    b = pid // (n_qb * H_kv)
+    rq = tl.arange(0, BQ)
+    d = tl.arange(0, D)
+    m_run = tl.full([BQ], float("-inf"), tl.float32)
+    l_run = tl.zeros([BQ], dtype=tl.float32)
+    acc = tl.zeros([BQ, D], dtype=tl.float32)
+    for s0 in range(0, S_total, BS):
+        s = s0 + tl.arange(0, BS)
+        sm = s < S_total
+        r = (pid.to(tl.int64) * S_total + s)[:, None] * BQ + rq[None, :]  # (BS, BQ)
+        m_s = tl.load(pm_ptr + r, mask=sm[:, None], other=float("-inf"))
+        l_s = tl.load(pl_ptr + r, mask=sm[:, None], other=0.0)
+        o_s = tl.load(po_ptr + r[:, :, None] * D + d[None, None, :], mask=sm[:, None, None], other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m_s, axis=0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_use)
+        w = tl.exp2(m_s - m_use[None, :])  # (BS, BQ); 0 for empty splits
+        l_run = l_run * alpha + tl.sum(l_s * w, axis=0)
+        acc = acc * alpha[:, None] + tl.sum(o_s * w[:, :, None], axis=0)
+        m_run = m_new
+    row = qb * BQ + rq
+    rmask = row < n_rep * L_q
+    out = acc / tl.where(l_run > 0, l_run, 1.0)[:, None]
+    o_off = b.to(tl.int64) * s_ob + (h * n_rep + row // L_q).to(tl.int64) * s_oh + (row % L_q) * s_ol
+    tl.store(o_ptr + o_off[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _segment_args(seg, dummy):
+    """Kernel arguments of a packed segment (or of an empty stand-in), its bits / group size, its longest sequence."""
+    if seg is None:
+        z = dummy
+        return [z, z, z, z, z, z, z, z, 0, 0, 1], 2, 1, 0
+    tensors = [t.contiguous() for t in seg.tensors()]
+    tok, chk = seg.device_offsets()
+    lens = [seg.tok_off[b + 1] - seg.tok_off[b] for b in range(len(seg.tok_off) - 1)]
+    return [*tensors, tok, chk, seg.k_codes.shape[1], seg.k_scale.shape[1], seg.chunk_size], seg.bits, \
+        seg.group_size, max(lens, default=0)
+
+
+def split_precision_attention(query: torch.Tensor, store: LayerStore, scaling: float, *,
+                              tokens_per_split: int | None = None) -> torch.Tensor:
+    """Triton version of :func:`hf_cocktail.attention.split_precision_attention_torch` (same semantics).
+
+    Args:
+        query: ``(B, H_q, L_q, D)``; D of 64 or 128 (other head dims fall back to the PyTorch reference).
+        store: the layer's storage (``B`` sequences, ``H_kv`` heads, at most two packed segments).
+        scaling: softmax scale (usually ``D ** -0.5``).
+        tokens_per_split: tokens of one sequence per program (default: enough splits to fill the GPU).
+
+    Returns:
+        ``(B, H_q, L_q, D)`` in ``query.dtype``.
+    """
+    if query.dim() != 4:
+        raise ValueError(f"query must have shape (B, H_q, L_q, D), got {tuple(query.shape)}")
+    B, H_q, Lq, D = query.shape
+    full = store.full
+    H_kv, R = full.keys.shape[1], full.keys.shape[2]
+    if H_q % H_kv:
+        raise ValueError(f"query heads H_q={H_q} must be a multiple of key/value heads H_kv={H_kv}")
+    if full.keys.shape[0] != B or full.keys.shape[3] != D:
+        raise ValueError(f"query {tuple(query.shape)} does not match the store's full part {tuple(full.keys.shape)}")
+    if len(store.segments) > 2:
+        raise ValueError(f"the Triton kernel handles at most 2 packed segments, got {len(store.segments)}")
+    if D not in SUPPORTED_HEAD_DIMS:
+        if D not in _warned_dims:
+            _warned_dims.add(D)
+            warnings.warn(f"triton split-precision attention supports head dims {SUPPORTED_HEAD_DIMS}, got {D}: "
+                          "using the PyTorch implementation", RuntimeWarning, stacklevel=2)
+        return split_precision_attention_torch(query, store, scaling)
+    resolve_backend("triton", query.device)
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    fk, fv = full.keys, full.values
+    if fk.stride(-1) != 1 or fv.stride() != fk.stride():
+        fk, fv = fk.contiguous(), fv.contiguous()
+    n_rep = H_q // H_kv
+    rows = n_rep * Lq
+    BQ = min(triton.next_power_of_2(rows), 8)
+    n_qb = triton.cdiv(rows, BQ)
+    BT = max(8, min(128, _TILE // (BQ * D)))
+    segs = list(store.segments) + [None] * (2 - len(store.segments))
+    (a_args, bits_a, g_a, len_a), (b_args, bits_b, g_b, len_b) = (_segment_args(s, fk) for s in segs)
+    len_full = R - min(full.start)
+    P = B * H_kv * n_qb
+    if tokens_per_split is None:
+        total = len_full + len_a + len_b
+        if query.is_cuda:  # about 4 programs per SM, at least 256 tokens each
+            want = max(1, triton.cdiv(4 * _num_sms(query.device.index or 0), P))
+            tokens_per_split = max(256, triton.cdiv(total, want))
+        else:  # interpreter: one split per source
+            tokens_per_split = max(total, 1)
+        tokens_per_split = triton.cdiv(tokens_per_split, BT) * BT
+    TPS = int(tokens_per_split)
+    if TPS < 1:
+        raise ValueError(f"tokens_per_split must be >= 1, got {TPS}")
+    S_full, S_a, S_b = (triton.cdiv(n, TPS) for n in (len_full, len_a, len_b))
+    S_total = S_full + S_a + S_b
+    dev = query.device
+    part_o = torch.empty((P, S_total, BQ, D), dtype=torch.float32, device=dev)
+    part_m = torch.empty((P, S_total, BQ), dtype=torch.float32, device=dev)
+    part_l = torch.empty_like(part_m)
+    out = torch.empty((B, H_q, Lq, D), dtype=query.dtype, device=dev)
+    with torch.cuda.device(dev) if query.is_cuda else contextlib.nullcontext():
+        _split_attn_kernel[(P, S_total)](
+            query, query.stride(0), query.stride(1), query.stride(2),
+            fk, fv, fk.stride(0), fk.stride(1), fk.stride(2), full.start_tensor(), R,
+            *a_args, *b_args, part_o, part_m, part_l,
+            H_kv, Lq, n_rep, n_qb, S_full, S_a, S_total, TPS, float(scaling) * _LOG2E,
+            D=D, BQ=BQ, BT=BT, BITS_A=bits_a, G_A=g_a, BITS_B=bits_b, G_B=g_b)
+        _merge_kernel[(P,)](part_o, part_m, part_l, out, out.stride(0), out.stride(1), out.stride(2),
+                            H_kv, Lq, n_rep, n_qb, S_total, D=D, BQ=BQ,
+                            BS=min(triton.next_power_of_2(S_total), max(1, _TILE // (BQ * D))))
+    return out

@@ -1,0 +1,217 @@
+"""Fused min-max quantization + bit packing, bit-exact with :mod:`hf_cocktail.quant` (the spec).
+
+Shapes: H_kv heads, N tokens, D head dim, C chunk size (key group along tokens), G value group size (channels),
+M = ceil(N / C) chunks, Dp = D * bits // 8 packed bytes per token.
+
+Bit-exactness with the reference: min/max and all arithmetic in fp32, divisions correctly rounded
+(``div_rn``, Triton's ``/`` is approximate on GPU), no FMA contraction (``enable_fp_fusion=False``), and scales /
+zeros rounded to the storage dtype to nearest even before they are used, as ``tensor.to(dtype)`` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from hf_cocktail import quant
+from hf_cocktail.backend import resolve_backend
+
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+_TILE = 4096  # elements of one (tokens x channels) tile held in registers
+
+
+@triton.jit
+def _round_to(x, SD: tl.constexpr):
+    """fp32 ``x`` rounded to nearest even in storage dtype ``SD``, returned as fp32 (exactly representable in SD)."""
+    if SD == tl.bfloat16:
+        # done on the bits: the interpreter's fp32 -> bf16 cast truncates, the GPU's rounds to nearest even
+        b = x.to(tl.int32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+        y = b.to(tl.float32, bitcast=True)
+    elif SD == tl.float16:
+        y = x.to(tl.float16).to(tl.float32)
+    else:
+        y = x
+    return y
+
+
+@triton.jit
+def _quantize(x, zero, scale, BITS: tl.constexpr):
+    """``clamp(floor((x - zero) * (1/scale) + 0.5), 0, 2**BITS - 1)`` as int32 (code 0 where ``scale == 0``)."""
+    inv = tl.where(scale > 0, tl.math.div_rn(1.0, tl.where(scale > 0, scale, 1.0)), 0.0)
+    q = tl.floor((x - zero) * inv + 0.5)
+    return tl.minimum(tl.maximum(q, 0.0), (1 << BITS) - 1).to(tl.int32)
+
+
+@triton.jit
+def _pack(q, ROWS: tl.constexpr, WIDTH: tl.constexpr, BITS: tl.constexpr):
+    """int32 codes ``(ROWS, WIDTH)`` (channel order) -> bytes ``(ROWS, WIDTH * BITS // 8)``: channel d in byte
+    d // per at bit (d % per) * BITS."""
+    PER: tl.constexpr = 8 // BITS
+    q = tl.reshape(q, [ROWS, WIDTH // PER, PER])
+    shifts = tl.arange(0, PER) * BITS
+    return tl.sum(q << shifts[None, None, :], axis=2).to(tl.uint8)
+
+
+@triton.jit
+def _quant_keys_kernel(k_ptr, codes_ptr, scale_ptr, zero_ptr, N, C, s_kh, s_kn, M,
+                       D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BITS: tl.constexpr,
+                       SD: tl.constexpr):
+    """One program per (head, chunk): per-channel min/max over the chunk's valid tokens, then quantize and pack."""
+    h = tl.program_id(0)
+    m = tl.program_id(1)
+    PER: tl.constexpr = 8 // BITS
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    t_lo = m * C
+    t_hi = tl.minimum(t_lo + C, N)
+    k_base = k_ptr + h.to(tl.int64) * s_kh
+    mn = tl.full([BLOCK_D], float("inf"), tl.float32)
+    mx = tl.full([BLOCK_D], float("-inf"), tl.float32)
+    for a in range(t_lo, t_hi, BLOCK_T):
+        t = a + tl.arange(0, BLOCK_T)
+        msk = (t < t_hi)[:, None] & dmask[None, :]
+        x = tl.load(k_base + t[:, None].to(tl.int64) * s_kn + d[None, :], mask=msk, other=0.0).to(tl.float32)
+        mn = tl.minimum(mn, tl.min(tl.where(msk, x, float("inf")), axis=0))
+        mx = tl.maximum(mx, tl.max(tl.where(msk, x, float("-inf")), axis=0))
+    mn = tl.where(dmask, mn, 0.0)
+    mx = tl.where(dmask, mx, 0.0)
+    scale = _round_to(tl.math.div_rn(mx - mn, (1 << BITS) - 1), SD)
+    zero = _round_to(mn, SD)
+    sz_off = (h.to(tl.int64) * M + m) * D + d
+    tl.store(scale_ptr + sz_off, scale, mask=dmask)
+    tl.store(zero_ptr + sz_off, zero, mask=dmask)
+    dp = tl.arange(0, BLOCK_D // PER)
+    c_base = codes_ptr + h.to(tl.int64) * N * (D // PER)
+    for a in range(t_lo, t_hi, BLOCK_T):
+        t = a + tl.arange(0, BLOCK_T)
+        tmask = t < t_hi
+        x = tl.load(k_base + t[:, None].to(tl.int64) * s_kn + d[None, :], mask=tmask[:, None] & dmask[None, :],
+                    other=0.0).to(tl.float32)
+        packed = _pack(_quantize(x, zero[None, :], scale[None, :], BITS), BLOCK_T, BLOCK_D, BITS)
+        tl.store(c_base + t[:, None].to(tl.int64) * (D // PER) + dp[None, :], packed,
+                 mask=tmask[:, None] & (dp < D // PER)[None, :])
+
+
+@triton.jit
+def _quant_values_kernel(v_ptr, codes_ptr, scale_ptr, zero_ptr, N, s_vh, s_vn,
+                         D: tl.constexpr, G: tl.constexpr, NG_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BITS: tl.constexpr, SD: tl.constexpr):
+    """One program per (head, block of tokens): per-token min/max over groups of G channels."""
+    h = tl.program_id(0)
+    PER: tl.constexpr = 8 // BITS
+    NG: tl.constexpr = D // G
+    t = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    g = tl.arange(0, NG_P)
+    ch = g[:, None] * G + tl.arange(0, G)[None, :]  # (NG_P, G) channel index
+    tmask = t < N
+    msk = tmask[:, None, None] & (ch < D)[None, :, :]
+    t64 = t.to(tl.int64)
+    x = tl.load(v_ptr + h.to(tl.int64) * s_vh + t64[:, None, None] * s_vn + ch[None, :, :], mask=msk,
+                other=0.0).to(tl.float32)  # (BLOCK_N, NG_P, G)
+    gmask = tmask[:, None] & (g < NG)[None, :]
+    mn = tl.where(gmask, tl.min(tl.where(msk, x, float("inf")), axis=2), 0.0)
+    mx = tl.where(gmask, tl.max(tl.where(msk, x, float("-inf")), axis=2), 0.0)
+    scale = _round_to(tl.math.div_rn(mx - mn, (1 << BITS) - 1), SD)
+    zero = _round_to(mn, SD)
+    sz_off = (h.to(tl.int64) * N + t64[:, None]) * NG + g[None, :]
+    tl.store(scale_ptr + sz_off, scale, mask=gmask)
+    tl.store(zero_ptr + sz_off, zero, mask=gmask)
+    q = _quantize(x, zero[:, :, None], scale[:, :, None], BITS)
+    packed = _pack(tl.reshape(q, [BLOCK_N, NG_P * G]), BLOCK_N, NG_P * G, BITS)
+    dp = tl.arange(0, NG_P * G // PER)
+    tl.store(codes_ptr + (h.to(tl.int64) * N + t64[:, None]) * (D // PER) + dp[None, :], packed,
+             mask=tmask[:, None] & (dp < D // PER)[None, :])
+
+
+def _check_input(x: torch.Tensor, what: str, bits: int, scale_dtype) -> torch.dtype:
+    if x.dim() != 3:
+        raise ValueError(f"{what} must have shape (H_kv, N, D), got {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"{what} must be a floating point tensor, got {x.dtype}")
+    quant._check_bits(bits)
+    scale_dtype = scale_dtype or x.dtype
+    if scale_dtype not in _TL_DTYPES:
+        raise ValueError(f"scale_dtype must be one of {list(_TL_DTYPES)}, got {scale_dtype}")
+    resolve_backend("triton", x.device)  # raises on CPU without TRITON_INTERPRET=1
+    return scale_dtype
+
+
+def _check_params(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, scale_dtype) -> None:
+    """The reference's overflow check, with its message."""
+    if not (bool(torch.isfinite(scale).all()) and bool(torch.isfinite(zero).all())):
+        raise ValueError(f"quantization scales/zeros overflow scale_dtype={scale_dtype} (key/value magnitudes up to "
+                         f"{float(x.float().abs().max()):.3g}); use CocktailConfig(scale_dtype='float32')")
+
+
+def _device_ctx(x: torch.Tensor):
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
+def quantize_pack_keys(k: torch.Tensor, bits: int, chunk_size: int, scale_dtype: torch.dtype | None = None):
+    """Triton version of :func:`hf_cocktail.quant.quantize_pack_keys` (same arguments, bit-identical results).
+
+    Args:
+        k: ``(H_kv, N, D)`` chunk-ordered keys (chunks of ``chunk_size`` = C tokens, the last may be partial).
+
+    Returns:
+        ``codes uint8 (H_kv, N, D*bits//8)``, ``scale (H_kv, M, D)``, ``zero (H_kv, M, D)`` with ``M = ceil(N/C)``.
+    """
+    scale_dtype = _check_input(k, "keys", bits, scale_dtype)
+    H, N, D = k.shape
+    quant._check_head_dim(D, bits)
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+    M = -(-N // chunk_size)
+    codes = torch.empty((H, N, D * bits // 8), dtype=torch.uint8, device=k.device)
+    scale = torch.empty((H, M, D), dtype=scale_dtype, device=k.device)
+    zero = torch.empty_like(scale)
+    if N == 0:
+        return codes, scale, zero
+    quant._check_finite(k, "keys")
+    if k.stride(2) != 1:
+        k = k.contiguous()
+    block_d = triton.next_power_of_2(D)
+    block_t = min(triton.next_power_of_2(chunk_size), max(1, _TILE // block_d))
+    with _device_ctx(k):
+        _quant_keys_kernel[(H, M)](k, codes, scale, zero, N, chunk_size, k.stride(0), k.stride(1), M,
+                                   D=D, BLOCK_D=block_d, BLOCK_T=block_t, BITS=bits, SD=_TL_DTYPES[scale_dtype],
+                                   enable_fp_fusion=False)
+    _check_params(k, scale, zero, scale_dtype)
+    return codes, scale, zero
+
+
+def quantize_pack_values(v: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype | None = None):
+    """Triton version of :func:`hf_cocktail.quant.quantize_pack_values` (same arguments, bit-identical results).
+
+    Args:
+        v: ``(H_kv, N, D)``; ``group_size`` (G) must divide D.
+
+    Returns:
+        ``codes uint8 (H_kv, N, D*bits//8)``, ``scale (H_kv, N, D//G)``, ``zero (H_kv, N, D//G)``.
+    """
+    scale_dtype = _check_input(v, "values", bits, scale_dtype)
+    H, N, D = v.shape
+    if not isinstance(group_size, int) or group_size < 1 or group_size & (group_size - 1):
+        raise ValueError(f"group_size must be a power of two >= 1, got {group_size!r}")
+    quant._check_head_dim(D, bits, group_size)
+    NG = D // group_size
+    codes = torch.empty((H, N, D * bits // 8), dtype=torch.uint8, device=v.device)
+    scale = torch.empty((H, N, NG), dtype=scale_dtype, device=v.device)
+    zero = torch.empty_like(scale)
+    if N == 0:
+        return codes, scale, zero
+    quant._check_finite(v, "values")
+    if v.stride(2) != 1:
+        v = v.contiguous()
+    ng_p = triton.next_power_of_2(NG)
+    block_n = max(1, _TILE // (ng_p * group_size))
+    with _device_ctx(v):
+        _quant_values_kernel[(H, triton.cdiv(N, block_n))](
+            v, codes, scale, zero, N, v.stride(0), v.stride(1), D=D, G=group_size, NG_P=ng_p, BLOCK_N=block_n,
+            BITS=bits, SD=_TL_DTYPES[scale_dtype], enable_fp_fusion=False)
+    _check_params(v, scale, zero, scale_dtype)
+    return codes, scale, zero
