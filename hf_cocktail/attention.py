@@ -108,6 +108,12 @@ def cocktail_attention_forward(module, query, key, value, attention_mask, scalin
     calls on a Cocktail layer run split-precision attention over the packed segments.
     """
     layer = getattr(key, "_cocktail_layer", None)
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    if layer is not None and window is not None:
+        raise ValueError(
+            f"CocktailCache with attn_implementation='cocktail' does not support sliding-window attention layers "
+            f"(layer {getattr(module, 'layer_idx', '?')} has sliding_window={window}); load the model "
+            "with attn_implementation='sdpa' (correct, dequantizing) or use a full-attention model")
     if layer is None or layer.store is None or layer.in_prefill:
         if layer is not None:
             layer.uses_split_attention = True

@@ -13,7 +13,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import quant
 from .config import CocktailConfig
-from .search import TextEncoder, assign_precisions, get_encoder, score_chunks
+from .search import TextEncoder, assign_budget, assign_precisions, bm25_scores, get_encoder, score_chunks
 from .store import FullPart, LayerStore, PackedSegment, _offsets
 
 logger = logging.getLogger(__name__)
@@ -63,9 +63,11 @@ class CocktailLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
 
-    def __init__(self, cache: "CocktailCache"):
+    def __init__(self, cache: "CocktailCache", layer_idx: int = 0):
         super().__init__()
         self.cache = cache
+        self.layer_idx = layer_idx
+        self.all_full = layer_idx in cache.config.full_precision_layers
         self.config = cache.config
         self.store: LayerStore | None = None
         self.in_prefill = False
@@ -118,7 +120,7 @@ class CocktailLayer(CacheLayerMixin):
         fulls_k, fulls_v = [], []
         segs = {bits: ([], []) for bits in PACKED_BITS}
         for b, plan in enumerate(plans):
-            pos = {p: t.to(k.device) for p, t in plan.positions.items()}
+            pos = {p: t.to(k.device) for p, t in self._positions(plan).items()}
             fulls_k.append(k[b].index_select(1, pos["full"]))
             fulls_v.append(v[b].index_select(1, pos["full"]))
             for bits in PACKED_BITS:
@@ -131,6 +133,12 @@ class CocktailLayer(CacheLayerMixin):
         self.seq_len = k.shape[2]
         self.in_prefill = True
 
+    def _positions(self, plan: SequencePlan) -> dict:
+        if not self.all_full:
+            return plan.positions
+        empty = plan.positions[4][:0]
+        return {"full": torch.arange(plan.pad, self.cache._prefill_len), 4: empty, 2: empty}
+
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole cache at the model's precision in original token order, ``(B, H_kv, seq_len, D)`` each, left
         padding as zeros (masked by the attention mask). Used by the plain sdpa/eager fallback."""
@@ -142,12 +150,13 @@ class CocktailLayer(CacheLayerMixin):
         p0 = self.cache._prefill_len
         for b, plan in enumerate(self.cache._plans):
             dev = keys.device
-            fpos = torch.cat([plan.positions["full"].to(dev), torch.arange(p0, self.seq_len, device=dev)])
+            positions = self._positions(plan)
+            fpos = torch.cat([positions["full"].to(dev), torch.arange(p0, self.seq_len, device=dev)])
             keys[b, :, fpos] = full.keys[b, :, full.start[b]:]
             values[b, :, fpos] = full.values[b, :, full.start[b]:]
             for seg in st.segments:
                 k_b, v_b = seg.sequence(b, keys.dtype)
-                p = plan.positions[seg.bits].to(dev)
+                p = positions[seg.bits].to(dev)
                 keys[b, :, p] = k_b
                 values[b, :, p] = v_b
         return keys, values
@@ -286,6 +295,9 @@ class CocktailCache(Cache):
                           and offsets[b, t, 0] >= c0 and offsets[b, t, 1] <= c1]
                 if inside:
                     cs, ce = inside[0], inside[-1] + 1
+                    # protected tokens stay at full precision: attention sinks and the most recent context tokens
+                    cs = min(max(cs, pad + self.config.sink_tokens), ce)
+                    ce = max(cs, ce - self.config.recent_tokens)
             ids = enc["input_ids"][b]
             texts = [tokenizer.decode(ids[a:min(a + C, ce)]) for a in range(cs, ce, C)]
             plans.append(SequencePlan(pad, cs, ce, texts, queries[b]))
@@ -315,12 +327,16 @@ class CocktailCache(Cache):
             raise RuntimeError("CocktailCache: call cache.prepare_inputs(tokenizer, prompts, contexts=..., "
                                "queries=...) and pass its output to generate before the first forward")
         B, _, L, D = k.shape
+        n = len(self._plans)
+        if not self._searched:
+            self.run_search()
+        if B != n and B % n == 0 and self._prefill_len == -1:
+            # generate expanded the prompts (num_beams / num_return_sequences): rows repeated consecutively
+            self._plans = [p for p in self._plans for _ in range(B // n)]
         if B != len(self._plans) or L > self._prompt_len:
             raise RuntimeError(f"CocktailCache was prepared for {len(self._plans)} prompt(s) of {self._prompt_len} "
                                f"tokens but the model's prefill has batch {B} and {L} tokens; pass the output of "
                                "prepare_inputs to generate unchanged")
-        if not self._searched:
-            self.run_search()
         if self._prefill_len != L:
             for plan in self._plans:
                 plan.build_positions(L, self.config.chunk_size)
@@ -334,10 +350,19 @@ class CocktailCache(Cache):
             n = plan.num_chunks
             if cfg.uniform_bits is not None:
                 plan.scores, plan.bits = None, [cfg.uniform_bits] * n
+                continue
+            if cfg.scorer == "bm25":
+                scores = bm25_scores(plan.query or "", plan.chunk_texts)
             else:
                 encoder = self._encoder or get_encoder(cfg.encoder, cfg.encoder_device, cfg.encoder_batch_size)
                 scores = score_chunks(encoder, plan.query or "", plan.chunk_texts)
-                plan.scores, plan.bits = scores.tolist(), assign_precisions(scores, cfg.alpha, cfg.beta)
+            if cfg.target_bits is None:
+                bits = assign_precisions(scores, cfg.alpha, cfg.beta)
+            else:
+                sizes = [b - a for a, b in (plan.chunk_range(i, cfg.chunk_size) for i in range(n))]
+                cost = {16: 16.0, 4: cfg.packed_bits_per_element(4), 2: cfg.packed_bits_per_element(2)}
+                bits = assign_budget(scores, sizes, cfg.target_bits, cfg.beta, cost)
+            plan.scores, plan.bits = scores.tolist(), bits
         self._searched = True
         self._prefill_len = -1  # positions are built at prefill, for its length
 
@@ -375,7 +400,7 @@ class CocktailCache(Cache):
     # ----------------------------------------------------------------- Cache API
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         while len(self.layers) <= layer_idx:
-            self.layers.append(CocktailLayer(self))
+            self.layers.append(CocktailLayer(self, len(self.layers)))
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
     def reset(self):

@@ -14,6 +14,7 @@ DEFAULT_ENCODER = "facebook/contriever"
 _BACKENDS = ("auto", "torch", "triton")
 _UNIFORM_BITS = (None, 16, 4, 2)
 _SCALE_DTYPES = ("float16", "bfloat16", "float32", "model")
+_SCORERS = ("encoder", "bm25")
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -49,6 +50,17 @@ class CocktailConfig:
             ``"float32"`` or ``"model"`` (the model's dtype). A scale that overflows it raises an error.
         encoder_batch_size: chunks embedded per encoder forward.
         encoder_device: device of the encoder (``None``: CUDA if available, else CPU).
+        scorer: how chunks are scored against the query: ``"encoder"`` (the paper: cosine similarity of retrieval
+            embeddings) or ``"bm25"`` (lexical Okapi BM25, no model at all).
+        target_bits: budget mode (``None``: the paper's alpha/beta thresholds). Average bits per context K/V element,
+            scales and zeros included (INT2 costs ``2 + 16/C + 16/G`` bits, INT4 ``4 + 16/C + 16/G``, FP16 16 counted
+            as in an FP16 deployment). Chunks above ``T_high`` get FP16, then INT4 goes to the best-ranked remaining
+            chunks while the budget allows, the rest INT2; budget left once all are INT4 buys FP16 in rank order. Must
+            lie in ``[bits of all-INT2, 16]``.
+        sink_tokens: the first ``sink_tokens`` tokens of each prompt always stay at full precision, even inside the
+            context (attention sinks).
+        recent_tokens: the last ``recent_tokens`` context tokens always stay at full precision.
+        full_precision_layers: indices of layers kept entirely at full precision (e.g. ``(0,)``).
     """
 
     chunk_size: int = 32
@@ -61,6 +73,11 @@ class CocktailConfig:
     scale_dtype: str = "float16"
     encoder_batch_size: int = 64
     encoder_device: str | None = None
+    scorer: str = "encoder"
+    target_bits: float | None = None
+    sink_tokens: int = 4
+    recent_tokens: int = 0
+    full_precision_layers: tuple = ()
 
     def __post_init__(self) -> None:
         _check(_is_int(self.chunk_size) and self.chunk_size >= 1,
@@ -77,12 +94,31 @@ class CocktailConfig:
         _check(self.uniform_bits in _UNIFORM_BITS and not isinstance(self.uniform_bits, bool),
                f"uniform_bits must be one of None, 16, 4, 2, got {self.uniform_bits!r}")
         _check(self.backend in _BACKENDS, f"backend must be one of {_BACKENDS}, got {self.backend!r}")
+        _check(self.scorer in _SCORERS, f"scorer must be one of {_SCORERS}, got {self.scorer!r}")
+        for name in ("sink_tokens", "recent_tokens"):
+            v = getattr(self, name)
+            _check(_is_int(v) and v >= 0, f"{name} must be an integer >= 0, got {v!r}")
+        layers = self.full_precision_layers
+        _check(isinstance(layers, (list, tuple)) and all(_is_int(i) and i >= 0 for i in layers),
+               f"full_precision_layers must be a list of layer indices >= 0, got {layers!r}")
+        self.full_precision_layers = tuple(sorted(set(layers)))
+        if self.target_bits is not None:
+            lo = self.packed_bits_per_element(2)
+            _check(_is_real(self.target_bits) and lo <= self.target_bits <= 16,
+                   f"target_bits must be None or a number in [{lo:g}, 16] (all-INT2 costs {lo:g} bits per element "
+                   f"with chunk_size={self.chunk_size}, group_size={self.group_size}), got {self.target_bits!r}")
         _check(self.scale_dtype in _SCALE_DTYPES,
                f"scale_dtype must be one of {_SCALE_DTYPES}, got {self.scale_dtype!r}")
         _check(_is_int(self.encoder_batch_size) and self.encoder_batch_size >= 1,
                f"encoder_batch_size must be an integer >= 1, got {self.encoder_batch_size!r}")
         _check(self.encoder_device is None or isinstance(self.encoder_device, str),
                f"encoder_device must be None or a device string, got {self.encoder_device!r}")
+
+    def packed_bits_per_element(self, bits: int) -> float:
+        """Storage bits per K/V element of a ``bits``-bit chunk, scales and zeros included (K: 2 per C tokens per
+        channel, V: 2 per G channels), averaged over K and V."""
+        p = 32 if self.scale_dtype == "float32" else 16
+        return bits + p / self.chunk_size + p / self.group_size
 
     def torch_scale_dtype(self, model_dtype):
         """The torch dtype of scales/zeros for a model whose keys/values have ``model_dtype``."""

@@ -130,3 +130,76 @@ def assign_precisions(scores: torch.Tensor, alpha: float, beta: float) -> list[i
     bits[(s > t_low) & (s <= t_high)] = 4
     bits[s > t_high] = 16
     return bits.tolist()
+
+
+_WORD = None
+
+
+def _words(text: str) -> list[str]:
+    global _WORD
+    if _WORD is None:
+        import re
+
+        _WORD = re.compile(r"\w+", re.UNICODE)
+    return _WORD.findall(text.lower())
+
+
+def bm25_scores(query: str, chunks: Sequence[str], k1: float = 1.5, b: float = 0.75) -> torch.Tensor:
+    """Okapi BM25 score of each chunk for the query (chunks are the documents): ``(n_chunks,)`` fp32. No model."""
+    import math
+    from collections import Counter
+
+    docs = [Counter(_words(c)) for c in chunks]
+    if not docs:
+        return torch.zeros(0)
+    n = len(docs)
+    lengths = [sum(d.values()) for d in docs]
+    avg = max(sum(lengths) / n, 1e-9)
+    q_terms = set(_words(query))
+    df = {t: sum(1 for d in docs if t in d) for t in q_terms}
+    out = []
+    for d, dl in zip(docs, lengths):
+        s = 0.0
+        for t in q_terms:
+            tf = d.get(t, 0)
+            if tf:
+                idf = math.log(1 + (n - df[t] + 0.5) / (df[t] + 0.5))
+                s += idf * tf * (k1 + 1) / (tf + k1 * (1 - b + b * dl / avg))
+        out.append(s)
+    return torch.tensor(out, dtype=torch.float32)
+
+
+def assign_budget(scores: torch.Tensor, sizes: Sequence[int], target_bits: float, beta: float,
+                  bits_cost: dict[int, float]) -> list[int]:
+    """Budget mode: meet an average of ``target_bits`` per context element as closely as possible from below.
+
+    Chunks with ``s > T_high`` (``T_high = s_max - beta*(s_max-s_min)``) get FP16 in rank order while affordable; then
+    INT4 goes to the best-ranked remaining chunks while affordable, the rest stay INT2; budget still left once
+    every chunk is INT4 promotes the best-ranked INT4 chunks to FP16.
+
+    Args:
+        scores: ``(n,)`` chunk scores.
+        sizes: tokens per chunk (the last chunk may be partial).
+        bits_cost: storage bits per element of each precision, e.g. ``{16: 16, 4: 5, 2: 3}``.
+    """
+    n = scores.numel()
+    if n == 0:
+        return []
+    s = scores if scores.is_floating_point() else scores.double()
+    order = torch.argsort(s, descending=True, stable=True).tolist()
+    t_high = s.max() - beta * (s.max() - s.min())
+    bits = [2] * n
+    left = target_bits * sum(sizes) - bits_cost[2] * sum(sizes) + 1e-9
+    for i in order:
+        if s[i] > t_high and (bits_cost[16] - bits_cost[2]) * sizes[i] <= left:
+            bits[i] = 16
+            left -= (bits_cost[16] - bits_cost[2]) * sizes[i]
+    for i in order:
+        if bits[i] == 2 and (bits_cost[4] - bits_cost[2]) * sizes[i] <= left:
+            bits[i] = 4
+            left -= (bits_cost[4] - bits_cost[2]) * sizes[i]
+    for i in order:  # budget left once everything is INT4: promote the best-ranked chunks to FP16
+        if bits[i] == 4 and (bits_cost[16] - bits_cost[4]) * sizes[i] <= left:
+            bits[i] = 16
+            left -= (bits_cost[16] - bits_cost[4]) * sizes[i]
+    return bits

@@ -1,0 +1,198 @@
+"""generate features, edge inputs and refusals (issue: robustness). Tiny random models, CPU, fp32."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_cocktail import CocktailCache, CocktailConfig
+
+from .conftest import FakeEncoder, make_prompt, make_tiny_llama, random_text
+from .test_core_cache import GEN, cfg, dynamic, logits, run
+
+QUANT = dict(alpha=0.3, beta=0.2)
+
+
+def gen(model, tok, prompts, contexts, queries, config, **kw):
+    cache = CocktailCache(config, encoder=FakeEncoder())
+    inputs = cache.prepare_inputs(tok, prompts, contexts=contexts, queries=queries)
+    out = model.generate(**inputs, past_key_values=cache, do_sample=False, max_new_tokens=6, **kw)
+    return out, cache, inputs
+
+
+# ----------------------------------------------------------------------------- generate modes
+@pytest.mark.parametrize("kw", [dict(num_beams=3), dict(num_beams=2, num_return_sequences=2),
+                                dict(prompt_lookup_num_tokens=3)])
+def test_generate_modes_uniform16_equal_dynamic_cache(tiny_tokenizer, kw):
+    prompt, ctx, q = make_prompt(60, needle_at=10)
+    out, _, _ = gen(make_tiny_llama(), tiny_tokenizer, prompt, ctx, q, cfg(uniform_bits=16), **kw)
+    ref = make_tiny_llama(attn="sdpa").generate(**tiny_tokenizer(prompt, return_tensors="pt"), do_sample=False,
+                                                max_new_tokens=6, past_key_values=DynamicCache(), **kw)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("kw", [dict(num_beams=3), dict(num_beams=2, num_return_sequences=2)])
+def test_beam_search_reorders_packed_rows_like_per_row_reference(tiny_tokenizer, kw):
+    """A batch of two different prompts under beam search gives, row by row, what each prompt gives alone: a beam
+    reorder that mixed up packed codes, scales or precision maps across rows would change the outputs."""
+    model = make_tiny_llama(seed=3)
+    p1, c1, q1 = make_prompt(80, seed=4, needle_at=30)
+    p2, c2, q2 = make_prompt(41, seed=5, needle_at=3)
+    batch, bcache, binp = gen(model, tiny_tokenizer, [p1, p2], [c1, c2], [q1, q2], cfg(**QUANT), **kw)
+    r = kw.get("num_return_sequences", 1)
+    for i, (p, c, q) in enumerate([(p1, c1, q1), (p2, c2, q2)]):
+        alone, acache, ainp = gen(model, tiny_tokenizer, p, c, q, cfg(**QUANT), **kw)
+        n = ainp["input_ids"].shape[1]
+        got = batch[i * r:(i + 1) * r, binp["input_ids"].shape[1]:]
+        assert torch.equal(got, alone[:, n:])
+    assert {16, 4, 2} <= set(sum(bcache.precision_map(), []))
+
+
+def test_prompt_lookup_crop_path_matches_dequantized_reference(tiny_tokenizer):
+    """Assisted (prompt-lookup) decoding verifies several tokens at once (L_q > 1) and crops rejected ones."""
+    prompt, ctx, q = make_prompt(70, needle_at=20)
+    out, _, _ = gen(make_tiny_llama(), tiny_tokenizer, prompt, ctx, q, cfg(**QUANT), prompt_lookup_num_tokens=3)
+    ref, _, _ = gen(make_tiny_llama(attn="sdpa"), tiny_tokenizer, prompt, ctx, q, cfg(**QUANT),
+                    prompt_lookup_num_tokens=3)
+    plain, _, _ = gen(make_tiny_llama(), tiny_tokenizer, prompt, ctx, q, cfg(**QUANT))
+    assert torch.equal(out, ref) and torch.equal(out, plain)
+
+
+def test_crop_refuses_prompt_tokens(tiny_llama, tiny_tokenizer):
+    prompt, ctx, q = make_prompt(30)
+    _, cache, _ = run(tiny_llama, tiny_tokenizer, prompt, ctx, q, cfg(uniform_bits=2))
+    cache.crop(-2)
+    with pytest.raises(ValueError, match="can only crop tokens added after the prompt"):
+        cache.crop(-100)
+
+
+def test_reuse_with_prepare_inputs_resets(tiny_llama, tiny_tokenizer):
+    p1, c1, q1 = make_prompt(50, seed=1)
+    p2, c2, q2 = make_prompt(30, seed=2, needle_at=4)
+    cache = CocktailCache(cfg(**QUANT), encoder=FakeEncoder())
+    for p, c, q in [(p1, c1, q1), (p2, c2, q2)]:
+        inputs = cache.prepare_inputs(tiny_tokenizer, p, contexts=c, queries=q)
+        out = tiny_llama.generate(**inputs, past_key_values=cache, **GEN)
+    fresh, fcache, _ = run(tiny_llama, tiny_tokenizer, p2, c2, q2, cfg(**QUANT))
+    assert torch.equal(out.sequences, fresh.sequences)
+    assert cache.precision_map() == fcache.precision_map()
+
+
+def test_generation_past_the_position_window(tiny_tokenizer):
+    """max_position_embeddings=64 and a ~100-token prompt + 6 new: same as DynamicCache (RoPE just continues)."""
+    prompt, ctx, q = make_prompt(90)
+    model = make_tiny_llama()
+    model.config.max_position_embeddings = 64
+    out, _, _ = run(model, tiny_tokenizer, prompt, ctx, q, cfg(uniform_bits=16))
+    ref = dynamic(model, tiny_tokenizer, prompt)
+    assert torch.equal(out.sequences, ref.sequences)
+
+
+# ----------------------------------------------------------------------------- edge inputs
+@pytest.mark.parametrize("n_words", [3, 0])
+def test_context_shorter_than_a_chunk_or_empty(tiny_llama, tiny_tokenizer, n_words):
+    ctx = random_text(n_words)
+    prompt = f"<s> w1 {ctx} what is the code ?".replace("  ", " ")
+    out, cache, _ = run(tiny_llama, tiny_tokenizer, prompt, ctx, "what is the code ?", cfg(**QUANT))
+    assert [len(m) for m in cache.precision_map()] == [1 if n_words else 0]
+    ref = dynamic(make_tiny_llama(attn="sdpa"), tiny_tokenizer, prompt)
+    if n_words == 0:  # nothing quantized: exactly full precision
+        torch.testing.assert_close(logits(out), logits(ref), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("where", ["start", "end"])
+def test_context_at_the_very_start_or_end(tiny_tokenizer, where):
+    ctx, q = random_text(40, seed=9), "what is the secret code ?"
+    prompt = f"{ctx} {q}" if where == "start" else f"{q} {ctx}"
+    out, cache, inputs = run(make_tiny_llama(), tiny_tokenizer, prompt, ctx, q, cfg(uniform_bits=2))
+    plan = cache._plans[0]
+    if where == "start":  # the first sink_tokens (4) stay full precision even though they are context
+        assert plan.ctx_start == 4
+    else:
+        assert plan.ctx_end == inputs["input_ids"].shape[1]
+    ref, _, _ = run(make_tiny_llama(attn="sdpa"), tiny_tokenizer, prompt, ctx, q, cfg(uniform_bits=2))
+    torch.testing.assert_close(logits(out), logits(ref), rtol=1e-4, atol=1e-4)
+
+
+def test_empty_query_still_searches(tiny_llama, tiny_tokenizer):
+    prompt, ctx, _ = make_prompt(40)
+    _, cache, _ = run(tiny_llama, tiny_tokenizer, prompt, ctx, "", cfg())
+    assert len(cache.precision_map()[0]) == 5
+
+
+def test_group_size_not_dividing_head_dim_is_refused(tiny_llama, tiny_tokenizer):
+    prompt, ctx, q = make_prompt(40)
+    with pytest.raises(ValueError, match="group_size=64 must divide the head dim D=32"):
+        run(tiny_llama, tiny_tokenizer, prompt, ctx, q, cfg(group_size=64, uniform_bits=2))
+
+
+def test_chunk_size_not_dividing_context_keeps_every_token(tiny_llama, tiny_tokenizer):
+    prompt, ctx, q = make_prompt(45)  # 45 tokens, C=8: 5 full chunks + one of 5
+    _, cache, _ = run(tiny_llama, tiny_tokenizer, prompt, ctx, q, cfg(uniform_bits=4))
+    seg4 = cache.layers[0].store.segments[0]
+    assert seg4.num_tokens == 45 and seg4.k_scale.shape[1] == 6
+
+
+def test_sliding_window_models_are_refused_under_cocktail_attention(tiny_tokenizer):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    conf = MistralConfig(vocab_size=200, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=16,
+                         pad_token_id=0, attn_implementation="cocktail")
+    model = MistralForCausalLM(conf).eval()
+    prompt, ctx, q = make_prompt(40)
+    with pytest.raises(ValueError, match="does not support sliding-window attention"):
+        run(model, tiny_tokenizer, prompt, ctx, q, cfg(uniform_bits=16))
+    # under sdpa the dequantizing fallback honours the sliding-window mask: same tokens as DynamicCache
+    model.config._attn_implementation = "sdpa"
+    out, _, _ = run(model, tiny_tokenizer, prompt, ctx, q, cfg(uniform_bits=16))
+    ref = model.generate(**tiny_tokenizer(prompt, return_tensors="pt"), **GEN)
+    assert torch.equal(out.sequences, ref.sequences)
+
+
+# ----------------------------------------------------------------------------- beyond-the-paper options
+def test_full_precision_layers(tiny_llama, tiny_tokenizer):
+    prompt, ctx, q = make_prompt(60)
+    _, cache, _ = run(tiny_llama, tiny_tokenizer, prompt, ctx, q, cfg(uniform_bits=2, full_precision_layers=[0]))
+    assert cache.layers[0].store.segments[1].num_tokens == 0
+    assert cache.layers[1].store.segments[1].num_tokens == 60
+    out, _, _ = run(tiny_llama, tiny_tokenizer, prompt, ctx, q, cfg(uniform_bits=2, full_precision_layers=[0, 1]))
+    ref, _, _ = run(tiny_llama, tiny_tokenizer, prompt, ctx, q, cfg(uniform_bits=16))
+    torch.testing.assert_close(logits(out), logits(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_bm25_scorer_needs_no_encoder(tiny_llama, tiny_tokenizer):
+    prompt, ctx, q = make_prompt(120, needle_at=70)
+    cache = CocktailCache(cfg(scorer="bm25", encoder="/nonexistent/encoder"))
+    inputs = cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q)
+    tiny_llama.generate(**inputs, past_key_values=cache, max_new_tokens=2)
+    plan, bits = cache._plans[0], cache.precision_map()[0]
+    needle = next(i for i, t in enumerate(plan.chunk_texts) if "secret" in t)
+    assert bits[needle] == 16
+
+
+@pytest.mark.parametrize("target", [5.0, 7.0, 10.0])
+def test_budget_mode_meets_target_bits(tiny_llama, tiny_tokenizer, target):
+    prompt, ctx, q = make_prompt(200, needle_at=100)
+    _, cache, _ = run(tiny_llama, tiny_tokenizer, prompt, ctx, q, cfg(target_bits=target))  # C=8, G=16: INT2 = 5
+    plan, bits = cache._plans[0], cache.precision_map()[0]
+    n_ctx = plan.ctx_end - plan.ctx_start
+    # measured bits per context element: packed bytes + FP16 context chunks counted at 2 bytes per element
+    H, D, layers = 2, 32, 2
+    packed = sum(s.nbytes_codes() + s.nbytes_params() for layer in cache.layers for s in layer.store.segments)
+    n16 = sum(b - a for i, (a, b) in enumerate(plan.chunk_range(i, 8) for i in range(plan.num_chunks))
+              if bits[i] == 16)
+    measured = (packed + n16 * H * D * 2 * 2 * layers) * 8 / (n_ctx * H * D * 2 * layers)
+    assert measured <= target + 1e-6
+    assert measured >= target - (16 - 5) * 8 / n_ctx  # within one chunk's worth of the budget
+    assert len(set(bits)) >= (2 if target > 5 else 1)
+
+
+def test_config_budget_and_option_errors():
+    with pytest.raises(ValueError, match=r"target_bits must be None or a number in \[3, 16\]"):
+        CocktailConfig(target_bits=2.5)
+    with pytest.raises(ValueError, match="scorer must be one of"):
+        CocktailConfig(scorer="tfidf")
+    with pytest.raises(ValueError, match="full_precision_layers"):
+        CocktailConfig(full_precision_layers=[-1])
+    with pytest.raises(ValueError, match="sink_tokens"):
+        CocktailConfig(sink_tokens=-2)
