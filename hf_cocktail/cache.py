@@ -73,6 +73,8 @@ class CocktailLayer(CacheLayerMixin):
         self.in_prefill = False
         self.uses_split_attention = False
         self.seq_len = 0
+        self.context_copy = None  # (keys, values) (B, H_kv, ctx_end, D) on CPU, with keep_context_copy
+        self.pending = None  # the copy, moved back, waiting to be re-prefilled with a new question (requery)
 
     # ----------------------------------------------------------------- CacheLayerMixin
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -82,6 +84,11 @@ class CocktailLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """``key_states``, ``value_states``: ``(B, H_kv, L_new, D)``."""
         if self.store is None:
+            if self.pending is not None:  # after requery: prompt prefix + context at full precision, then the rest
+                pk, pv = self.pending
+                key_states = torch.cat([pk.to(key_states.device, key_states.dtype), key_states], dim=2)
+                value_states = torch.cat([pv.to(value_states.device, value_states.dtype), value_states], dim=2)
+                self.pending = None
             self.lazy_initialization(key_states, value_states)
             self._prefill(key_states, value_states)
             key_states._cocktail_layer = self
@@ -130,6 +137,9 @@ class CocktailLayer(CacheLayerMixin):
                                                cfg.torch_scale_dtype(k.dtype),
                                                quantize_k, quantize_v) for bits in PACKED_BITS]
         self.store = LayerStore(FullPart.from_sequences(fulls_k, fulls_v), packed)
+        if cfg.keep_context_copy:
+            end = max(p.ctx_end for p in plans)
+            self.context_copy = (k[:, :, :end].to("cpu", copy=True), v[:, :, :end].to("cpu", copy=True))
         self.seq_len = k.shape[2]
         self.in_prefill = True
 
@@ -303,6 +313,7 @@ class CocktailCache(Cache):
             plans.append(SequencePlan(pad, cs, ce, texts, queries[b]))
         self.reset()
         self._plans = plans
+        self._input_ids = enc["input_ids"].clone()
         self._prompt_len = L
         self._searched = False
         if device is not None:
@@ -397,6 +408,45 @@ class CocktailCache(Cache):
             self.layers[i].uses_split_attention = split_attention
             self.layers[i].in_prefill = False
 
+    def requery(self, tokenizer, prompt: str, query: str, device=None):
+        """Answer a new question about the same document without a new prefill (needs ``keep_context_copy``).
+
+        ``prompt`` must start with the same tokens as the previous prompt up to the end of the context. The cache
+        drops the old question and answer, re-runs the search for ``query``, and re-packs every chunk from the
+        full-precision CPU copy; the next ``generate(**inputs, past_key_values=cache)`` computes only the tokens
+        after the context (at full precision, as a prefill would) and gives what a fresh run on ``prompt`` gives.
+
+        Returns:
+            the ``BatchEncoding`` of ``prompt`` to pass to ``generate``.
+        """
+        if not self.config.keep_context_copy:
+            raise RuntimeError("requery() needs CocktailConfig(keep_context_copy=True) when the document is prefilled")
+        if not self.layers or any(layer.context_copy is None for layer in self.layers):
+            raise RuntimeError("requery() needs a finished generate on the document first")
+        if self._plans is None or len(self._plans) != 1:
+            raise ValueError(f"requery() supports one sequence (batch 1), this cache holds "
+                             f"{len(self._plans or [])}")
+        if not isinstance(query, str):
+            raise TypeError(f"query must be a str, got {type(query).__name__}")
+        plan = self._plans[0]
+        enc = tokenizer(prompt, return_tensors="pt")
+        ids = enc["input_ids"]
+        end = self.layers[0].context_copy[0].shape[2]
+        old = self._input_ids[0, plan.pad:end]
+        if ids.shape[1] <= old.shape[0] or not torch.equal(ids[0, :old.shape[0]], old):
+            raise ValueError("the new prompt must repeat the previous prompt's tokens up to the end of the context "
+                             f"({old.shape[0]} tokens) and add the new question after them")
+        if plan.pad:
+            raise ValueError("requery() needs an unpadded prompt")
+        plan.query = query
+        self.run_search()
+        self._input_ids = ids.clone()
+        self._prompt_len = ids.shape[1]
+        for layer in self.layers:
+            layer.pending, layer.store, layer.in_prefill = layer.context_copy, None, False
+            layer.seq_len = end
+        return enc.to(device) if device is not None else enc
+
     # ----------------------------------------------------------------- Cache API
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         while len(self.layers) <= layer_idx:
@@ -450,7 +500,8 @@ class CocktailCache(Cache):
         return [layer.store for layer in self.layers if isinstance(layer, CocktailLayer) and layer.store is not None]
 
     def nbytes(self) -> int:
-        """Bytes really held by the cache's tensors (codes, scales/zeros and full-precision part)."""
+        """Bytes really held by the cache's working tensors (codes, scales/zeros and full-precision part; the
+        optional CPU context copy of ``keep_context_copy`` is reported apart by :meth:`memory_report`)."""
         return sum(st.nbytes() for st in self._stores())
 
     def memory_report(self) -> dict:
@@ -466,6 +517,9 @@ class CocktailCache(Cache):
             tokens = st.full.valid_tokens() + sum(s.num_tokens for s in st.segments)
             fp16_equiv += tokens * H * D * 2 * 2
         rep["total_bytes"] = rep["codes_bytes"] + rep["scales_zeros_bytes"] + rep["full_precision_bytes"]
+        # keep_context_copy: the CPU copy for requery() is reported apart (it is not part of the working cache)
+        rep["context_copy_bytes"] = sum(sum(t.numel() * t.element_size() for t in layer.context_copy)
+                                        for layer in self.layers if layer.context_copy is not None)
         rep["fp16_equivalent_bytes"] = fp16_equiv
         rep["ratio_to_fp16"] = rep["total_bytes"] / fp16_equiv if fp16_equiv else float("nan")
         counts = {16: 0, 4: 0, 2: 0}

@@ -61,6 +61,8 @@ class CocktailConfig:
             context (attention sinks).
         recent_tokens: the last ``recent_tokens`` context tokens always stay at full precision.
         full_precision_layers: indices of layers kept entirely at full precision (e.g. ``(0,)``).
+        keep_context_copy: keep a full-precision copy of the prompt up to the end of the context on CPU, so that
+            :meth:`CocktailCache.requery` can answer a new question about the same document without a new prefill.
     """
 
     chunk_size: int = 32
@@ -78,6 +80,7 @@ class CocktailConfig:
     sink_tokens: int = 4
     recent_tokens: int = 0
     full_precision_layers: tuple = ()
+    keep_context_copy: bool = False
 
     def __post_init__(self) -> None:
         _check(_is_int(self.chunk_size) and self.chunk_size >= 1,
@@ -102,6 +105,8 @@ class CocktailConfig:
         _check(isinstance(layers, (list, tuple)) and all(_is_int(i) and i >= 0 for i in layers),
                f"full_precision_layers must be a list of layer indices >= 0, got {layers!r}")
         self.full_precision_layers = tuple(sorted(set(layers)))
+        _check(isinstance(self.keep_context_copy, bool),
+               f"keep_context_copy must be True or False, got {self.keep_context_copy!r}")
         if self.target_bits is not None:
             lo = self.packed_bits_per_element(2)
             _check(_is_real(self.target_bits) and lo <= self.target_bits <= 16,

@@ -196,3 +196,34 @@ def test_config_budget_and_option_errors():
         CocktailConfig(full_precision_layers=[-1])
     with pytest.raises(ValueError, match="sink_tokens"):
         CocktailConfig(sink_tokens=-2)
+
+
+def test_requery_equals_a_fresh_run_on_the_new_question(tiny_llama, tiny_tokenizer):
+    ctx = random_text(90, seed=11).split()
+    ctx.insert(20, "the secret code is w7 w8 w9 .")
+    ctx.insert(70, "w5 w6 is the code .")
+    ctx = " ".join(ctx)
+    q1, q2 = "what is the secret code ?", "w5 w6 is what ?"
+    p1, p2 = f"<s> w1 w2 {ctx} w3 {q1}", f"<s> w1 w2 {ctx} w3 {q2}"
+    config = cfg(keep_context_copy=True, **QUANT)
+    cache = CocktailCache(config, encoder=FakeEncoder())
+    tiny_llama.generate(**cache.prepare_inputs(tiny_tokenizer, p1, contexts=ctx, queries=q1),
+                        past_key_values=cache, **GEN)
+    first_map = cache.precision_map()
+    inputs = cache.requery(tiny_tokenizer, p2, q2)
+    assert cache.get_seq_length() == cache._plans[0].ctx_end  # only the prompt up to the context end is kept
+    out = tiny_llama.generate(**inputs, past_key_values=cache, **GEN)
+    fresh, fcache, _ = run(tiny_llama, tiny_tokenizer, p2, ctx, q2, cfg(**QUANT))
+    assert cache.precision_map() == fcache.precision_map() != first_map
+    assert torch.equal(out.sequences, fresh.sequences)
+    torch.testing.assert_close(logits(out), logits(fresh), rtol=1e-4, atol=1e-4)
+
+
+def test_requery_errors(tiny_llama, tiny_tokenizer):
+    prompt, ctx, q = make_prompt(40)
+    _, cache, _ = run(tiny_llama, tiny_tokenizer, prompt, ctx, q, cfg())
+    with pytest.raises(RuntimeError, match="keep_context_copy=True"):
+        cache.requery(tiny_tokenizer, prompt, q)
+    _, cache, _ = run(tiny_llama, tiny_tokenizer, prompt, ctx, q, cfg(keep_context_copy=True))
+    with pytest.raises(ValueError, match="must repeat the previous prompt's tokens"):
+        cache.requery(tiny_tokenizer, "<s> w9 w9 " + ctx + " w2", q)
