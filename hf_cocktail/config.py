@@ -134,6 +134,7 @@ class CocktailConfig:
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        d["full_precision_layers"] = list(self.full_precision_layers)  # JSON-native
         d["format_version"] = FORMAT_VERSION
         return d
 

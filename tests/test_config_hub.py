@@ -108,7 +108,7 @@ def test_folder_round_trip_and_overrides(tmp_path):
     with open(path) as f:
         text = f.read()
     assert text == cfg.to_json_string()
-    assert json.loads(text) == {**dataclasses.asdict(cfg), "format_version": FORMAT_VERSION}
+    assert json.loads(text) == cfg.to_dict() and cfg.to_dict()["format_version"] == FORMAT_VERSION
     assert os.path.isfile(tmp_path / "README.md")
     assert CocktailConfig.from_pretrained(tmp_path) == cfg
     assert CocktailConfig.from_pretrained(str(tmp_path / CONFIG_NAME)) == cfg
