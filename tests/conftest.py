@@ -11,6 +11,10 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Triton kernels are tested on CPU through the interpreter; it must be chosen before triton is first imported
+# (transformers imports it), or triton's own helpers are built for the compiler and fail in interpreted kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import hf_cocktail  # noqa: E402,F401  (registers attn_implementation="cocktail")
 

@@ -239,7 +239,8 @@ def split_precision_attention(query: torch.Tensor, store: LayerStore, scaling: f
     if tokens_per_split is None:
         total = len_full + len_a + len_b
         if query.is_cuda:  # about 4 programs per SM, at least 256 tokens each
-            want = max(1, triton.cdiv(4 * _num_sms(query.device.index or 0), P))
+            idx = query.device.index if query.device.index is not None else torch.cuda.current_device()
+            want = max(1, triton.cdiv(4 * _num_sms(idx), P))
             tokens_per_split = max(256, triton.cdiv(total, want))
         else:  # interpreter: one split per source
             tokens_per_split = max(total, 1)
