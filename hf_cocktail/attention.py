@@ -117,6 +117,9 @@ def cocktail_attention_forward(module, query, key, value, attention_mask, scalin
     if layer is None or layer.store is None or layer.in_prefill:
         if layer is not None:
             layer.uses_split_attention = True
+            if layer.deferred is not None:  # scorer="attention": the query tokens' attention scores the chunks
+                layer.cache.accumulate_attention(query, key, scaling if scaling is not None else
+                                                 query.shape[-1] ** -0.5)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     if scaling is None:

@@ -5,6 +5,7 @@ Shapes: B batch, H_kv key/value heads, L prompt length (after left padding), D h
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -32,6 +33,8 @@ class SequencePlan:
     scores: list[float] | None = None
     bits: list[int] | None = None  # one per chunk, original order
     positions: dict = field(default_factory=dict)  # part ("full", 4, 2) -> LongTensor of prompt positions
+    query_span: tuple[int, int] = (0, 0)  # token span of the query inside the prompt (scorer="attention")
+    attn_mass: torch.Tensor | None = None  # (ctx_end - ctx_start,) attention mass from the query tokens
 
     @property
     def num_chunks(self) -> int:
@@ -75,6 +78,7 @@ class CocktailLayer(CacheLayerMixin):
         self.seq_len = 0
         self.context_copy = None  # (keys, values) (B, H_kv, ctx_end, D) on CPU, with keep_context_copy
         self.pending = None  # the copy, moved back, waiting to be re-prefilled with a new question (requery)
+        self.deferred = None  # scorer="attention": the prefill's keys/values, quantized at the first decode step
 
     # ----------------------------------------------------------------- CacheLayerMixin
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -83,16 +87,24 @@ class CocktailLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """``key_states``, ``value_states``: ``(B, H_kv, L_new, D)``."""
-        if self.store is None:
+        if self.store is None and self.deferred is None:
             if self.pending is not None:  # after requery: prompt prefix + context at full precision, then the rest
                 pk, pv = self.pending
                 key_states = torch.cat([pk.to(key_states.device, key_states.dtype), key_states], dim=2)
                 value_states = torch.cat([pv.to(value_states.device, value_states.dtype), value_states], dim=2)
                 self.pending = None
             self.lazy_initialization(key_states, value_states)
-            self._prefill(key_states, value_states)
+            if self.cache._scores_from_attention():
+                self.cache._plans_for_prefill(key_states, search=False)
+                self.deferred = (key_states, value_states)
+                self.seq_len, self.in_prefill = key_states.shape[2], True
+            else:
+                self._prefill(key_states, value_states)
             key_states._cocktail_layer = self
             return key_states, value_states
+        if self.deferred is not None:  # first decode step after an attention-scored prefill: quantize now
+            self._prefill(*self.deferred)
+            self.deferred = None
         self.in_prefill = False
         self.store.full.append(key_states, value_states)
         self.seq_len += key_states.shape[2]
@@ -117,6 +129,7 @@ class CocktailLayer(CacheLayerMixin):
         self.in_prefill = False
         self.uses_split_attention = False
         self.seq_len = 0
+        self.deferred = None
         self.is_initialized = False
 
     # ----------------------------------------------------------------- storage
@@ -174,6 +187,9 @@ class CocktailLayer(CacheLayerMixin):
     # ----------------------------------------------------------------- batch manipulation
     def select_sequences(self, indices: list[int]) -> None:
         """Keep (and reorder / repeat) sequences ``indices`` of the batch."""
+        if self.deferred is not None:
+            idx = torch.tensor(indices, dtype=torch.long, device=self.deferred[0].device)
+            self.deferred = tuple(t.index_select(0, idx) for t in self.deferred)
         if self.store is None:
             return
         st = self.store
@@ -310,7 +326,11 @@ class CocktailCache(Cache):
                     ce = max(cs, ce - self.config.recent_tokens)
             ids = enc["input_ids"][b]
             texts = [tokenizer.decode(ids[a:min(a + C, ce)]) for a in range(cs, ce, C)]
-            plans.append(SequencePlan(pad, cs, ce, texts, queries[b]))
+            plan = SequencePlan(pad, cs, ce, texts, queries[b])
+            if self.config.scorer == "attention" and self.config.uniform_bits is None and ce > cs:
+                plan.query_span = self._find_span(prompts[b], queries[b] or "", offsets[b], mask, pad, L, ce,
+                                                  f"queries[{b}]")
+            plans.append(plan)
         self.reset()
         self._plans = plans
         self._input_ids = enc["input_ids"].clone()
@@ -319,6 +339,17 @@ class CocktailCache(Cache):
         if device is not None:
             enc = enc.to(device)
         return enc
+
+    @staticmethod
+    def _find_span(prompt, text, offsets, mask, pad, L, after, name):
+        """Token span of the last occurrence of ``text`` in ``prompt`` at or after token ``after``."""
+        c0 = prompt.rfind(text) if text else -1
+        toks = [t for t in range(max(pad, after), L) if c0 >= 0 and mask[t] and offsets[t, 1] > offsets[t, 0]
+                and offsets[t, 0] >= c0 and offsets[t, 1] <= c0 + len(text)]
+        if not toks:
+            raise ValueError(f"{name} must appear verbatim in its prompt after the context for scorer='attention' "
+                             f"(its tokens are the ones whose attention scores the chunks); got {text!r}")
+        return toks[0], toks[-1] + 1
 
     @staticmethod
     def _per_sequence(name, value, B):
@@ -333,21 +364,45 @@ class CocktailCache(Cache):
         return value
 
     # ----------------------------------------------------------------- search
-    def _plans_for_prefill(self, k: torch.Tensor) -> list[SequencePlan]:
+    def _scores_from_attention(self) -> bool:
+        return self.config.scorer == "attention" and self.config.uniform_bits is None and not self._searched
+
+    def accumulate_attention(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+        """scorer="attention": add the attention mass that the query's tokens give each context token in one layer's
+        prefill. ``query (B, H_q, L, D)``, ``key (B, H_kv, L, D)``."""
+        n_rep = query.shape[1] // key.shape[1]
+        for b, plan in enumerate(self._plans):
+            qs, qe = plan.query_span
+            n_ctx = plan.ctx_end - plan.ctx_start
+            if plan.attn_mass is None:
+                plan.attn_mass = torch.zeros(n_ctx, dtype=torch.float32)
+            if qe <= qs or n_ctx == 0:
+                continue
+            q = query[b, :, qs:qe].float()
+            k = key[b, :, plan.pad:qe].float().repeat_interleave(n_rep, 0)
+            logits = (q @ k.transpose(1, 2)) * scaling  # (H_q, n_q, T)
+            j = torch.arange(k.shape[1], device=q.device) + plan.pad
+            i = torch.arange(qs, qe, device=q.device)
+            p = torch.softmax(logits.masked_fill(j[None, None, :] > i[None, :, None], float("-inf")), dim=-1)
+            plan.attn_mass += p[..., plan.ctx_start - plan.pad:plan.ctx_end - plan.pad].sum((0, 1)).cpu()
+
+    def _plans_for_prefill(self, k: torch.Tensor, search: bool = True) -> list[SequencePlan]:
         if self._plans is None:
             raise RuntimeError("CocktailCache: call cache.prepare_inputs(tokenizer, prompts, contexts=..., "
                                "queries=...) and pass its output to generate before the first forward")
         B, _, L, D = k.shape
         n = len(self._plans)
-        if not self._searched:
+        if search and not self._searched:
             self.run_search()
         if B != n and B % n == 0 and self._prefill_len == -1:
             # generate expanded the prompts (num_beams / num_return_sequences): rows repeated consecutively
-            self._plans = [p for p in self._plans for _ in range(B // n)]
+            self._plans = [dataclasses.replace(p) for p in self._plans for _ in range(B // n)]
         if B != len(self._plans) or L > self._prompt_len:
             raise RuntimeError(f"CocktailCache was prepared for {len(self._plans)} prompt(s) of {self._prompt_len} "
                                f"tokens but the model's prefill has batch {B} and {L} tokens; pass the output of "
                                "prepare_inputs to generate unchanged")
+        if not search:
+            return self._plans
         if self._prefill_len != L:
             for plan in self._plans:
                 plan.build_positions(L, self.config.chunk_size)
@@ -364,6 +419,13 @@ class CocktailCache(Cache):
                 continue
             if cfg.scorer == "bm25":
                 scores = bm25_scores(plan.query or "", plan.chunk_texts)
+            elif cfg.scorer == "attention":
+                if plan.attn_mass is None:
+                    raise RuntimeError("scorer='attention' takes its scores from the prefill attention: load the model "
+                                       "with attn_implementation='cocktail' (and do not use load_prefill)")
+                scores = torch.stack([plan.attn_mass[a - plan.ctx_start:b - plan.ctx_start].mean()
+                                      for a, b in (plan.chunk_range(i, cfg.chunk_size) for i in range(n))]) \
+                    if n else torch.zeros(0)
             else:
                 encoder = self._encoder or get_encoder(cfg.encoder, cfg.encoder_device, cfg.encoder_batch_size)
                 scores = score_chunks(encoder, plan.query or "", plan.chunk_texts)

@@ -14,7 +14,7 @@ DEFAULT_ENCODER = "facebook/contriever"
 _BACKENDS = ("auto", "torch", "triton")
 _UNIFORM_BITS = (None, 16, 4, 2)
 _SCALE_DTYPES = ("float16", "bfloat16", "float32", "model")
-_SCORERS = ("encoder", "bm25")
+_SCORERS = ("encoder", "bm25", "attention")
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -51,7 +51,9 @@ class CocktailConfig:
         encoder_batch_size: chunks embedded per encoder forward.
         encoder_device: device of the encoder (``None``: CUDA if available, else CPU).
         scorer: how chunks are scored against the query: ``"encoder"`` (the paper: cosine similarity of retrieval
-            embeddings) or ``"bm25"`` (lexical Okapi BM25, no model at all).
+            embeddings), ``"bm25"`` (lexical Okapi BM25, no model at all) or ``"attention"`` (the LLM's own prefill
+            attention from the query's tokens to each chunk, summed over heads and layers, mean per token; needs
+            ``attn_implementation="cocktail"``; quantization then waits for the first decode step).
         target_bits: budget mode (``None``: the paper's alpha/beta thresholds). Average bits per context K/V element,
             scales and zeros included (INT2 costs ``2 + 16/C + 16/G`` bits, INT4 ``4 + 16/C + 16/G``, FP16 16 counted
             as in an FP16 deployment). Chunks above ``T_high`` get FP16, then INT4 goes to the best-ranked remaining

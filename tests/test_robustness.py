@@ -227,3 +227,46 @@ def test_requery_errors(tiny_llama, tiny_tokenizer):
     _, cache, _ = run(tiny_llama, tiny_tokenizer, prompt, ctx, q, cfg(keep_context_copy=True))
     with pytest.raises(ValueError, match="must repeat the previous prompt's tokens"):
         cache.requery(tiny_tokenizer, "<s> w9 w9 " + ctx + " w2", q)
+
+
+def test_attention_scorer_uses_the_prefill_attention_of_the_query_tokens(tiny_tokenizer):
+    prompt, ctx, q = make_prompt(60, needle_at=30)
+    model = make_tiny_llama()
+    out, cache, inputs = gen(model, tiny_tokenizer, prompt, ctx, q, cfg(scorer="attention", **QUANT))
+    plan = cache._plans[0]
+    # independent reference: eager attention probabilities of the same model
+    eager = make_tiny_llama(attn="eager")
+    with torch.no_grad():
+        att = eager(**inputs, output_attentions=True).attentions  # per layer (B, H_q, L, L)
+    qs, qe = plan.query_span
+    assert tiny_tokenizer.decode(inputs["input_ids"][0, qs:qe]).replace(" ", "") == q.replace(" ", "")
+    ref = sum(a[0, :, qs:qe, plan.ctx_start:plan.ctx_end].sum((0, 1)) for a in att)
+    torch.testing.assert_close(plan.attn_mass, ref, rtol=1e-4, atol=1e-5)
+    means = [ref[i * 8:(i + 1) * 8].mean().item() for i in range(plan.num_chunks)]
+    assert cache.chunk_scores()[0] == pytest.approx(means, rel=1e-4)
+    # decoding then ran on the quantized cache: the same as the dequantizing reference with the same plan
+    ref_cache = CocktailCache(cfg(**QUANT))
+    ref_inputs = ref_cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q)
+    ref_cache.set_precisions(cache.precision_map())
+    ref_out = make_tiny_llama(attn="sdpa").generate(**ref_inputs, past_key_values=ref_cache, do_sample=False,
+                                                    max_new_tokens=6)
+    assert torch.equal(out, ref_out)
+
+
+def test_attention_scorer_errors(tiny_tokenizer):
+    prompt, ctx, q = make_prompt(30)
+    with pytest.raises(ValueError, match=r"queries\[0\] must appear verbatim"):
+        CocktailCache(cfg(scorer="attention")).prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries="w9 zz")
+    with pytest.raises(RuntimeError, match="attn_implementation='cocktail'"):
+        gen(make_tiny_llama(attn="sdpa"), tiny_tokenizer, prompt, ctx, q, cfg(scorer="attention"))
+
+
+def test_attention_scorer_under_beam_search_matches_per_row(tiny_tokenizer):
+    model = make_tiny_llama(seed=7)
+    p1, c1, q1 = make_prompt(50, seed=8, needle_at=10)
+    p2, c2, q2 = make_prompt(23, seed=9, needle_at=2)
+    config = cfg(scorer="attention", **QUANT)
+    batch, _, binp = gen(model, tiny_tokenizer, [p1, p2], [c1, c2], [q1, q2], config, num_beams=2)
+    for i, (p, c, q) in enumerate([(p1, c1, q1), (p2, c2, q2)]):
+        alone, _, ainp = gen(model, tiny_tokenizer, p, c, q, config, num_beams=2)
+        assert torch.equal(batch[i, binp["input_ids"].shape[1]:], alone[0, ainp["input_ids"].shape[1]:])
