@@ -120,3 +120,12 @@ def minilm():
     from hf_cocktail.search import get_encoder
 
     return get_encoder(hf_cocktail.offline_encoder_path())
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="marked gpu: needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
