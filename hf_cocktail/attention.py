@@ -114,7 +114,11 @@ def cocktail_attention_forward(module, query, key, value, attention_mask, scalin
             f"CocktailCache with attn_implementation='cocktail' does not support sliding-window attention layers "
             f"(layer {getattr(module, 'layer_idx', '?')} has sliding_window={window}); load the model "
             "with attn_implementation='sdpa' (correct, dequantizing) or use a full-attention model")
-    if layer is None or layer.store is None or layer.in_prefill:
+    for name in ("softcap", "s_aux"):
+        if layer is not None and kwargs.get(name) is not None:
+            raise ValueError(f"attn_implementation='cocktail' does not support the model's `{name}` attention "
+                             "argument; load the model with attn_implementation='eager'")
+    if layer is None or layer.store is None or layer.in_prefill or layer.forbid_split:
         if layer is not None:
             layer.uses_split_attention = True
             if layer.deferred is not None:  # scorer="attention": the query tokens' attention scores the chunks
@@ -122,6 +126,7 @@ def cocktail_attention_forward(module, query, key, value, attention_mask, scalin
                                                  query.shape[-1] ** -0.5)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    layer.uses_split_attention = True  # e.g. after load_prefill: the next steps skip the dequantization
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     out = _split_precision_attention(query, layer.store, scaling, layer.config.backend)

@@ -33,6 +33,7 @@ class SequencePlan:
     scores: list[float] | None = None
     bits: list[int] | None = None  # one per chunk, original order
     positions: dict = field(default_factory=dict)  # part ("full", 4, 2) -> LongTensor of prompt positions
+    origin: int = 0  # index of the prepared prompt this row comes from (beams / return sequences repeat it)
     query_span: tuple[int, int] = (0, 0)  # token span of the query inside the prompt (scorer="attention")
     attn_mass: torch.Tensor | None = None  # (ctx_end - ctx_start,) attention mass from the query tokens
 
@@ -79,6 +80,8 @@ class CocktailLayer(CacheLayerMixin):
         self.context_copy = None  # (keys, values) (B, H_kv, ctx_end, D) on CPU, with keep_context_copy
         self.pending = None  # the copy, moved back, waiting to be re-prefilled with a new question (requery)
         self.deferred = None  # scorer="attention": the prefill's keys/values, quantized at the first decode step
+        self.forbid_split = False  # load_prefill(split_attention=False): always dequantize
+        self.fallback_steps = 0
 
     # ----------------------------------------------------------------- CacheLayerMixin
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -112,8 +115,14 @@ class CocktailLayer(CacheLayerMixin):
             keys = self.store.full.keys
             keys._cocktail_layer = self
             return keys, self.store.full.values
-        self.cache._warn_dequantize_fallback()
-        return self.dequantized()
+        # under attn "cocktail" the attention function reads the store instead and switches this path off; still
+        # here at a second decode step means another attention implementation consumes the dequantized cache
+        self.fallback_steps += 1
+        if self.fallback_steps == 2 and not self.forbid_split:
+            self.cache._warn_dequantize_fallback()
+        keys, values = self.dequantized()
+        keys._cocktail_layer = self
+        return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.seq_len + query_length, 0
@@ -150,7 +159,7 @@ class CocktailLayer(CacheLayerMixin):
                                                cfg.torch_scale_dtype(k.dtype),
                                                quantize_k, quantize_v) for bits in PACKED_BITS]
         self.store = LayerStore(FullPart.from_sequences(fulls_k, fulls_v), packed)
-        if cfg.keep_context_copy:
+        if cfg.keep_context_copy and self.context_copy is None:
             end = max(p.ctx_end for p in plans)
             self.context_copy = (k[:, :, :end].to("cpu", copy=True), v[:, :, :end].to("cpu", copy=True))
         self.seq_len = k.shape[2]
@@ -185,8 +194,9 @@ class CocktailLayer(CacheLayerMixin):
         return keys, values
 
     # ----------------------------------------------------------------- batch manipulation
-    def select_sequences(self, indices: list[int]) -> None:
-        """Keep (and reorder / repeat) sequences ``indices`` of the batch."""
+    def select_sequences(self, indices: list[int], same_packed: bool = False) -> None:
+        """Keep (and reorder / repeat) sequences ``indices`` of the batch. ``same_packed``: every new row comes from
+        the same prompt as the old row at its place (beams of one prompt), so only the full-precision part moves."""
         if self.deferred is not None:
             idx = torch.tensor(indices, dtype=torch.long, device=self.deferred[0].device)
             self.deferred = tuple(t.index_select(0, idx) for t in self.deferred)
@@ -197,6 +207,9 @@ class CocktailLayer(CacheLayerMixin):
         idx = torch.tensor(indices, dtype=torch.long, device=dev)
         full = FullPart(st.full.keys.index_select(0, idx), st.full.values.index_select(0, idx),
                         [st.full.start[i] for i in indices])
+        if same_packed:
+            self.store = LayerStore(full, st.segments)
+            return
         segs = []
         for seg in st.segments:
             tok = [slice(seg.tok_off[i], seg.tok_off[i + 1]) for i in indices]
@@ -215,14 +228,17 @@ class CocktailLayer(CacheLayerMixin):
         if tokens_to_remove > 0:
             raise ValueError(f"crop expects a negative number of tokens to remove, got {tokens_to_remove}")
         n = -tokens_to_remove
-        if n == 0 or self.store is None:
+        if n == 0 or (self.store is None and self.deferred is None):
             return
-        generated = self.seq_len - self.cache._prefill_len
+        generated = self.seq_len - self.cache._prompt_len
         if n > generated:
-            raise ValueError(f"CocktailCache can only crop tokens added after the prompt ({generated} here); "
-                             f"asked to remove {n}")
-        full = self.store.full
-        full.keys, full.values = full.keys[:, :, :-n], full.values[:, :, :-n]
+            raise ValueError(f"CocktailCache can only crop tokens added after the prompt ({max(generated, 0)} "
+                             f"here); asked to remove {n}")
+        if self.deferred is not None:
+            self.deferred = tuple(t[:, :, :-n] for t in self.deferred)
+        else:
+            full = self.store.full
+            full.keys, full.values = full.keys[:, :, :-n], full.values[:, :, :-n]
         self.seq_len -= n
 
 
@@ -259,6 +275,8 @@ class CocktailCache(Cache):
         self.config = config if config is not None else CocktailConfig()
         if not isinstance(self.config, CocktailConfig):
             raise TypeError(f"config must be a CocktailConfig, got {type(self.config).__name__}")
+        if encoder is not None and not callable(getattr(encoder, "encode", None)):
+            raise TypeError(f"encoder must have an encode(list[str]) -> Tensor method, got {type(encoder).__name__}")
         self._encoder = encoder
         self._plans: list[SequencePlan] | None = None
         self._prompt_len = 0
@@ -284,7 +302,8 @@ class CocktailCache(Cache):
         single = isinstance(prompts, str)
         prompts = [prompts] if single else list(prompts)
         if not prompts or not all(isinstance(p, str) for p in prompts):
-            raise TypeError("prompts must be a non-empty str or list of str")
+            raise TypeError(f"prompts must be a non-empty str or list of str, got "
+                            f"{[type(p).__name__ for p in prompts] or 'an empty list'}")
         B = len(prompts)
         contexts = self._per_sequence("contexts", contexts, B)
         queries = self._per_sequence("queries", queries, B)
@@ -326,7 +345,7 @@ class CocktailCache(Cache):
                     ce = max(cs, ce - self.config.recent_tokens)
             ids = enc["input_ids"][b]
             texts = [tokenizer.decode(ids[a:min(a + C, ce)]) for a in range(cs, ce, C)]
-            plan = SequencePlan(pad, cs, ce, texts, queries[b])
+            plan = SequencePlan(pad, cs, ce, texts, queries[b], origin=b)
             if self.config.scorer == "attention" and self.config.uniform_bits is None and ce > cs:
                 plan.query_span = self._find_span(prompts[b], queries[b] or "", offsets[b], mask, pad, L, ce,
                                                   f"queries[{b}]")
@@ -370,21 +389,27 @@ class CocktailCache(Cache):
     def accumulate_attention(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
         """scorer="attention": add the attention mass that the query's tokens give each context token in one layer's
         prefill. ``query (B, H_q, L, D)``, ``key (B, H_kv, L, D)``."""
-        n_rep = query.shape[1] // key.shape[1]
+        if query.shape[2] != key.shape[2] or any(p.query_span[1] > key.shape[2] for p in self._plans):
+            raise ValueError("scorer='attention' needs the whole prompt in one prefill forward; generation's "
+                             "prefill_chunk_size (chunked prefill) is not supported with it")
+        H_kv = key.shape[1]
+        n_rep = query.shape[1] // H_kv
         for b, plan in enumerate(self._plans):
             qs, qe = plan.query_span
             n_ctx = plan.ctx_end - plan.ctx_start
             if plan.attn_mass is None:
-                plan.attn_mass = torch.zeros(n_ctx, dtype=torch.float32)
+                plan.attn_mass = torch.zeros(n_ctx, dtype=torch.float32, device=key.device)
             if qe <= qs or n_ctx == 0:
                 continue
-            q = query[b, :, qs:qe].float()
-            k = key[b, :, plan.pad:qe].float().repeat_interleave(n_rep, 0)
-            logits = (q @ k.transpose(1, 2)) * scaling  # (H_q, n_q, T)
+            nq = qe - qs
+            q = query[b, :, qs:qe].float().reshape(H_kv, n_rep * nq, -1)  # rows ordered (rep, i)
+            k = key[b, :, plan.pad:qe].float()
+            logits = (q @ k.transpose(1, 2)) * scaling  # (H_kv, n_rep*n_q, T)
             j = torch.arange(k.shape[1], device=q.device) + plan.pad
-            i = torch.arange(qs, qe, device=q.device)
+            i = torch.arange(qs, qe, device=q.device).repeat(n_rep)
             p = torch.softmax(logits.masked_fill(j[None, None, :] > i[None, :, None], float("-inf")), dim=-1)
-            plan.attn_mass += p[..., plan.ctx_start - plan.pad:plan.ctx_end - plan.pad].sum((0, 1)).cpu()
+            plan.attn_mass += p[..., plan.ctx_start - plan.pad:plan.ctx_end - plan.pad].sum((0, 1)).to(
+                plan.attn_mass.device)
 
     def _plans_for_prefill(self, k: torch.Tensor, search: bool = True) -> list[SequencePlan]:
         if self._plans is None:
@@ -397,10 +422,10 @@ class CocktailCache(Cache):
         if B != n and B % n == 0 and self._prefill_len == -1:
             # generate expanded the prompts (num_beams / num_return_sequences): rows repeated consecutively
             self._plans = [dataclasses.replace(p) for p in self._plans for _ in range(B // n)]
-        if B != len(self._plans) or L > self._prompt_len:
-            raise RuntimeError(f"CocktailCache was prepared for {len(self._plans)} prompt(s) of {self._prompt_len} "
-                               f"tokens but the model's prefill has batch {B} and {L} tokens; pass the output of "
-                               "prepare_inputs to generate unchanged")
+        if B != len(self._plans):
+            raise RuntimeError(f"CocktailCache was prepared for {len(self._plans)} prompt(s) but the model's prefill "
+                               f"has batch {B}; pass the output of prepare_inputs to generate unchanged")
+        # L may exceed the prompt (assisted decoding prefills its first candidates too): those tokens are cropable
         if not search:
             return self._plans
         if self._prefill_len != L:
@@ -423,7 +448,8 @@ class CocktailCache(Cache):
                 if plan.attn_mass is None:
                     raise RuntimeError("scorer='attention' takes its scores from the prefill attention: load the model "
                                        "with attn_implementation='cocktail' (and do not use load_prefill)")
-                scores = torch.stack([plan.attn_mass[a - plan.ctx_start:b - plan.ctx_start].mean()
+                mass = plan.attn_mass.cpu()
+                scores = torch.stack([mass[a - plan.ctx_start:b - plan.ctx_start].mean()
                                       for a, b in (plan.chunk_range(i, cfg.chunk_size) for i in range(n))]) \
                     if n else torch.zeros(0)
             else:
@@ -457,18 +483,21 @@ class CocktailCache(Cache):
         self._searched = True
         self._prefill_len = -1
 
-    def load_prefill(self, past_key_values, split_attention: bool = True) -> None:
+    def load_prefill(self, past_key_values, split_attention: bool | None = None) -> None:
         """Fill the cache from an already computed full-precision prefill, e.g. a ``DynamicCache`` (one ``(keys,
         values)`` pair of ``(B, H_kv, L', D)`` per layer, ``L'`` <= the prepared prompt length and covering the
-        context). Lets one prefill be branched into several caches. ``split_attention``: the model runs with
-        ``attn_implementation="cocktail"`` (else decode uses the dequantizing fallback)."""
+        context). Lets one prefill be branched into several caches. ``split_attention=None`` (default) detects the
+        attention implementation at the first decode step; ``True`` asserts ``attn_implementation="cocktail"``
+        (saves that step's dequantization; wrong results under another implementation), ``False`` forces the
+        dequantizing path."""
         self.layers = []
         pairs = [(layer.keys, layer.values) for layer in past_key_values.layers] \
             if hasattr(past_key_values, "layers") else list(past_key_values)
         for i, (k, v) in enumerate(pairs):
             self.update(k, v, i)
-            self.layers[i].uses_split_attention = split_attention
+            self.layers[i].uses_split_attention = bool(split_attention)
             self.layers[i].in_prefill = False
+            self.layers[i].forbid_split = split_attention is False
 
     def requery(self, tokenizer, prompt: str, query: str, device=None):
         """Answer a new question about the same document without a new prefill (needs ``keep_context_copy``).
@@ -490,6 +519,9 @@ class CocktailCache(Cache):
                              f"{len(self._plans or [])}")
         if not isinstance(query, str):
             raise TypeError(f"query must be a str, got {type(query).__name__}")
+        if self.config.scorer == "attention":
+            raise ValueError("requery() supports scorer='encoder' or 'bm25'; scorer='attention' would need the new "
+                             "question's prefill attention over the old context (use a new prepare_inputs instead)")
         plan = self._plans[0]
         enc = tokenizer(prompt, return_tensors="pt")
         ids = enc["input_ids"]
@@ -518,12 +550,25 @@ class CocktailCache(Cache):
     def reset(self):
         self.layers = []
         self._searched = False
+        self._prefill_len = -1
 
     def _select(self, indices: list[int]) -> None:
+        plans = self._plans or []
+        same = len(indices) == len(plans) and all(plans[j] is plans[i] or plans[j].origin == plans[i].origin
+                                                  for i, j in enumerate(indices))
         for layer in self.layers:
-            layer.select_sequences(indices)
+            layer.select_sequences(indices, same_packed=same)
         if self._plans is not None:
             self._plans = [self._plans[i] for i in indices]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        # tokens removed from the prefill itself (assisted decoding's first candidates): positions shrink too
+        new_len = self.get_seq_length()
+        if self._plans and 0 <= new_len < self._prefill_len:
+            for plan in self._plans:
+                plan.build_positions(new_len, self.config.chunk_size)
+            self._prefill_len = new_len
 
     def reorder_cache(self, beam_idx: torch.LongTensor):
         self._select([int(i) for i in beam_idx.tolist()])
@@ -548,17 +593,27 @@ class CocktailCache(Cache):
     # ----------------------------------------------------------------- reports
     def precision_map(self) -> list[list[int]]:
         """Per sequence, the bits (16, 4 or 2) of each context chunk in original order."""
+        self._flush_deferred()
         if not self._plans or not self._searched:
             raise RuntimeError("precision_map() is available after the prefill of generate (the search runs there)")
         return [list(p.bits) for p in self._plans]
 
     def chunk_scores(self) -> list[list[float] | None]:
         """Per sequence, each context chunk's similarity score (None with ``uniform_bits``)."""
+        self._flush_deferred()
         if not self._plans or not self._searched:
             raise RuntimeError("chunk_scores() is available after the prefill of generate")
         return [p.scores for p in self._plans]
 
+    def _flush_deferred(self) -> None:
+        """scorer="attention" and generation ended at prefill: run the search and quantize now."""
+        for layer in self.layers:
+            if isinstance(layer, CocktailLayer) and layer.deferred is not None:
+                layer._prefill(*layer.deferred)
+                layer.deferred = None
+
     def _stores(self):
+        self._flush_deferred()
         return [layer.store for layer in self.layers if isinstance(layer, CocktailLayer) and layer.store is not None]
 
     def nbytes(self) -> int:

@@ -92,13 +92,13 @@ def _is_sentence_transformers(name: str) -> bool:
         return False
 
 
-_ENCODERS: dict[tuple[str, str | None], HFEncoder] = {}
+_ENCODERS: dict[tuple[str, str | None, int], HFEncoder] = {}
 _LOCK = threading.Lock()
 
 
 def get_encoder(name: str, device: str | None = None, batch_size: int = 64) -> HFEncoder:
     """The encoder for ``name``, loaded once per process and reused."""
-    key = (name, device)
+    key = (name, device, batch_size)
     with _LOCK:
         if key not in _ENCODERS:
             _ENCODERS[key] = HFEncoder(name, device=device, batch_size=batch_size)

@@ -140,9 +140,5 @@ class LayerStore:
     full: FullPart
     segments: list[PackedSegment]  # INT4 then INT2; a segment may hold 0 tokens
 
-    @property
-    def batch_size(self) -> int:
-        return self.full.keys.shape[0]
-
     def nbytes(self) -> int:
         return self.full.nbytes() + sum(s.nbytes_codes() + s.nbytes_params() for s in self.segments)

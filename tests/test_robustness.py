@@ -270,3 +270,70 @@ def test_attention_scorer_under_beam_search_matches_per_row(tiny_tokenizer):
     for i, (p, c, q) in enumerate([(p1, c1, q1), (p2, c2, q2)]):
         alone, _, ainp = gen(model, tiny_tokenizer, p, c, q, config, num_beams=2)
         assert torch.equal(batch[i, binp["input_ids"].shape[1]:], alone[0, ainp["input_ids"].shape[1]:])
+
+
+# ----------------------------------------------------------------------------- regressions found in review
+def test_load_prefill_default_is_right_under_any_attention(tiny_tokenizer):
+    prompt, ctx, q = make_prompt(50, needle_at=5)
+    outs = []
+    for attn in ("cocktail", "sdpa"):
+        model = make_tiny_llama(attn=attn)
+        cache = CocktailCache(cfg(uniform_bits=2), encoder=FakeEncoder())
+        inputs = cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q)
+        dyn = DynamicCache()
+        with torch.no_grad():
+            model(input_ids=inputs["input_ids"][:, :-1], past_key_values=dyn)
+        cache.load_prefill(dyn)
+        outs.append(model.generate(**inputs, past_key_values=cache, **GEN))
+    # the same branched cache decoded with split-precision attention and with plain SDPA over its dequantization
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    torch.testing.assert_close(logits(outs[0]), logits(outs[1]), rtol=1e-4, atol=1e-4)
+
+
+def test_prompt_lookup_with_candidates_at_the_first_step(tiny_tokenizer):
+    """The prompt ends with words that also occur in the context: the first assisted step already has candidates,
+    so the prefill is longer than the prompt and the rejected ones are cropped from it."""
+    ctx = random_text(60, seed=12)
+    tail = " ".join(ctx.split()[10:14])
+    prompt = f"<s> w1 {ctx} w2 {tail}"
+    kw = dict(prompt_lookup_num_tokens=3, do_sample=False, max_new_tokens=8)
+    for config, ref_attn in ((cfg(uniform_bits=16), None), (cfg(**QUANT), "sdpa")):
+        cache = CocktailCache(config, encoder=FakeEncoder())
+        out = make_tiny_llama().generate(**cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=tail),
+                                         past_key_values=cache, **kw)
+        if ref_attn is None:
+            ref = make_tiny_llama(attn="sdpa").generate(**tiny_tokenizer(prompt, return_tensors="pt"), **kw)
+        else:
+            rc = CocktailCache(config, encoder=FakeEncoder())
+            ref = make_tiny_llama(attn=ref_attn).generate(
+                **rc.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=tail), past_key_values=rc, **kw)
+        assert torch.equal(out, ref)
+
+
+def test_attention_scorer_reports_after_a_prefill_only_generate(tiny_llama, tiny_tokenizer):
+    prompt, ctx, q = make_prompt(40)
+    cache = CocktailCache(cfg(scorer="attention", **QUANT))
+    tiny_llama.generate(**cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q),
+                        past_key_values=cache, max_new_tokens=1)
+    assert len(cache.precision_map()[0]) == 5 and cache.nbytes() > 0
+
+
+def test_attention_scorer_reuse_with_beams(tiny_llama, tiny_tokenizer):
+    prompt, ctx, q = make_prompt(40)
+    cache = CocktailCache(cfg(scorer="attention", **QUANT))
+    outs = [tiny_llama.generate(**cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q),
+                                past_key_values=cache, num_beams=2, max_new_tokens=3, do_sample=False)
+            for _ in range(2)]
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_attention_scorer_refusals(tiny_llama, tiny_tokenizer):
+    prompt, ctx, q = make_prompt(40)
+    cache = CocktailCache(cfg(scorer="attention", keep_context_copy=True))
+    tiny_llama.generate(**cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q),
+                        past_key_values=cache, max_new_tokens=2)
+    with pytest.raises(ValueError, match="requery\\(\\) supports scorer='encoder' or 'bm25'"):
+        cache.requery(tiny_tokenizer, prompt, q)
+    with pytest.raises(ValueError, match="prefill_chunk_size"):
+        tiny_llama.generate(**cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q),
+                            past_key_values=cache, max_new_tokens=2, prefill_chunk_size=16)
