@@ -225,6 +225,7 @@ class CocktailLayer(CacheLayerMixin):
         self.store = LayerStore(full, segs)
 
     def crop(self, tokens_to_remove: int) -> None:
+        tokens_to_remove = int(tokens_to_remove)  # some transformers versions pass a 0-d tensor
         if tokens_to_remove > 0:
             raise ValueError(f"crop expects a negative number of tokens to remove, got {tokens_to_remove}")
         n = -tokens_to_remove
@@ -562,7 +563,7 @@ class CocktailCache(Cache):
             self._plans = [self._plans[i] for i in indices]
 
     def crop(self, tokens_to_remove: int) -> None:
-        super().crop(tokens_to_remove)
+        super().crop(int(tokens_to_remove))  # some transformers versions pass a 0-d tensor
         # tokens removed from the prefill itself (assisted decoding's first candidates): positions shrink too
         new_len = self.get_seq_length()
         if self._plans and 0 <= new_len < self._prefill_len:
