@@ -315,13 +315,19 @@ class CocktailCache(Cache):
         if not getattr(tokenizer, "is_fast", False):
             raise ValueError("prepare_inputs needs a fast tokenizer (offset mapping), got a slow one: "
                              "load it with AutoTokenizer.from_pretrained(..., use_fast=True)")
-        old_side = tokenizer.padding_side
+        old_side, old_pad = tokenizer.padding_side, tokenizer.pad_token
         tokenizer.padding_side = "left"
+        if B > 1 and old_pad is None:  # left padding is masked and never stored: any token id will do
+            if tokenizer.eos_token is None:
+                raise ValueError("a batch of prompts needs padding: set tokenizer.pad_token")
+            tokenizer.pad_token = tokenizer.eos_token
         try:
-            enc = tokenizer(prompts, return_tensors="pt", padding=True, return_offsets_mapping=True,
+            enc = tokenizer(prompts, return_tensors="pt", padding=B > 1, return_offsets_mapping=True,
                             **tokenizer_kwargs)
         finally:
             tokenizer.padding_side = old_side
+            if B > 1 and old_pad is None:
+                tokenizer.pad_token = old_pad
         offsets = enc.pop("offset_mapping")
         L = enc["input_ids"].shape[1]
         C = self.config.chunk_size
