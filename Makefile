@@ -9,7 +9,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.4"
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast test-compat bench clean
 
 setup: $(STAMP)
 
@@ -31,8 +31,20 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra tests -m "not slow"
 
+# the oldest supported transformers (5.17, the GPU machine's): core, robustness and property tests
+COMPAT_VENV ?= .venv-tf517
+$(COMPAT_VENV)/.installed: pyproject.toml Makefile
+	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(COMPAT_VENV)/bin/python -m pip install -q -e ".[dev]" "transformers==5.17.0" "$(TORCH_SPEC)"
+	touch $@
+
+test-compat: $(COMPAT_VENV)/.installed
+	$(COMPAT_VENV)/bin/python -m pytest -q -ra tests/test_core_units.py tests/test_core_cache.py \
+		tests/test_robustness.py tests/test_properties.py tests/test_devices.py
+
 bench: $(STAMP)
 	$(PY) eval/bench_latency.py --quick
 
 clean:
-	rm -rf $(VENV) demo_out .pytest_cache
+	rm -rf $(VENV) $(COMPAT_VENV) demo_out .pytest_cache
