@@ -15,7 +15,6 @@ import os
 import platform
 import subprocess
 import sys
-import time
 from typing import Any
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,14 +28,6 @@ SMOLLM2_ALIASES = ("smollm2", "smollm2-135m", "smollm2-135m-instruct", "huggingf
 
 class UsageError(ValueError):
     """A bad command-line argument (reported as a clean error, not a traceback)."""
-
-
-def data_dir(path: str | None = None) -> str:
-    return os.path.abspath(path) if path else DATA_DIR
-
-
-def default_model() -> str:
-    return "smollm2"
 
 
 def _smollm2_dir() -> str:
@@ -144,17 +135,18 @@ def fp16_kv_bytes(model_config, num_tokens: int, batch: int = 1) -> int:
     return int(cfg.num_hidden_layers * 2 * batch * heads * num_tokens * head_dim * 2)
 
 
-def deployed_tensor_bytes(t) -> int:
+def deployed_tensor_bytes(t, deployed: bool = True) -> int:
     """Bytes of a tensor in an FP16 deployment: floating-point tensors count 2 bytes per element whatever their dtype
-    here (the model runs in float32 on CPU), integer/packed tensors their real size."""
+    here (the model runs in float32 on CPU), integer/packed tensors their real size. ``deployed=False``: the bytes
+    really held here (element size of the actual dtype)."""
     import torch
 
     if t is None or not isinstance(t, torch.Tensor) or t.numel() == 0:
         return 0
     inner = _quanto_inner_tensors(t)
     if inner is not None:
-        return sum(deployed_tensor_bytes(x) for x in inner)
-    if t.is_floating_point():
+        return sum(deployed_tensor_bytes(x, deployed) for x in inner)
+    if t.is_floating_point() and deployed:
         return t.numel() * 2
     return t.numel() * t.element_size()
 
@@ -188,37 +180,36 @@ def _walk_tensors(obj, seen: set):
             yield from _walk_tensors(v, seen)
 
 
-def cache_kv_bytes(cache) -> int:
-    """Deployed bytes (see :func:`deployed_tensor_bytes`) of every key/value tensor a cache holds.
+def cache_kv_bytes(cache, deployed: bool = True) -> int:
+    """Bytes of every key/value tensor a cache holds: in an FP16 deployment (``deployed=True``, see
+    :func:`deployed_tensor_bytes`) or as really held here.
 
     Knows ``DynamicCache``, ``QuantizedCache`` (quanto, hqq), ``CocktailCache`` and the KIVI-like cache of
     ``eval.methods``."""
     from hf_cocktail import CocktailCache
 
     if isinstance(cache, CocktailCache):
+        if not deployed:
+            return cache.nbytes()
         total = 0
         for layer in cache.layers:
             st = layer.store
             if st is None:
                 continue
-            full = st.full
+            full = st.full  # valid (non-padding) tokens at 2 bytes per element
             total += sum(full.length - s for s in full.start) * full.keys.shape[1] * full.keys.shape[3] * 2 * 2
             for seg in st.segments:
                 total += sum(deployed_tensor_bytes(x) for x in seg.tensors())
         return total
     if hasattr(cache, "kv_nbytes"):
-        return cache.kv_nbytes()
+        return cache.kv_nbytes(deployed)
     total = 0
     seen: set = set()
     for layer in cache.layers:
         for attr in ("keys", "values", "_quantized_keys", "_quantized_values"):
             for t in _walk_tensors(getattr(layer, attr, None), seen):
-                total += deployed_tensor_bytes(t)
+                total += deployed_tensor_bytes(t, deployed)
     return total
-
-
-def cache_seq_length(cache) -> int:
-    return int(cache.get_seq_length())
 
 
 # ---------------------------------------------------------------------------------------------- run metadata
@@ -270,23 +261,6 @@ def write_json(path: str, obj) -> None:
     os.replace(tmp, path)
 
 
-class Timer:
-    def __init__(self, sync=None):
-        self.sync = sync
-
-    def __enter__(self):
-        if self.sync:
-            self.sync()
-        self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        if self.sync:
-            self.sync()
-        self.s = time.perf_counter() - self.t0
-        return False
-
-
 def cuda_sync():
     import torch
 
@@ -312,3 +286,79 @@ def parse_int_list(s: str, name: str) -> list[int]:
     if not vals:
         raise UsageError(f"{name} is empty")
     return vals
+
+
+class PeakMemory:
+    """Peak memory growth over a block: CUDA allocated bytes on GPU, else the process RSS polled every ~2 ms (glibc's
+    free memory is trimmed first so that the baseline is the memory really in use). ``mark()`` starts a second
+    phase, whose peak is reported separately (e.g. decode after prefill)."""
+
+    def __init__(self, device):
+        import torch
+
+        self.cuda = getattr(device, "type", str(device)) == "cuda" and torch.cuda.is_available()
+        self.peaks = [0, 0]
+        self.phase = 0
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def __enter__(self):
+        import threading
+
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+            return self
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+        self.base = self._rss()
+        self._stop = threading.Event()
+
+        def poll():
+            while not self._stop.is_set():
+                r = self._rss() - self.base
+                if r > self.peaks[self.phase]:
+                    self.peaks[self.phase] = r
+                self._stop.wait(0.002)
+
+        self._thread = threading.Thread(target=poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def mark(self) -> None:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.peaks[0] = torch.cuda.max_memory_allocated() - self.base
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            r = self._rss() - self.base
+            self.peaks[0] = max(self.peaks[0], r)
+        self.phase = 1
+
+    def __exit__(self, *exc):
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.peaks[self.phase] = max(self.peaks[self.phase], torch.cuda.max_memory_allocated() - self.base)
+        else:
+            self._stop.set()
+            self._thread.join()
+            self.peaks[self.phase] = max(self.peaks[self.phase], self._rss() - self.base)
+        return False
+
+    @property
+    def peak(self) -> int:
+        return max(self.peaks)

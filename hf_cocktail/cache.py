@@ -472,6 +472,20 @@ class CocktailCache(Cache):
         self._searched = True
         self._prefill_len = -1  # positions are built at prefill, for its length
 
+    def plan_bits_per_element(self) -> list[float]:
+        """Per sequence, the storage bits per context K/V element of the current precision plan (scales and zeros
+        included, FP16 chunks at 16 bits): what ``target_bits`` budgets. Needs the search (or set_precisions)."""
+        if not self._plans or not self._searched:
+            raise RuntimeError("plan_bits_per_element() needs run_search() or set_precisions() first")
+        cfg = self.config
+        cost = {16: 16.0, 4: cfg.packed_bits_per_element(4), 2: cfg.packed_bits_per_element(2)}
+        out = []
+        for plan in self._plans:
+            sizes = [b - a for a, b in (plan.chunk_range(i, cfg.chunk_size) for i in range(plan.num_chunks))]
+            total = sum(sizes)
+            out.append(sum(cost[x] * n for x, n in zip(plan.bits, sizes)) / total if total else 0.0)
+        return out
+
     def set_precisions(self, bits: list[list[int]]) -> None:
         """Impose the precision of every context chunk (per sequence, original order) instead of the search; call
         after :meth:`prepare_inputs` and before ``generate`` (used by ablations and custom policies)."""
