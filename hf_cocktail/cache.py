@@ -515,7 +515,7 @@ class CocktailCache(Cache):
         pairs = [(layer.keys, layer.values) for layer in past_key_values.layers] \
             if hasattr(past_key_values, "layers") else list(past_key_values)
         for i, (k, v) in enumerate(pairs):
-            self.update(k, v, i)
+            self.update(k.detach(), v.detach(), i)  # aliases: the caller's tensors are not tagged
             self.layers[i].uses_split_attention = bool(split_attention)
             self.layers[i].in_prefill = False
             self.layers[i].forbid_split = split_attention is False
@@ -643,13 +643,15 @@ class CocktailCache(Cache):
         return sum(st.nbytes() for st in self._stores())
 
     def memory_report(self) -> dict:
-        """Breakdown of :meth:`nbytes` plus what the same tokens would take in a FP16 cache."""
+        """Breakdown of :meth:`nbytes` plus what the same tokens would take in a FP16 cache. ``ratio_to_fp16``
+        counts the full-precision part at 2 bytes per element (an FP16 deployment) even for fp32 models."""
         stores = self._stores()
         rep = {"codes_bytes": 0, "scales_zeros_bytes": 0, "full_precision_bytes": 0, "layers": len(stores)}
-        fp16_equiv = 0
+        fp16_equiv = full_elements = 0
         for st in stores:
             H, D = st.full.keys.shape[1], st.full.keys.shape[3]
             rep["full_precision_bytes"] += st.full.nbytes()
+            full_elements += st.full.keys.numel() + st.full.values.numel()
             rep["codes_bytes"] += sum(s.nbytes_codes() for s in st.segments)
             rep["scales_zeros_bytes"] += sum(s.nbytes_params() for s in st.segments)
             tokens = st.full.valid_tokens() + sum(s.num_tokens for s in st.segments)
@@ -659,7 +661,9 @@ class CocktailCache(Cache):
         rep["context_copy_bytes"] = sum(sum(t.numel() * t.element_size() for t in layer.context_copy)
                                         for layer in self.layers if layer.context_copy is not None)
         rep["fp16_equivalent_bytes"] = fp16_equiv
-        rep["ratio_to_fp16"] = rep["total_bytes"] / fp16_equiv if fp16_equiv else float("nan")
+        # as deployed in FP16: the full-precision part at 2 bytes per element whatever the model's dtype
+        fp16_total = rep["codes_bytes"] + rep["scales_zeros_bytes"] + 2 * full_elements
+        rep["ratio_to_fp16"] = fp16_total / fp16_equiv if fp16_equiv else float("nan")
         counts = {16: 0, 4: 0, 2: 0}
         for p in self._plans or []:
             for bits in p.bits or []:
