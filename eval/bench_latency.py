@@ -22,7 +22,6 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from eval.bench_memory import _ratio, parse_args, run, save  # noqa: E402
-from eval.common import UsageError  # noqa: E402
 
 
 def latency_table(results) -> str:
@@ -160,8 +159,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    from eval.common import run_cli  # noqa: E402
+
+    run_cli(main)

@@ -116,8 +116,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    from eval.common import run_cli  # noqa: E402
+
+    run_cli(main)

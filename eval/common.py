@@ -362,3 +362,12 @@ class PeakMemory:
     @property
     def peak(self) -> int:
         return max(self.peaks)
+
+
+def run_cli(main) -> None:
+    """Entry point of the eval scripts: bad arguments exit with status 2 and a one-line error."""
+    try:
+        sys.exit(main())
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -605,8 +605,6 @@ def _write_run_info(args, methods, encoder, num_processes, runtime_s, n_work, ma
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    from eval.common import run_cli  # noqa: E402
+
+    run_cli(main)
