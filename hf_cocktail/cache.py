@@ -568,6 +568,16 @@ class CocktailCache(Cache):
             self.layers.append(CocktailLayer(self, len(self.layers)))
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
+    def _refuse_linear(self, *args, **kwargs):
+        raise ValueError("CocktailCache stores attention keys and values only: this model has linear-attention, "
+                         "convolution or state-space layers (a hybrid model), which it does not support; use the "
+                         "model's own cache (e.g. DynamicCache(config=model.config))")
+
+    update_conv_state = update_recurrent_state = get_conv_state = get_recurrent_state = _refuse_linear
+
+    def has_previous_state(self, layer_idx=None, state_idx=None) -> bool:
+        self._refuse_linear()
+
     def reset(self):
         self.layers = []
         self._searched = False

@@ -337,3 +337,15 @@ def test_attention_scorer_refusals(tiny_llama, tiny_tokenizer):
     with pytest.raises(ValueError, match="prefill_chunk_size"):
         tiny_llama.generate(**cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q),
                             past_key_values=cache, max_new_tokens=2, prefill_chunk_size=16)
+
+
+def test_hybrid_models_are_refused_clearly(tiny_tokenizer):
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    conf = Lfm2Config(vocab_size=200, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, layer_types=["conv", "full_attention"],
+                      pad_token_id=0, attn_implementation="cocktail")
+    model = Lfm2ForCausalLM(conf).eval()
+    prompt, ctx, q = make_prompt(40)
+    with pytest.raises(ValueError, match="hybrid model"):
+        run(model, tiny_tokenizer, prompt, ctx, q, cfg(uniform_bits=2))
