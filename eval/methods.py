@@ -89,6 +89,8 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     Method("bm25", "cocktail", "paper thresholds, chunks scored by BM25 (no encoder)", {"scorer": "bm25"}),
     Method("bm25_int4first", "matched", "BM25 scores, budget at paper-Cocktail's bits, INT4 first",
            {"beta": 0.0, "scorer": "bm25"}),
+    Method("cocktail_nb1", "cocktail", "paper Cocktail + the chunks next to each FP16 chunk at FP16 (neighbors=1)",
+           {"neighbors": 1}),
     Method("cocktail_a02", "cocktail", "paper search with alpha=0.2 (more INT4; more bytes)", {"alpha": 0.2}),
     Method("int2_nosink", "cocktail", "every context chunk INT2, no attention-sink protection (sink_tokens=0)",
            {"uniform_bits": 2, "sink_tokens": 0}),

@@ -14,7 +14,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import quant
 from .config import CocktailConfig
-from .search import TextEncoder, assign_budget, assign_precisions, bm25_scores, get_encoder, score_chunks
+from .search import (TextEncoder, assign_budget, assign_precisions, bm25_scores, get_encoder, promote_neighbors,
+                     score_chunks)
 from .store import FullPart, LayerStore, PackedSegment, _offsets
 
 logger = logging.getLogger(__name__)
@@ -463,7 +464,7 @@ class CocktailCache(Cache):
                 encoder = self._encoder or get_encoder(cfg.encoder, cfg.encoder_device, cfg.encoder_batch_size)
                 scores = score_chunks(encoder, plan.query or "", plan.chunk_texts)
             if cfg.target_bits is None:
-                bits = assign_precisions(scores, cfg.alpha, cfg.beta)
+                bits = promote_neighbors(assign_precisions(scores, cfg.alpha, cfg.beta), cfg.neighbors)
             else:
                 sizes = [b - a for a, b in (plan.chunk_range(i, cfg.chunk_size) for i in range(n))]
                 cost = {16: 16.0, 4: cfg.packed_bits_per_element(4), 2: cfg.packed_bits_per_element(2)}

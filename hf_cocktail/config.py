@@ -63,6 +63,8 @@ class CocktailConfig:
             context (attention sinks).
         recent_tokens: the last ``recent_tokens`` context tokens always stay at full precision.
         full_precision_layers: indices of layers kept entirely at full precision (e.g. ``(0,)``).
+        neighbors: chunks within ``neighbors`` positions of an FP16 chunk are promoted to FP16 too (alpha/beta
+            mode), so that a fact straddling a chunk boundary is not half INT2. 0 (default) is the paper.
         keep_context_copy: keep a full-precision copy of the prompt up to the end of the context on CPU, so that
             :meth:`CocktailCache.requery` can answer a new question about the same document without a new prefill.
     """
@@ -83,6 +85,7 @@ class CocktailConfig:
     recent_tokens: int = 0
     full_precision_layers: tuple = ()
     keep_context_copy: bool = False
+    neighbors: int = 0
 
     def __post_init__(self) -> None:
         _check(_is_int(self.chunk_size) and self.chunk_size >= 1,
@@ -107,6 +110,10 @@ class CocktailConfig:
         _check(isinstance(layers, (list, tuple)) and all(_is_int(i) and i >= 0 for i in layers),
                f"full_precision_layers must be a list of layer indices >= 0, got {layers!r}")
         self.full_precision_layers = tuple(sorted(set(layers)))
+        _check(_is_int(self.neighbors) and self.neighbors >= 0,
+               f"neighbors must be an integer >= 0, got {self.neighbors!r}")
+        _check(self.neighbors == 0 or self.target_bits is None,
+               f"neighbors applies to the alpha/beta mode, not with target_bits={self.target_bits!r}")
         _check(isinstance(self.keep_context_copy, bool),
                f"keep_context_copy must be True or False, got {self.keep_context_copy!r}")
         if self.target_bits is not None:

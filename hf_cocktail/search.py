@@ -203,3 +203,15 @@ def assign_budget(scores: torch.Tensor, sizes: Sequence[int], target_bits: float
             bits[i] = 16
             left -= (bits_cost[16] - bits_cost[4]) * sizes[i]
     return bits
+
+
+def promote_neighbors(bits: list[int], k: int) -> list[int]:
+    """Chunks within ``k`` positions of an FP16 chunk become FP16 too."""
+    if k <= 0:
+        return list(bits)
+    out = list(bits)
+    for i, b in enumerate(bits):
+        if b == 16:
+            for j in range(max(0, i - k), min(len(bits), i + k + 1)):
+                out[j] = 16
+    return out

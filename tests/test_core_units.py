@@ -139,3 +139,12 @@ def test_score_chunks_ranks_the_relevant_chunk_first_in_one_encoder_call():
     assert enc.calls == 1
     assert int(s.argmax()) == 1
     assert assign_precisions(s, 0.6, 0.1)[1] == 16
+
+
+def test_promote_neighbors():
+    from hf_cocktail.search import promote_neighbors
+
+    assert promote_neighbors([2, 2, 16, 4, 2, 2, 16], 1) == [2, 16, 16, 16, 2, 16, 16]
+    assert promote_neighbors([16, 2, 2], 0) == [16, 2, 2]
+    with pytest.raises(ValueError, match="neighbors applies to the alpha/beta mode"):
+        CocktailConfig(neighbors=1, target_bits=6.0)
