@@ -349,3 +349,17 @@ def test_hybrid_models_are_refused_clearly(tiny_tokenizer):
     prompt, ctx, q = make_prompt(40)
     with pytest.raises(ValueError, match="hybrid model"):
         run(model, tiny_tokenizer, prompt, ctx, q, cfg(uniform_bits=2))
+
+
+def test_batch_select_indices_keeps_the_selected_rows(tiny_llama, tiny_tokenizer):
+    p1, c1, q1 = make_prompt(50, seed=21, needle_at=3)
+    p2, c2, q2 = make_prompt(31, seed=22, needle_at=9)
+    _, bcache, _ = run(tiny_llama, tiny_tokenizer, [p1, p2], [c1, c2], [q1, q2], cfg(**QUANT))
+    _, acache, _ = run(tiny_llama, tiny_tokenizer, p2, c2, q2, cfg(**QUANT))
+    bcache.batch_select_indices(torch.tensor([False, True]))
+    assert bcache.precision_map() == acache.precision_map()
+    for lb, la in zip(bcache.layers, acache.layers):
+        for sb, sa in zip(lb.store.segments, la.store.segments):
+            assert sb.tok_off == sa.tok_off and all(torch.equal(x, y) for x, y in zip(sb.tensors(), sa.tensors()))
+        fb, fa = lb.store.full, la.store.full
+        torch.testing.assert_close(fb.keys[0, :, fb.start[0]:], fa.keys[0, :, fa.start[0]:], rtol=1e-5, atol=1e-5)
