@@ -409,6 +409,9 @@ def parse_args(argv=None):
                    help="per-task caps on the new tokens below dataset2maxlen, e.g. 'gov_report=128'")
     p.add_argument("--no-chat", action="store_true", help="never apply the chat template")
     p.add_argument("--encoder", default=None, help="retrieval encoder (default: the offline all-MiniLM-L6-v2)")
+    p.add_argument("--preset", default=None,
+                   help="a cocktail_config.json folder or Hub id (e.g. model_cards/smollm2-135m-instruct): adds the "
+                        "method 'preset' (its encoder is replaced by --encoder / the offline MiniLM)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per process (default: cores/processes)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -426,8 +429,10 @@ def parse_args(argv=None):
             metric_for(t)
         except ValueError as e:
             raise UsageError(str(e)) from e
-    from eval.methods import parse_methods
+    from eval.methods import parse_methods, register_preset
 
+    if args.preset:
+        register_preset(args.preset)
     args.method_list = parse_methods(args.methods)
     args.task_limit_map = parse_task_ints(args.task_limits, "--task-limits", args.task_list)
     args.new_cap_map = parse_task_ints(args.max_new_tokens_cap, "--max-new-tokens-cap", args.task_list)

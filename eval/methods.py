@@ -107,6 +107,19 @@ METHODS: dict[str, Method] = {m.name: m for m in [
 ]}
 
 
+def register_preset(name_or_path: str) -> Method:
+    """Add the method ``preset``: a CocktailCache with ``CocktailConfig.from_pretrained(name_or_path)``."""
+    try:
+        cfg = CocktailConfig.from_pretrained(name_or_path)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--preset {name_or_path!r}: {e}") from e
+    fields = cfg.to_dict()
+    fields.pop("format_version", None)
+    fields.pop("encoder", None)  # the evaluation's encoder (offline MiniLM unless --encoder)
+    METHODS["preset"] = Method("preset", "cocktail", f"CocktailConfig.from_pretrained({name_or_path!r})", fields)
+    return METHODS["preset"]
+
+
 def parse_methods(spec: str) -> list[Method]:
     names = [s.strip() for s in spec.split(",") if s.strip()]
     if not names:

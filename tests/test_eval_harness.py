@@ -277,3 +277,17 @@ def test_needle_placement(smollm2):
     assert c1["code"] != c2["code"] and c1["context"][:200] != c2["context"][:200]
     prompt, _ = build_prompt(tok, c1["context"])
     assert c1["context"] in prompt
+
+
+def test_preset_becomes_a_method():
+    from eval.methods import METHODS, parse_methods, register_preset
+
+    try:
+        import os
+
+        m = register_preset(os.path.join(os.path.dirname(__file__), "..", "model_cards", "smollm2-135m-instruct"))
+        assert parse_methods("fp16,preset")[1] is m
+        cfg = m.cocktail_config()
+        assert (cfg.chunk_size, cfg.alpha, cfg.beta) == (32, 0.6, 0.1)
+    finally:
+        METHODS.pop("preset", None)
