@@ -107,7 +107,9 @@ def cocktail_attention_forward(module, query, key, value, attention_mask, scalin
     Prefill (and any call whose keys do not come from a Cocktail layer after prefill) runs as SDPA does. Decode
     calls on a Cocktail layer run split-precision attention over the packed segments.
     """
-    layer = getattr(key, "_cocktail_layer", None)
+    from .cache import layer_of
+
+    layer = layer_of(key)
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     if layer is not None and window is not None:
         raise ValueError(

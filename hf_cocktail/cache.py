@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -70,7 +71,7 @@ class CocktailLayer(CacheLayerMixin):
 
     def __init__(self, cache: "CocktailCache", layer_idx: int = 0):
         super().__init__()
-        self.cache = cache
+        self._cache = weakref.ref(cache)  # the cache owns its layers: no reference cycle
         self.layer_idx = layer_idx
         self.all_full = layer_idx in cache.config.full_precision_layers
         self.config = cache.config
@@ -83,6 +84,10 @@ class CocktailLayer(CacheLayerMixin):
         self.deferred = None  # scorer="attention": the prefill's keys/values, quantized at the first decode step
         self.forbid_split = False  # load_prefill(split_attention=False): always dequantize
         self.fallback_steps = 0
+
+    @property
+    def cache(self) -> "CocktailCache":
+        return self._cache()
 
     # ----------------------------------------------------------------- CacheLayerMixin
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -104,7 +109,7 @@ class CocktailLayer(CacheLayerMixin):
                 self.seq_len, self.in_prefill = key_states.shape[2], True
             else:
                 self._prefill(key_states, value_states)
-            key_states._cocktail_layer = self
+            _tag(key_states, self)
             return key_states, value_states
         if self.deferred is not None:  # first decode step after an attention-scored prefill: quantize now
             self._prefill(*self.deferred)
@@ -114,7 +119,7 @@ class CocktailLayer(CacheLayerMixin):
         self.seq_len += key_states.shape[2]
         if self.uses_split_attention:
             keys = self.store.full.keys
-            keys._cocktail_layer = self
+            _tag(keys, self)
             return keys, self.store.full.values
         # under attn "cocktail" the attention function reads the store instead and switches this path off; still
         # here at a second decode step means another attention implementation consumes the dequantized cache
@@ -122,7 +127,7 @@ class CocktailLayer(CacheLayerMixin):
         if self.fallback_steps == 2 and not self.forbid_split:
             self.cache._warn_dequantize_fallback()
         keys, values = self.dequantized()
-        keys._cocktail_layer = self
+        _tag(keys, self)
         return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -242,6 +247,18 @@ class CocktailLayer(CacheLayerMixin):
             full = self.store.full
             full.keys, full.values = full.keys[:, :, :-n], full.values[:, :, :-n]
         self.seq_len -= n
+
+
+def _tag(keys: torch.Tensor, layer: "CocktailLayer") -> None:
+    """Let the attention function find the layer behind the key tensor it receives. A weak reference: the layer
+    holds these tensors, and a strong one would make a reference cycle that keeps whole caches alive until the
+    garbage collector runs."""
+    keys._cocktail_layer = weakref.ref(layer)
+
+
+def layer_of(keys: torch.Tensor) -> "CocktailLayer | None":
+    ref = getattr(keys, "_cocktail_layer", None)
+    return ref() if ref is not None else None
 
 
 def _quantizers(backend: str, device: torch.device):
