@@ -363,3 +363,19 @@ def test_batch_select_indices_keeps_the_selected_rows(tiny_llama, tiny_tokenizer
             assert sb.tok_off == sa.tok_off and all(torch.equal(x, y) for x, y in zip(sb.tensors(), sa.tensors()))
         fb, fa = lb.store.full, la.store.full
         torch.testing.assert_close(fb.keys[0, :, fb.start[0]:], fa.keys[0, :, fa.start[0]:], rtol=1e-5, atol=1e-5)
+
+
+def test_a_dropped_cache_is_freed_without_the_garbage_collector(tiny_llama, tiny_tokenizer):
+    import gc
+    import weakref
+
+    prompt, ctx, q = make_prompt(40)
+    gc.collect()
+    gc.disable()
+    try:
+        _, cache, _ = run(tiny_llama, tiny_tokenizer, prompt, ctx, q, cfg(**QUANT))
+        ref = weakref.ref(cache)
+        del cache
+        assert ref() is None  # no reference cycle: freed by reference counting alone
+    finally:
+        gc.enable()
