@@ -122,7 +122,7 @@ def cocktail_attention_forward(module, query, key, value, attention_mask, scalin
                              "argument; load the model with attn_implementation='eager'")
     if layer is None or layer.store is None or layer.in_prefill or layer.forbid_split:
         if layer is not None:
-            layer.uses_split_attention = True
+            layer.uses_split_attention = not layer.forbid_split
             if layer.deferred is not None:  # scorer="attention": the query tokens' attention scores the chunks
                 layer.cache.accumulate_attention(query, key, scaling if scaling is not None else
                                                  query.shape[-1] ** -0.5)

@@ -276,18 +276,19 @@ def test_attention_scorer_under_beam_search_matches_per_row(tiny_tokenizer):
 def test_load_prefill_default_is_right_under_any_attention(tiny_tokenizer):
     prompt, ctx, q = make_prompt(50, needle_at=5)
     outs = []
-    for attn in ("cocktail", "sdpa"):
+    for attn, split in (("cocktail", None), ("sdpa", None), ("cocktail", False)):
         model = make_tiny_llama(attn=attn)
         cache = CocktailCache(cfg(uniform_bits=2), encoder=FakeEncoder())
         inputs = cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q)
         dyn = DynamicCache()
         with torch.no_grad():
             model(input_ids=inputs["input_ids"][:, :-1], past_key_values=dyn)
-        cache.load_prefill(dyn)
+        cache.load_prefill(dyn, split_attention=split)
         outs.append(model.generate(**inputs, past_key_values=cache, **GEN))
     # the same branched cache decoded with split-precision attention and with plain SDPA over its dequantization
-    assert torch.equal(outs[0].sequences, outs[1].sequences)
-    torch.testing.assert_close(logits(outs[0]), logits(outs[1]), rtol=1e-4, atol=1e-4)
+    for other in outs[1:]:
+        assert torch.equal(outs[0].sequences, other.sequences)
+        torch.testing.assert_close(logits(outs[0]), logits(other), rtol=1e-4, atol=1e-4)
 
 
 def test_prompt_lookup_with_candidates_at_the_first_step(tiny_tokenizer):
