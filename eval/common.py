@@ -268,24 +268,22 @@ def cuda_sync():
         torch.cuda.synchronize()
 
 
-def parse_float_list(s: str, name: str) -> list[float]:
+def _parse_list(s: str, name: str, cast, kind: str) -> list:
     try:
-        vals = [float(x) for x in s.split(",") if x.strip() != ""]
+        vals = [cast(x) for x in s.split(",") if x.strip() != ""]
     except ValueError as e:
-        raise UsageError(f"{name} must be a comma-separated list of numbers, got {s!r}") from e
+        raise UsageError(f"{name} must be a comma-separated list of {kind}, got {s!r}") from e
     if not vals:
         raise UsageError(f"{name} is empty")
     return vals
+
+
+def parse_float_list(s: str, name: str) -> list[float]:
+    return _parse_list(s, name, float, "numbers")
 
 
 def parse_int_list(s: str, name: str) -> list[int]:
-    try:
-        vals = [int(x) for x in s.split(",") if x.strip() != ""]
-    except ValueError as e:
-        raise UsageError(f"{name} must be a comma-separated list of integers, got {s!r}") from e
-    if not vals:
-        raise UsageError(f"{name} is empty")
-    return vals
+    return _parse_list(s, name, int, "integers")
 
 
 class PeakMemory:
