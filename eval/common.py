@@ -213,12 +213,18 @@ def cache_kv_bytes(cache, deployed: bool = True) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- run metadata
-def git_commit() -> str:
+def git_commit(exclude: str | None = None) -> str:
+    """HEAD of the checkout, with ``+dirty`` when the working tree has changes outside ``exclude`` (a run's own
+    output folder: results written by the run itself do not make the code that ran "dirty")."""
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
         commit = out.stdout.strip() or "unknown"
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO_ROOT, capture_output=True, text=True,
-                               timeout=10).stdout.strip()
+        cmd = ["git", "status", "--porcelain"]
+        if exclude:
+            rel = os.path.relpath(os.path.abspath(exclude), REPO_ROOT)
+            if not rel.startswith(".."):
+                cmd += ["--", ".", f":(exclude){rel}"]
+        dirty = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
         return commit + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"

@@ -458,6 +458,7 @@ def _check_settings(out_dir: str, settings: dict) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     t_start = time.time()
+    commit = git_commit(exclude=args.out_dir)  # the code that runs (read now: a commit made mid-run is not it)
     from accelerate import PartialState
 
     import torch
@@ -565,7 +566,8 @@ def main(argv=None) -> int:
     state.wait_for_everyone()
     if state.is_main_process:
         summary = summarize(args.out_dir, args.task_list, [m.name for m in methods], ids_by_task, rows_by_task)
-        _write_run_info(args, methods, encoder, state.num_processes, time.time() - t_start, len(work), max_new)
+        _write_run_info(args, methods, encoder, state.num_processes, time.time() - t_start, len(work), max_new,
+                        commit)
         if not args.no_progress:
             print(open(os.path.join(args.out_dir, "summary.md"), encoding="utf-8").read())
         del summary
@@ -587,13 +589,13 @@ def _warm_up(model, tok, methods, encoder, dev) -> None:
         generate_from_branch(model, br.cache, ids, logits, 3)
 
 
-def _write_run_info(args, methods, encoder, num_processes, runtime_s, n_work, max_new):
+def _write_run_info(args, methods, encoder, num_processes, runtime_s, n_work, max_new, commit):
     path = os.path.join(args.out_dir, "run_info.json")
     old = {}
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
             old = json.load(f)
-    invocation = {"command": command_line(), "commit": git_commit(), "runtime_s": round(runtime_s, 1),
+    invocation = {"command": command_line(), "commit": commit, "runtime_s": round(runtime_s, 1),
                   "num_processes": num_processes, "examples_processed": n_work,
                   "finished_at": datetime.datetime.now().isoformat(timespec="seconds")}
     invocations = old.get("invocations", []) + [invocation]

@@ -129,6 +129,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     t_start = time.time()
+    commit = git_commit(exclude=args.out_dir)  # the code that runs (read now: a commit made mid-run is not it)
     from eval.methods import parse_methods
 
     methods = parse_methods(args.methods)
@@ -195,7 +196,7 @@ def main(argv=None) -> int:
     info_path = os.path.join(args.out_dir, "run_info.json")
     old = json.load(open(info_path, encoding="utf-8")) if os.path.isfile(info_path) else {}
     prev = old.get("invocations") or ([{k: old[k] for k in ("command", "commit", "runtime_s")}] if old else [])
-    inv = prev + [{"command": command_line(), "commit": git_commit(),
+    inv = prev + [{"command": command_line(), "commit": commit,
                                          "runtime_s": round(time.time() - t_start, 1), "cases_processed": len(todo)}]
     write_json(info_path, {
         "command": inv[0]["command"], "commit": inv[0]["commit"],

@@ -291,3 +291,26 @@ def test_preset_becomes_a_method():
         assert (cfg.chunk_size, cfg.alpha, cfg.beta) == (32, 0.6, 0.1)
     finally:
         METHODS.pop("preset", None)
+
+
+def test_git_commit_ignores_the_runs_own_output(tmp_path, monkeypatch):
+    """run_info's commit: results the run writes into its out dir do not mark it dirty; other changes do."""
+    import eval.common as common
+
+    repo = tmp_path / "repo"
+    (repo / "pkg").mkdir(parents=True)
+    (repo / "pkg" / "code.py").write_text("x = 1\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run(git + ["init", "-q"], cwd=repo, check=True)
+    subprocess.run(git + ["add", "."], cwd=repo, check=True)
+    subprocess.run(git + ["commit", "-q", "-m", "init"], cwd=repo, check=True)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+    monkeypatch.setattr(common, "REPO_ROOT", str(repo))
+    assert common.git_commit() == head
+    out = repo / "results" / "run1"
+    out.mkdir(parents=True)
+    (out / "scores.json").write_text("{}")
+    assert common.git_commit() == head + "+dirty"
+    assert common.git_commit(exclude=str(out)) == head
+    (repo / "pkg" / "code.py").write_text("x = 2\n")
+    assert common.git_commit(exclude=str(out)) == head + "+dirty"
