@@ -267,6 +267,18 @@ def write_json(path: str, obj) -> None:
     os.replace(tmp, path)
 
 
+def append_jsonl(path: str, record: dict) -> None:
+    """Append one JSON line to ``path``. A last line cut by a kill (no trailing newline) is closed first, so the new
+    record starts on its own line and stays readable (the cut line is skipped by the readers)."""
+    with open(path, "a+b") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+        f.write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
+
+
 def cuda_sync():
     import torch
 

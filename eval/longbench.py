@@ -1,10 +1,11 @@
 """LongBench v1 evaluation of KV-cache methods side by side (official ``pred.py`` / ``eval.py`` protocol).
 
 Per example: the task's prompt template is filled, the tokenized prompt is truncated in the middle to ``--window``
-tokens, the chat template is applied (except for trec, triviaqa, samsum, lsht, lcc, repobench-p), the prompt minus its
-last token is prefilled ONCE into a full-precision ``DynamicCache`` and that prefill is branched into every method's
-cache (see ``eval/methods.py``); each method then decodes greedily from the last prompt token, up to the task's
-``dataset2maxlen`` new tokens (samsum also stops at a newline, as the official code does).
+tokens, the chat template is applied (except for trec, triviaqa, samsum, lsht, lcc, repobench-p), the whole prompt is
+prefilled ONCE into a full-precision ``DynamicCache`` and that prefill is branched into every method's cache (see
+``eval/methods.py``); the first new token is the argmax of the shared prefill's last logits (as in a plain
+``generate``: every cache attends at full precision during its own prefill) and each method's cache decodes the rest
+greedily, up to the task's ``dataset2maxlen`` new tokens (samsum also stops at a newline, as the official code does).
 
 Usage (see eval/README.md)::
 
@@ -31,8 +32,8 @@ from dataclasses import dataclass, field
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from eval.common import (DATA_DIR, UsageError, cache_kv_bytes, command_line, fp16_kv_bytes, git_commit,  # noqa: E402
-                         hardware_info, model_input_device, set_threads, write_json)
+from eval.common import (DATA_DIR, UsageError, append_jsonl, cache_kv_bytes, command_line, fp16_kv_bytes,  # noqa: E402
+                         git_commit, hardware_info, model_input_device, set_threads, write_json)
 from eval.metrics import ENGLISH_TASKS, example_score, metric_for  # noqa: E402
 
 NO_CHAT_TASKS = ("trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p")
@@ -258,7 +259,8 @@ def _mean(values):
 
 def summarize(out_dir: str, tasks: list[str], methods: list[str], order: dict[str, list[str]],
               rows_by_task: dict[str, list[dict]]) -> dict:
-    """Score every (task, method) over its finished examples; write scores.json, summary.csv/.md and plots."""
+    """Score every (task, method) over its finished examples (rescored from the predictions); write scores.json,
+    summary.csv/.md and plots."""
     table = []
     per = {}
     for task in tasks:
@@ -267,7 +269,9 @@ def summarize(out_dir: str, tasks: list[str], methods: list[str], order: dict[st
             recs = {k: v for k, v in recs.items() if k in set(order[task])}
             if not recs:
                 continue
-            scores = [r["score"] for r in recs.values()]
+            # rescored from the stored predictions (as the official eval.py does): a metric fixed after a run
+            # reaches its finished examples too; the record's own "score" is what the metric gave when it was written
+            scores = [example_score(task, r["pred"], r["answers"], r.get("all_classes")) for r in recs.values()]
             n = len(recs)
             row = {"task": task, "method": method, "score": round(100 * sum(scores) / n, 2),
                    "kv_ratio": sum(r["kv_ratio"] for r in recs.values()) / n,
@@ -459,6 +463,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     t_start = time.time()
     commit = git_commit(exclude=args.out_dir)  # the code that runs (read now: a commit made mid-run is not it)
+    started_at = datetime.datetime.now().isoformat(timespec="seconds")
     from accelerate import PartialState
 
     import torch
@@ -496,6 +501,8 @@ def main(argv=None) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     if state.is_main_process:
         _check_settings(args.out_dir, settings)
+        _update_run_info(args.out_dir, started_at, {"command": command_line(), "commit": commit,
+                                                    "num_processes": state.num_processes, "status": "running"})
     state.wait_for_everyone()
     if not state.is_main_process:
         _check_settings(args.out_dir, settings)
@@ -553,11 +560,11 @@ def main(argv=None) -> int:
                        "shared_prefill_s": shared_prefill_s, "setup_s": br.setup_s, "decode_s": decode_s,
                        # the first new token comes from the shared prefill: n_new - 1 decode steps
                        "decode_ms_per_token": 1000 * decode_s / (n_new - 1) if n_new > 1 else None,
-                       "precision_counts": br.precision_counts, "process": state.process_index}
+                       "precision_counts": br.precision_counts, "process": state.process_index,
+                       "written_at": datetime.datetime.now().isoformat(timespec="seconds")}
                 pdir = parts_dir(args.out_dir, t, m.name)
                 os.makedirs(pdir, exist_ok=True)
-                with open(os.path.join(pdir, f"rank{state.process_index}.jsonl"), "a", encoding="utf-8") as f:
-                    f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                append_jsonl(os.path.join(pdir, f"rank{state.process_index}.jsonl"), rec)
                 del br
             del dyn
             if torch.cuda.is_available():
@@ -566,8 +573,10 @@ def main(argv=None) -> int:
     state.wait_for_everyone()
     if state.is_main_process:
         summary = summarize(args.out_dir, args.task_list, [m.name for m in methods], ids_by_task, rows_by_task)
-        _write_run_info(args, methods, encoder, state.num_processes, time.time() - t_start, len(work), max_new,
-                        commit)
+        _update_run_info(args.out_dir, started_at,
+                         {"runtime_s": round(time.time() - t_start, 1), "examples_processed": len(work),
+                          "finished_at": datetime.datetime.now().isoformat(timespec="seconds"),
+                          "status": "finished"}, _run_config(args, methods, encoder, max_new))
         if not args.no_progress:
             print(open(os.path.join(args.out_dir, "summary.md"), encoding="utf-8").read())
         del summary
@@ -589,26 +598,34 @@ def _warm_up(model, tok, methods, encoder, dev) -> None:
         generate_from_branch(model, br.cache, ids, logits, 3)
 
 
-def _write_run_info(args, methods, encoder, num_processes, runtime_s, n_work, max_new, commit):
-    path = os.path.join(args.out_dir, "run_info.json")
+def _update_run_info(out_dir: str, started_at: str, invocation: dict, config: dict | None = None) -> None:
+    """Record this invocation in ``run_info.json`` (main process only): written when the run starts (``status``
+    "running", so a killed run still leaves its command and commit) and updated when it finishes (runtime). Top
+    level: ``command`` / ``commit`` of the first invocation, ``runtime_s`` of all finished ones together,
+    ``config`` the union over invocations of the methods' configs."""
+    path = os.path.join(out_dir, "run_info.json")
     old = {}
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
             old = json.load(f)
-    invocation = {"command": command_line(), "commit": commit, "runtime_s": round(runtime_s, 1),
-                  "num_processes": num_processes, "examples_processed": n_work,
-                  "finished_at": datetime.datetime.now().isoformat(timespec="seconds")}
-    invocations = old.get("invocations", []) + [invocation]
-    # command / commit: the invocation that started the run (a resumed or summary-only run is listed in
-    # "invocations"); runtime_s: all invocations together
+    invocations = [x for x in old.get("invocations", []) if x.get("started_at") != started_at]
+    mine = next((x for x in old.get("invocations", []) if x.get("started_at") == started_at), {})
+    invocations.append({**mine, **invocation, "started_at": started_at})
     info = {"command": invocations[0]["command"], "commit": invocations[0]["commit"],
-            "runtime_s": round(sum(x["runtime_s"] for x in invocations), 1),
+            "runtime_s": round(sum(x.get("runtime_s") or 0 for x in invocations), 1),
+            "unfinished_invocations": sum(1 for x in invocations if x.get("status") == "running"),
             "hardware": old.get("hardware") or hardware_info(),
-            "config": {"methods": {m.name: m.config_dict(encoder) for m in methods},
-                       "args": {k: v for k, v in vars(args).items() if k != "method_list"},
-                       "max_new_tokens": max_new},
+            "config": old.get("config") or {},
             "invocations": invocations}
+    if config:
+        methods = {**info["config"].get("methods", {}), **config["methods"]}
+        info["config"] = {**config, "methods": methods}
     write_json(path, info)
+
+
+def _run_config(args, methods, encoder, max_new) -> dict:
+    return {"methods": {m.name: m.config_dict(encoder) for m in methods},
+            "args": {k: v for k, v in vars(args).items() if k != "method_list"}, "max_new_tokens": max_new}
 
 
 if __name__ == "__main__":

@@ -30,9 +30,9 @@ import time
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from eval.common import (DATA_DIR, UsageError, cache_kv_bytes, command_line, fp16_kv_bytes, git_commit,  # noqa: E402
-                         hardware_info, model_input_device, parse_float_list, parse_int_list, set_threads,
-                         write_json)
+from eval.common import (DATA_DIR, UsageError, append_jsonl, cache_kv_bytes, command_line, fp16_kv_bytes,  # noqa: E402
+                         git_commit, hardware_info, model_input_device, parse_float_list, parse_int_list,
+                         set_threads, write_json)
 
 NEEDLE = "The secret passcode for the vault is {code}."
 QUESTION = "What is the secret passcode for the vault?"
@@ -185,8 +185,7 @@ def main(argv=None) -> int:
                        "kv_ratio": kv / fp16_kv_bytes(model.config, seq), "prefill_s": prefill_s + br.setup_s,
                        "decode_s": dec, "precision_counts": br.precision_counts,
                        "needle_chunk_bits": _needle_chunk_bits(tok, br, prompt, case, kw)}
-                with open(rec_path, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                append_jsonl(rec_path, rec)
                 done[(rec["case"], m.name)] = rec
                 del br
             del dyn

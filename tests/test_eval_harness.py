@@ -237,6 +237,7 @@ def test_two_processes_same_scores_as_one_and_resume(tmp_path):
     info = json.load(open(os.path.join(two, "run_info.json")))
     assert {"command", "commit", "runtime_s", "hardware", "config"} <= set(info)
     assert info["invocations"][-1]["num_processes"] == 2
+    assert info["invocations"][-1]["status"] == "finished" and info["unfinished_invocations"] == 0
 
     # resume (in this process: nothing to compute, so no model is loaded): nothing is recomputed and finished
     # predictions are not rewritten
@@ -314,3 +315,31 @@ def test_git_commit_ignores_the_runs_own_output(tmp_path, monkeypatch):
     assert common.git_commit(exclude=str(out)) == head
     (repo / "pkg" / "code.py").write_text("x = 2\n")
     assert common.git_commit(exclude=str(out)) == head + "+dirty"
+
+
+def test_run_info_keeps_a_killed_invocation_and_append_survives_a_cut_line(tmp_path):
+    """A run records its command and commit when it starts (a run killed later still has them) and its runtime when
+    it ends; a record appended after a line cut by a kill starts on its own line and stays readable."""
+    from eval.common import append_jsonl
+    from eval.longbench import _update_run_info, read_records
+
+    out = str(tmp_path)
+    _update_run_info(out, "2026-01-01T00:00:00", {"command": "run A", "commit": "aaa", "status": "running"})
+    _update_run_info(out, "2026-01-01T01:00:00", {"command": "run B", "commit": "bbb", "status": "running"})
+    _update_run_info(out, "2026-01-01T01:00:00", {"runtime_s": 12.5, "status": "finished"},
+                     {"methods": {"fp16": {"kind": "dynamic"}}, "args": {}, "max_new_tokens": {}})
+    info = json.load(open(os.path.join(out, "run_info.json")))
+    assert [x["command"] for x in info["invocations"]] == ["run A", "run B"]
+    assert [x["status"] for x in info["invocations"]] == ["running", "finished"]
+    assert info["command"] == "run A" and info["commit"] == "aaa"
+    assert info["runtime_s"] == 12.5 and info["unfinished_invocations"] == 1
+    assert info["invocations"][1]["commit"] == "bbb" and list(info["config"]["methods"]) == ["fp16"]
+
+    pdir = os.path.join(out, "parts", "qasper", "fp16")
+    os.makedirs(pdir)
+    path = os.path.join(pdir, "rank0.jsonl")
+    append_jsonl(path, {"_id": "a", "score": 1.0})
+    with open(path, "a", encoding="utf-8") as f:
+        f.write('{"_id": "b", "sco')  # killed mid-write
+    append_jsonl(path, {"_id": "c", "score": 0.5})
+    assert sorted(read_records(out, "qasper", "fp16")) == ["a", "c"]
