@@ -126,6 +126,33 @@ def parse_args(argv=None):
     return args
 
 
+SETTINGS_KEYS = ("model", "dtype", "max_new_tokens", "encoder", "seed", "raw_prompt")
+
+
+def _check_settings(args) -> None:
+    """Refuse to resume into ``--out-dir`` with settings that change what a finished case means (its records would
+    be reused as they are). The old settings come from ``settings.json``, or from ``run_info.json`` for folders
+    written before it existed."""
+    settings = {k: getattr(args, k) for k in SETTINGS_KEYS}
+    os.makedirs(args.out_dir, exist_ok=True)
+    path = os.path.join(args.out_dir, "settings.json")
+    old = None
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            old = json.load(f)
+    elif os.path.isfile(os.path.join(args.out_dir, "run_info.json")):
+        with open(os.path.join(args.out_dir, "run_info.json"), encoding="utf-8") as f:
+            old_args = json.load(f).get("config", {}).get("args", {})
+        defaults = vars(parse_args(["--out-dir", args.out_dir]))
+        old = {k: old_args.get(k, defaults[k]) for k in SETTINGS_KEYS}
+    if old is not None:
+        diff = {k: (old.get(k), settings[k]) for k in SETTINGS_KEYS if old.get(k) != settings[k]}
+        if diff:
+            raise UsageError(f"{args.out_dir} holds results made with other settings {diff} (old, new); use another "
+                             "--out-dir or the same settings to resume")
+    write_json(path, settings)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     t_start = time.time()
@@ -144,6 +171,7 @@ def main(argv=None) -> int:
 
     encoder = args.encoder or offline_encoder_path()
     os.makedirs(args.out_dir, exist_ok=True)
+    _check_settings(args)
     rec_path = os.path.join(args.out_dir, "records.jsonl")
     done = {}
     if os.path.isfile(rec_path):

@@ -343,3 +343,23 @@ def test_run_info_keeps_a_killed_invocation_and_append_survives_a_cut_line(tmp_p
         f.write('{"_id": "b", "sco')  # killed mid-write
     append_jsonl(path, {"_id": "c", "score": 0.5})
     assert sorted(read_records(out, "qasper", "fp16")) == ["a", "c"]
+
+
+def test_needle_refuses_to_resume_with_other_settings(tmp_path):
+    from eval import needle
+
+    out = str(tmp_path / "n")
+    needle._check_settings(needle.parse_args(["--out-dir", out, "--seed", "1"]))
+    needle._check_settings(needle.parse_args(["--out-dir", out, "--seed", "1", "--lengths", "500"]))  # grid may grow
+    with pytest.raises(UsageError, match="seed"):
+        needle._check_settings(needle.parse_args(["--out-dir", out, "--seed", "2"]))
+    # a folder written before settings.json existed: its run_info's args are the old settings
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "run_info.json").write_text(json.dumps({"config": {"args": {"model": "smollm2", "dtype": "float32",
+                                                                       "max_new_tokens": 16, "encoder": None,
+                                                                       "seed": 0, "raw_prompt": True}}}))
+    with pytest.raises(UsageError, match="raw_prompt"):
+        needle._check_settings(needle.parse_args(["--out-dir", str(old)]))
+    needle._check_settings(needle.parse_args(["--out-dir", str(old), "--raw-prompt"]))
+    assert json.load(open(old / "settings.json"))["raw_prompt"] is True
