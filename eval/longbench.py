@@ -263,6 +263,7 @@ def summarize(out_dir: str, tasks: list[str], methods: list[str], order: dict[st
     summary.csv/.md and plots."""
     table = []
     per = {}
+    ex_scores: dict[tuple[str, str], dict[str, float]] = {}
     for task in tasks:
         for method in methods:
             recs = merge_records(out_dir, task, method, order[task])
@@ -271,7 +272,9 @@ def summarize(out_dir: str, tasks: list[str], methods: list[str], order: dict[st
                 continue
             # rescored from the stored predictions (as the official eval.py does): a metric fixed after a run
             # reaches its finished examples too; the record's own "score" is what the metric gave when it was written
-            scores = [example_score(task, r["pred"], r["answers"], r.get("all_classes")) for r in recs.values()]
+            by_id = {k: example_score(task, r["pred"], r["answers"], r.get("all_classes")) for k, r in recs.items()}
+            ex_scores[(task, method)] = by_id
+            scores = list(by_id.values())
             n = len(recs)
             row = {"task": task, "method": method, "score": round(100 * sum(scores) / n, 2),
                    "kv_ratio": sum(r["kv_ratio"] for r in recs.values()) / n,
@@ -298,7 +301,16 @@ def summarize(out_dir: str, tasks: list[str], methods: list[str], order: dict[st
                          "prefill_s": sum(r["prefill_s"] for r in rows) / k,
                          "decode_ms_per_token": _mean([r["decode_ms_per_token"] for r in rows]),
                          "n": sum(r["n"] for r in rows), "tasks": k})
-    write_json(os.path.join(out_dir, "scores.json"), {"per_task": table, "average": averages})
+    paired = []
+    if "fp16" in methods:
+        for method in methods:
+            if method == "fp16":
+                continue
+            res = paired_difference({t: ex_scores[(t, "fp16")] for t in tasks if (t, "fp16") in ex_scores},
+                                    {t: ex_scores[(t, method)] for t in tasks if (t, method) in ex_scores})
+            if res is not None:
+                paired.append({"method": method, "reference": "fp16", **res})
+    write_json(os.path.join(out_dir, "scores.json"), {"per_task": table, "average": averages, "paired_vs_fp16": paired})
     cols = ["task", "method", "score", "kv_ratio", "prefill_s", "decode_ms_per_token", "n"]
     with open(os.path.join(out_dir, "summary.csv"), "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
@@ -307,12 +319,41 @@ def summarize(out_dir: str, tasks: list[str], methods: list[str], order: dict[st
             dec = r["decode_ms_per_token"]
             w.writerow([r["task"], r["method"], f"{r['score']:.2f}", f"{r['kv_ratio']:.4f}", f"{r['prefill_s']:.3f}",
                         "" if dec is None else f"{dec:.1f}", r["n"]])
-    _write_markdown(out_dir, tasks, methods, per, averages, table)
+    _write_markdown(out_dir, tasks, methods, per, averages, table, paired)
     _plots(out_dir, tasks, methods, per, averages)
-    return {"per_task": table, "average": averages}
+    return {"per_task": table, "average": averages, "paired_vs_fp16": paired}
 
 
-def _write_markdown(out_dir, tasks, methods, per, averages, table):
+def paired_difference(ref: dict[str, dict[str, float]], other: dict[str, dict[str, float]], n_boot: int = 2000,
+                      seed: int = 0) -> dict | None:
+    """Paired comparison of two methods on the examples both finished: the LongBench average (mean over tasks of
+    the task's mean score, x100) of ``other`` minus ``ref``, with a 95% bootstrap interval (examples resampled with
+    replacement within each task, ``n_boot`` times), and how many examples scored higher / the same / lower.
+
+    ``ref`` / ``other``: task -> {example id: score in [0, 1]}. None when no task has a common example."""
+    import random
+
+    diffs = {}
+    for task in ref:
+        common = sorted(set(ref[task]) & set(other.get(task, {})))
+        if common:
+            diffs[task] = [other[task][x] - ref[task][x] for x in common]
+    if not diffs:
+        return None
+
+    def avg(per_task):
+        return 100 * sum(sum(d) / len(d) for d in per_task.values()) / len(per_task)
+
+    rng = random.Random(seed)
+    boots = sorted(avg({t: rng.choices(d, k=len(d)) for t, d in diffs.items()}) for _ in range(n_boot))
+    flat = [x for d in diffs.values() for x in d]
+    return {"diff": round(avg(diffs), 2), "ci95": [round(boots[int(0.025 * (n_boot - 1))], 2),
+                                                  round(boots[int(0.975 * (n_boot - 1))], 2)],
+            "better": sum(x > 0 for x in flat), "same": sum(x == 0 for x in flat), "worse": sum(x < 0 for x in flat),
+            "examples": len(flat), "tasks": len(diffs)}
+
+
+def _write_markdown(out_dir, tasks, methods, per, averages, table, paired=()):
     present = [m for m in methods if any(r["method"] == m for r in table)]
     lines = ["# LongBench results", "",
              "Score (LongBench metric x100, see eval/README.md), per task and method; `n` examples per task.", "",
@@ -332,6 +373,13 @@ def _write_markdown(out_dir, tasks, methods, per, averages, table):
         dec = "-" if a["decode_ms_per_token"] is None else f"{a['decode_ms_per_token']:.0f}"
         lines.append(f"| {m} | {a['score']:.2f} | {a['kv_ratio']:.3f} | {a['prefill_s']:.2f} | {dec} | {a['n']} | "
                      f"{a['tasks']} |")
+    if paired:
+        lines += ["", "Paired with fp16 on the same examples: difference of the LongBench average (points), 95% "
+                  "bootstrap interval (examples resampled within tasks), examples scoring higher / the same / lower.",
+                  "", "| method | avg - fp16 | 95% interval | higher / same / lower |", "|---|---|---|---|"]
+        for p in paired:
+            lines.append(f"| {p['method']} | {p['diff']:+.2f} | [{p['ci95'][0]:+.2f}, {p['ci95'][1]:+.2f}] | "
+                         f"{p['better']} / {p['same']} / {p['worse']} |")
     incomplete = [r for r in table if r["n"] < r["n_expected"]]
     if incomplete:
         lines += ["", "Incomplete (task, method) pairs (run still going or interrupted): " +

@@ -363,3 +363,20 @@ def test_needle_refuses_to_resume_with_other_settings(tmp_path):
         needle._check_settings(needle.parse_args(["--out-dir", str(old)]))
     needle._check_settings(needle.parse_args(["--out-dir", str(old), "--raw-prompt"]))
     assert json.load(open(old / "settings.json"))["raw_prompt"] is True
+
+
+def test_paired_difference_vs_reference():
+    from eval.longbench import paired_difference
+
+    ref = {"a": {"x": 0.0, "y": 1.0}, "b": {"z": 0.5}}
+    same = paired_difference(ref, ref)
+    assert same["diff"] == 0 and same["ci95"] == [0, 0] and (same["better"], same["same"], same["worse"]) == (0, 3, 0)
+    # task a: +1 on x, 0 on y -> +0.5; task b: -0.5 -> average (0.5 - 0.5) / 2 = 0
+    other = {"a": {"x": 1.0, "y": 1.0}, "b": {"z": 0.0, "extra": 1.0}}
+    r = paired_difference(ref, other)
+    assert r["diff"] == 0 and (r["better"], r["same"], r["worse"]) == (1, 1, 1) and r["examples"] == 3
+    assert r["ci95"][0] < 0 < r["ci95"][1]
+    # always +0.25 on every example: the interval collapses on the difference
+    up = {t: {k: v + 0.25 for k, v in d.items()} for t, d in ref.items()}
+    assert paired_difference(ref, up)["ci95"] == [25.0, 25.0]
+    assert paired_difference(ref, {"c": {"x": 1.0}}) is None
