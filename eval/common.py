@@ -215,15 +215,15 @@ def cache_kv_bytes(cache, deployed: bool = True) -> int:
 # ---------------------------------------------------------------------------------------------- run metadata
 def git_commit(exclude: str | None = None) -> str:
     """HEAD of the checkout, with ``+dirty`` when the working tree has changes outside ``exclude`` (a run's own
-    output folder: results written by the run itself do not make the code that ran "dirty")."""
+    output folder) and ``eval/results``: results being written do not make the code that ran "dirty"."""
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
         commit = out.stdout.strip() or "unknown"
-        cmd = ["git", "status", "--porcelain"]
+        cmd = ["git", "status", "--porcelain", "--", ".", ":(exclude)eval/results"]
         if exclude:
             rel = os.path.relpath(os.path.abspath(exclude), REPO_ROOT)
             if not rel.startswith(".."):
-                cmd += ["--", ".", f":(exclude){rel}"]
+                cmd.append(f":(exclude){rel}")
         dirty = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
         return commit + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):

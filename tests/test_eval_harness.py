@@ -313,6 +313,9 @@ def test_git_commit_ignores_the_runs_own_output(tmp_path, monkeypatch):
     (out / "scores.json").write_text("{}")
     assert common.git_commit() == head + "+dirty"
     assert common.git_commit(exclude=str(out)) == head
+    (repo / "eval" / "results").mkdir(parents=True)
+    (repo / "eval" / "results" / "other_run.json").write_text("{}")  # another run's output: not code either
+    assert common.git_commit(exclude=str(out)) == head
     (repo / "pkg" / "code.py").write_text("x = 2\n")
     assert common.git_commit(exclude=str(out)) == head + "+dirty"
 
