@@ -97,8 +97,8 @@ def save(args, results, table, title):
     os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
     from eval.common import command_line, git_commit
 
-    write_json(args.out, {"command": command_line(), "commit": git_commit(exclude=args.out), "hardware": hardware_info(),
-                          "results": results})
+    write_json(args.out, {"command": command_line(), "commit": git_commit(exclude=args.out),
+                          "hardware": hardware_info(), "results": results})
     with open(os.path.splitext(args.out)[0] + ".md", "w", encoding="utf-8") as f:
         f.write(f"# {title}\n\n`{command_line()}`\n\n{table}\n")
 
