@@ -167,7 +167,7 @@ def test_branch_gives_same_tokens_as_generate(smollm2):
     q = "What is the main point of these essays?"
     input_ids = tok(prompt, return_tensors="pt", **kw)["input_ids"]
     dyn, logits = prefill(model, input_ids)
-    for name in ("fp16", "cocktail", "kivi2"):
+    for name in ("fp16", "cocktail", "kivi2", "nosearch", "int4first", "hqq2", "quanto2"):
         m = METHODS[name]
         br = branch(m, model, tok, dyn, input_ids, prompt, ctx, q, "t", kw)
         new = generate_from_branch(model, br.cache, input_ids, logits, 10)
