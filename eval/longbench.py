@@ -494,6 +494,24 @@ def parse_args(argv=None):
     return args
 
 
+def lock_out_dir(out_dir: str):
+    """An exclusive lock on ``out_dir/.lock`` for this run (released when the returned file is closed or the process
+    exits): a second run into the same folder would append to the same part files and merge them away under the
+    first one. POSIX only; elsewhere nothing is locked."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    f = open(os.path.join(out_dir, ".lock"), "w")  # noqa: SIM115 (kept open: the lock lives as long as the file)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise UsageError(f"another run is using --out-dir {out_dir} (it holds {out_dir}/.lock); wait for it to "
+                         "finish or use another --out-dir") from None
+    return f
+
+
 def _check_settings(out_dir: str, settings: dict) -> None:
     path = os.path.join(out_dir, "settings.json")
     if os.path.isfile(path):
@@ -548,6 +566,7 @@ def main(argv=None) -> int:
                 "encoder": os.path.basename(os.path.normpath(encoder)), "max_new_tokens_cap": args.new_cap_map}
     os.makedirs(args.out_dir, exist_ok=True)
     if state.is_main_process:
+        lock = lock_out_dir(args.out_dir)  # noqa: F841 (held until the process exits)
         _check_settings(args.out_dir, settings)
         _update_run_info(args.out_dir, started_at, {"command": command_line(), "commit": commit,
                                                     "num_processes": state.num_processes, "status": "running"})
@@ -564,6 +583,7 @@ def main(argv=None) -> int:
             if missing:
                 work.append((t, i, missing))
     shard = work[state.process_index::state.num_processes]
+    state.wait_for_everyone()  # every process has read the finished records before any writes new ones
 
     if shard:
         from eval.common import load_model_and_tokenizer

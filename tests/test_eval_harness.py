@@ -252,6 +252,12 @@ def test_two_processes_same_scores_as_one_and_resume(tmp_path):
     # other settings in the same folder are refused
     with pytest.raises(UsageError, match="other settings"):
         longbench.main(["--out-dir", one] + args + ["--window", "300"])
+    # so is a second run while one holds the folder
+    held = longbench.lock_out_dir(one)
+    with pytest.raises(UsageError, match="another run is using"):
+        longbench.main(["--out-dir", one] + args)
+    held.close()
+    assert longbench.main(["--out-dir", one] + args) == 0
 
 
 # ---------------------------------------------------------------------------------------------- needle
