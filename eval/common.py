@@ -256,7 +256,15 @@ def hardware_info() -> dict:
 
 
 def command_line() -> str:
-    return " ".join([os.path.relpath(sys.argv[0], REPO_ROOT) if sys.argv else ""] + sys.argv[1:])
+    """The script and its arguments; under several processes (torchrun, or ``accelerate launch``, which starts
+    torchrun) prefixed with the launcher and the process count, which the script's own argv does not show."""
+    cmd = " ".join([os.path.relpath(sys.argv[0], REPO_ROOT) if sys.argv else ""] + sys.argv[1:])
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world > 1:
+        launcher = ("accelerate launch --num_processes" if any(k.startswith("ACCELERATE_") for k in os.environ)
+                    else "torchrun --nproc_per_node")
+        cmd = f"{launcher} {world} {cmd}"
+    return cmd
 
 
 def write_json(path: str, obj) -> None:

@@ -389,3 +389,16 @@ def test_paired_difference_vs_reference():
     up = {t: {k: v + 0.25 for k, v in d.items()} for t, d in ref.items()}
     assert paired_difference(ref, up)["ci95"] == [25.0, 25.0]
     assert paired_difference(ref, {"c": {"x": 1.0}}) is None
+
+
+def test_command_line_names_the_launcher(monkeypatch):
+    from eval.common import command_line
+
+    monkeypatch.setattr(sys, "argv", [os.path.join(ROOT, "eval", "longbench.py"), "--out-dir", "x"])
+    for k in [k for k in os.environ if k.startswith("ACCELERATE_")] + ["WORLD_SIZE"]:
+        monkeypatch.delenv(k, raising=False)
+    assert command_line() == "eval/longbench.py --out-dir x"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert command_line() == "torchrun --nproc_per_node 2 eval/longbench.py --out-dir x"
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    assert command_line() == "accelerate launch --num_processes 2 eval/longbench.py --out-dir x"
