@@ -275,6 +275,25 @@ def write_json(path: str, obj) -> None:
     os.replace(tmp, path)
 
 
+def check_settings(out_dir: str, settings: dict, keys, fallback: dict | None = None) -> None:
+    """Refuse to resume into ``out_dir`` with other ``settings`` (compared on ``keys``): its finished records would be
+    reused as they are. The old settings are ``out_dir/settings.json`` (written by the first run), else ``fallback``
+    (for folders written before settings.json existed)."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "settings.json")
+    old = fallback
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            old = json.load(f)
+    if old is not None:
+        diff = {k: (old.get(k), settings.get(k)) for k in keys if old.get(k) != settings.get(k)}
+        if diff:
+            raise UsageError(f"{out_dir} holds results made with other settings {diff} (old, new); use another "
+                             "--out-dir or the same settings to resume")
+    if not os.path.isfile(path):
+        write_json(path, settings)
+
+
 def append_jsonl(path: str, record: dict) -> None:
     """Append one JSON line to ``path``. A last line cut by a kill (no trailing newline) is closed first, so the new
     record starts on its own line and stays readable (the cut line is skipped by the readers)."""

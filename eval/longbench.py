@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from eval.common import (DATA_DIR, UsageError, append_jsonl, cache_kv_bytes, command_line, fp16_kv_bytes,  # noqa: E402
-                         git_commit, hardware_info, model_input_device, set_threads, write_json)
+from eval.common import (DATA_DIR, UsageError, append_jsonl, cache_kv_bytes, check_settings, command_line,  # noqa: E402
+                         fp16_kv_bytes, git_commit, hardware_info, model_input_device, set_threads, write_json)
 from eval.metrics import ENGLISH_TASKS, example_score, metric_for  # noqa: E402
 
 NO_CHAT_TASKS = ("trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p")
@@ -267,7 +267,8 @@ def summarize(out_dir: str, tasks: list[str], methods: list[str], order: dict[st
     for task in tasks:
         for method in methods:
             recs = merge_records(out_dir, task, method, order[task])
-            recs = {k: v for k, v in recs.items() if k in set(order[task])}
+            wanted = set(order[task])
+            recs = {k: v for k, v in recs.items() if k in wanted}
             if not recs:
                 continue
             # rescored from the stored predictions (as the official eval.py does): a metric fixed after a run
@@ -512,19 +513,6 @@ def lock_out_dir(out_dir: str):
     return f
 
 
-def _check_settings(out_dir: str, settings: dict) -> None:
-    path = os.path.join(out_dir, "settings.json")
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            old = json.load(f)
-        diff = {k: (old.get(k), settings.get(k)) for k in SETTINGS_KEYS if old.get(k) != settings.get(k)}
-        if diff:
-            raise UsageError(f"{out_dir} holds results made with other settings {diff} (old, new); use another "
-                             "--out-dir or the same settings to resume")
-    else:
-        write_json(path, settings)
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     t_start = time.time()
@@ -567,12 +555,12 @@ def main(argv=None) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     if state.is_main_process:
         lock = lock_out_dir(args.out_dir)  # noqa: F841 (held until the process exits)
-        _check_settings(args.out_dir, settings)
+        check_settings(args.out_dir, settings, SETTINGS_KEYS)
         _update_run_info(args.out_dir, started_at, {"command": command_line(), "commit": commit,
                                                     "num_processes": state.num_processes, "status": "running"})
     state.wait_for_everyone()
     if not state.is_main_process:
-        _check_settings(args.out_dir, settings)
+        check_settings(args.out_dir, settings, SETTINGS_KEYS)
 
     # what is left to do: (task, example index) -> missing methods
     done = {(t, m.name): set(read_records(args.out_dir, t, m.name)) for t in args.task_list for m in methods}

@@ -30,8 +30,8 @@ import time
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from eval.common import (DATA_DIR, UsageError, append_jsonl, cache_kv_bytes, command_line, fp16_kv_bytes,  # noqa: E402
-                         git_commit, hardware_info, model_input_device, parse_float_list, parse_int_list,
+from eval.common import (DATA_DIR, UsageError, append_jsonl, cache_kv_bytes, check_settings, command_line,  # noqa: E402
+                         fp16_kv_bytes, git_commit, hardware_info, model_input_device, parse_float_list, parse_int_list,
                          set_threads, write_json)
 
 NEEDLE = "The secret passcode for the vault is {code}."
@@ -130,27 +130,16 @@ SETTINGS_KEYS = ("model", "dtype", "max_new_tokens", "encoder", "seed", "raw_pro
 
 
 def _check_settings(args) -> None:
-    """Refuse to resume into ``--out-dir`` with settings that change what a finished case means (its records would
-    be reused as they are). The old settings come from ``settings.json``, or from ``run_info.json`` for folders
-    written before it existed."""
-    settings = {k: getattr(args, k) for k in SETTINGS_KEYS}
-    os.makedirs(args.out_dir, exist_ok=True)
-    path = os.path.join(args.out_dir, "settings.json")
-    old = None
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            old = json.load(f)
-    elif os.path.isfile(os.path.join(args.out_dir, "run_info.json")):
-        with open(os.path.join(args.out_dir, "run_info.json"), encoding="utf-8") as f:
+    """Refuse to resume into ``--out-dir`` with settings that change what a finished case means; folders written
+    before settings.json existed are compared with their run_info's args."""
+    fallback = None
+    info = os.path.join(args.out_dir, "run_info.json")
+    if os.path.isfile(info):
+        with open(info, encoding="utf-8") as f:
             old_args = json.load(f).get("config", {}).get("args", {})
         defaults = vars(parse_args(["--out-dir", args.out_dir]))
-        old = {k: old_args.get(k, defaults[k]) for k in SETTINGS_KEYS}
-    if old is not None:
-        diff = {k: (old.get(k), settings[k]) for k in SETTINGS_KEYS if old.get(k) != settings[k]}
-        if diff:
-            raise UsageError(f"{args.out_dir} holds results made with other settings {diff} (old, new); use another "
-                             "--out-dir or the same settings to resume")
-    write_json(path, settings)
+        fallback = {k: old_args.get(k, defaults[k]) for k in SETTINGS_KEYS}
+    check_settings(args.out_dir, {k: getattr(args, k) for k in SETTINGS_KEYS}, SETTINGS_KEYS, fallback)
 
 
 def main(argv=None) -> int:
@@ -170,7 +159,6 @@ def main(argv=None) -> int:
     from hf_cocktail import offline_encoder_path
 
     encoder = args.encoder or offline_encoder_path()
-    os.makedirs(args.out_dir, exist_ok=True)
     _check_settings(args)
     rec_path = os.path.join(args.out_dir, "records.jsonl")
     done = {}
