@@ -26,7 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from hf_cocktail.config import CONFIG_NAME, CocktailConfig  # noqa: E402
-from hf_cocktail.hub import README_NAME, make_model_card, read_results  # noqa: E402
+from hf_cocktail.hub import README_NAME  # noqa: E402
+from hf_cocktail.model_card import make_model_card, read_results  # noqa: E402
 
 CARDS_DIR = os.path.join(ROOT, "model_cards")
 META_NAME = "card_meta.json"

@@ -3,13 +3,17 @@
 ``import hf_cocktail`` registers ``attn_implementation="cocktail"``.
 """
 
-from .attention import ATTN_NAME, register as _register
-from .cache import CocktailCache, CocktailLayer
+from ._version import __version__
+from .attention import ATTN_NAME
+from .attention import register as _register
+from .cache import CocktailCache
+from .compat import cache_kwargs
 from .config import CocktailConfig
-from .search import EncoderUnavailableError, offline_encoder_path
+from .layer import CocktailLayer
+from .planning import PlanView
+from .scoring import EncoderUnavailableError, offline_encoder_path
 
 _register()
 
-__all__ = ["ATTN_NAME", "CocktailCache", "CocktailConfig", "CocktailLayer", "EncoderUnavailableError",
-           "offline_encoder_path"]
-__version__ = "0.1.0"
+__all__ = ["ATTN_NAME", "CocktailCache", "CocktailConfig", "CocktailLayer", "EncoderUnavailableError", "PlanView",
+           "__version__", "cache_kwargs", "offline_encoder_path"]

@@ -5,10 +5,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-CONFIG_NAME = "cocktail_config.json"
+import torch
+
+from .hub import CONFIG_NAME, README_NAME, download_config, hub_has_readme, upload_folder
+from .model_card import make_model_card
+
 FORMAT_VERSION = 1
 DEFAULT_ENCODER = "facebook/contriever"
 _BACKENDS = ("auto", "torch", "triton")
@@ -136,8 +141,6 @@ class CocktailConfig:
 
     def torch_scale_dtype(self, model_dtype):
         """The torch dtype of scales/zeros for a model whose keys/values have ``model_dtype``."""
-        import torch
-
         return model_dtype if self.scale_dtype == "model" else getattr(torch, self.scale_dtype)
 
     # ------------------------------------------------------------------ serialisation
@@ -189,8 +192,6 @@ class CocktailConfig:
             repo_id = os.path.basename(os.path.abspath(save_directory))
         _write_card(self, save_directory, model_card, repo_id or os.fspath(save_directory), card_kwargs)
         if push_to_hub:
-            from .hub import README_NAME, upload_folder
-
             upload_folder(save_directory, repo_id, commit_message=commit_message or _COMMIT_MESSAGE, private=private,
                           token=token, allow_patterns=[CONFIG_NAME] + ([README_NAME] if model_card is not False else []))
         return path
@@ -204,10 +205,6 @@ class CocktailConfig:
         ``str`` is uploaded as ``README.md`` (replacing the repo's); ``False`` uploads the config only.
         ``card_kwargs`` go to :func:`hf_cocktail.hub.make_model_card`.
         """
-        import tempfile
-
-        from .hub import hub_has_readme, upload_folder
-
         if model_card is True:
             if hub_has_readme(repo_id, token=token, revision=revision):
                 model_card, card_kwargs = False, {}
@@ -237,8 +234,6 @@ class CocktailConfig:
                     f" (the folder exists but has no {CONFIG_NAME})" if os.path.isdir(name) else
                     " (no such local file or folder)"))
         else:
-            from .hub import download_config
-
             path = download_config(name, revision=revision, cache_dir=cache_dir, token=token,
                                    local_files_only=local_files_only)
         with open(path, encoding="utf-8") as f:
@@ -268,8 +263,6 @@ def _write_card(config: CocktailConfig, folder: str | os.PathLike, model_card: b
     if model_card is False or (model_card is True and os.path.exists(path)):
         return
     if model_card is True:
-        from .hub import make_model_card
-
         model_card = make_model_card(config, **({"name_or_path": name_or_path} | card_kwargs))
     with open(path, "w", encoding="utf-8") as f:
         f.write(model_card)

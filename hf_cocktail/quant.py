@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import torch
 
-SUPPORTED_BITS = (2, 4)
+SUPPORTED_BITS = (2, 4)  # packed code widths
+PACKED_BITS = (4, 2)  # the packed segments of a layer, in storage order
+FULL_BITS = 16  # a chunk kept at full precision
+CHUNK_BITS = (FULL_BITS, *PACKED_BITS)  # every precision a context chunk can get
 
 
 def _check_bits(bits: int) -> int:
@@ -128,11 +131,12 @@ def quantize_pack_values(v: torch.Tensor, bits: int, group_size: int, scale_dtyp
 
 
 def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, chunk_size: int,
-                    out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``codes (H_kv, N, Dp)``, ``scale/zero (H_kv, M, D)`` -> keys ``(H_kv, N, D)``."""
+                    out_dtype: torch.dtype = torch.float32, first_token: int = 0) -> torch.Tensor:
+    """``codes (H_kv, N, Dp)``, ``scale/zero (H_kv, M, D)`` -> keys ``(H_kv, N, D)``. ``first_token``: index of the
+    first code's token counted from the start of chunk 0 of ``scale`` (for a block that starts mid-sequence)."""
     c = unpack_codes(codes, bits).float()
     N = c.shape[1]
-    idx = torch.arange(N, device=c.device) // chunk_size
+    idx = (torch.arange(N, device=c.device) + first_token) // chunk_size
     s = scale.float().index_select(1, idx)
     z = zero.float().index_select(1, idx)
     return (c * s + z).to(out_dtype)

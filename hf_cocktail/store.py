@@ -13,6 +13,7 @@ Shapes: B batch, H_kv key/value heads, D head dim, C chunk size, G value group s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -126,6 +127,29 @@ class PackedSegment:
     def tensors(self) -> list[torch.Tensor]:
         return [self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero]
 
+    def max_sequence_tokens(self) -> int:
+        """The most tokens one sequence owns in this segment."""
+        return max((self.tok_off[b + 1] - self.tok_off[b] for b in range(len(self.tok_off) - 1)), default=0)
+
+    def kernel_args(self) -> tuple:
+        """The segment as the kernel packages (``triton_ops``, ``cpu_ops``) take it: ``(bits, chunk_size,
+        group_size, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, tok_off, chunk_off)`` with the offsets as
+        int32 tensors ``(B+1,)`` on the segment's device."""
+        return (self.bits, self.chunk_size, self.group_size, *self.tensors(), *self.device_offsets())
+
+    def select(self, indices: list[int]) -> "PackedSegment":
+        """The segment holding sequences ``indices`` (reordered / repeated) of this one."""
+        tok = [slice(self.tok_off[i], self.tok_off[i + 1]) for i in indices]
+        chk = [slice(self.chunk_off[i], self.chunk_off[i + 1]) for i in indices]
+
+        def cat(t: torch.Tensor, sl: list[slice]) -> torch.Tensor:
+            return torch.cat([t[:, s] for s in sl], dim=1) if sl else t[:, :0]
+
+        return PackedSegment(
+            self.bits, self.chunk_size, self.group_size, cat(self.k_codes, tok), cat(self.k_scale, chk),
+            cat(self.k_zero, chk), cat(self.v_codes, tok), cat(self.v_scale, tok), cat(self.v_zero, tok),
+            _offsets([s.stop - s.start for s in tok]), _offsets([s.stop - s.start for s in chk]))
+
     def nbytes_codes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k_codes, self.v_codes))
 
@@ -142,3 +166,51 @@ class LayerStore:
 
     def nbytes(self) -> int:
         return self.full.nbytes() + sum(s.nbytes_codes() + s.nbytes_params() for s in self.segments)
+
+    @classmethod
+    def build(cls, k: torch.Tensor, v: torch.Tensor, positions: list[dict], chunk_size: int, group_size: int,
+              scale_dtype: torch.dtype, quantize_keys: Callable | None = None,
+              quantize_values: Callable | None = None) -> "LayerStore":
+        """Store a prefill: ``k, v (B, H_kv, L, D)``; ``positions[b]`` maps ``"full"`` and each packed bit width to
+        the prompt positions of sequence ``b`` that go there (chunk order kept)."""
+        fulls_k, fulls_v = [], []
+        segs: dict[int, tuple[list, list]] = {bits: ([], []) for bits in quant.PACKED_BITS}
+        for b, pos in enumerate(positions):
+            pos = {p: t.to(k.device) for p, t in pos.items()}
+            fulls_k.append(k[b].index_select(1, pos["full"]))
+            fulls_v.append(v[b].index_select(1, pos["full"]))
+            for bits in quant.PACKED_BITS:
+                segs[bits][0].append(k[b].index_select(1, pos[bits]))
+                segs[bits][1].append(v[b].index_select(1, pos[bits]))
+        packed = [PackedSegment.from_sequences(*segs[bits], bits, chunk_size, group_size, scale_dtype,
+                                               quantize_keys, quantize_values) for bits in quant.PACKED_BITS]
+        return cls(FullPart.from_sequences(fulls_k, fulls_v), packed)
+
+    def dequantized(self, positions: list[dict], seq_len: int, prefill_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole layer at the model's precision in original token order, ``(B, H_kv, seq_len, D)`` each, left
+        padding as zeros; tokens from ``prefill_len`` on are the appended ones (see :meth:`build`)."""
+        full = self.full
+        B, H, _, D = full.keys.shape
+        keys = full.keys.new_zeros((B, H, seq_len, D))
+        values = torch.zeros_like(keys)
+        dev = keys.device
+        for b, pos in enumerate(positions):
+            fpos = torch.cat([pos["full"].to(dev), torch.arange(prefill_len, seq_len, device=dev)])
+            keys[b, :, fpos] = full.keys[b, :, full.start[b]:]
+            values[b, :, fpos] = full.values[b, :, full.start[b]:]
+            for seg in self.segments:
+                k_b, v_b = seg.sequence(b, keys.dtype)
+                p = pos[seg.bits].to(dev)
+                keys[b, :, p] = k_b
+                values[b, :, p] = v_b
+        return keys, values
+
+    def select(self, indices: list[int], same_packed: bool = False) -> "LayerStore":
+        """Keep (and reorder / repeat) sequences ``indices``. ``same_packed``: each new row comes from the same prompt
+        as the old row at its place (beams of one prompt), so only the full-precision part moves."""
+        full = self.full
+        idx = torch.tensor(indices, dtype=torch.long, device=full.keys.device)
+        new_full = FullPart(full.keys.index_select(0, idx), full.values.index_select(0, idx),
+                            [full.start[i] for i in indices])
+        segments = self.segments if same_packed else [seg.select(indices) for seg in self.segments]
+        return LayerStore(new_full, segments)

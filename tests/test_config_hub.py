@@ -17,6 +17,7 @@ from huggingface_hub import constants, errors
 
 from hf_cocktail import CocktailConfig
 from hf_cocktail import hub as cocktail_hub
+from hf_cocktail import model_card
 from hf_cocktail.config import CONFIG_NAME, FORMAT_VERSION
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -173,7 +174,7 @@ def test_preset_loads_and_card_is_current(path):
     assert _front_matter(card)["base_model"] == meta["base_model"]
     assert cfg.to_json_string() in card
     if meta.get("settings_source") == "paper":
-        assert {k: getattr(cfg, k) for k in cocktail_hub.PAPER_SETTINGS} == cocktail_hub.PAPER_SETTINGS
+        assert {k: getattr(cfg, k) for k in model_card.PAPER_SETTINGS} == model_card.PAPER_SETTINGS
         assert "NOT measured here" in card
 
 
@@ -193,7 +194,7 @@ def test_smollm2_preset_offline_encoder_override():
 # ---------------------------------------------------------------------------------------------------- model cards
 def test_model_card_without_results():
     cfg = CocktailConfig(chunk_size=64)
-    card = cocktail_hub.make_model_card(cfg, "org/base-model", notes="A note.", name_or_path="me/cocktail-x")
+    card = model_card.make_model_card(cfg, "org/base-model", notes="A note.", name_or_path="me/cocktail-x")
     fm = _front_matter(card)
     assert fm == {"library_name": "hf-cocktail", "base_model": "org/base-model", "license": "apache-2.0",
                   "tags": ["kv-cache", "quantization", "cocktail", "long-context"]}
@@ -204,13 +205,13 @@ def test_model_card_without_results():
         assert snippet in card
     assert "No evaluation results yet: not measured here." in card
     assert "| method |" not in card
-    assert 'base_model: "odd: name"' in cocktail_hub.make_model_card(cfg, "odd: name")  # special chars are quoted
-    assert _front_matter(cocktail_hub.make_model_card(cfg, "odd: name"))["base_model"] == "odd: name"
+    assert 'base_model: "odd: name"' in model_card.make_model_card(cfg, "odd: name")  # special chars are quoted
+    assert _front_matter(model_card.make_model_card(cfg, "odd: name"))["base_model"] == "odd: name"
 
 
 def test_model_card_results_table(tmp_path):
     (tmp_path / "summary.csv").write_text(CSV)
-    card = cocktail_hub.make_model_card(CocktailConfig(), "org/base", results=tmp_path / "summary.csv",
+    card = model_card.make_model_card(CocktailConfig(), "org/base", results=tmp_path / "summary.csv",
                                         hardware={"gpu": "H200", "cpu": "16 cores"}, commit="0123abc",
                                         command="python eval/run.py", runtime_s=61.6)
     assert "| method | score | kv_ratio | prefill_s | decode_ms_per_token | n |" in card
@@ -224,16 +225,16 @@ def test_model_card_results_table(tmp_path):
     assert "No evaluation results" not in card
     (tmp_path / "bad.csv").write_text("task,method,score\nqasper,cocktail,1\n")
     with pytest.raises(ValueError, match="lacks the columns \\['kv_ratio'"):
-        cocktail_hub.make_model_card(CocktailConfig(), "org/base", results=tmp_path / "bad.csv")
+        model_card.make_model_card(CocktailConfig(), "org/base", results=tmp_path / "bad.csv")
 
 
 def test_model_card_settings_source_checked():
-    card = cocktail_hub.make_model_card(CocktailConfig(), "org/base", settings_source="paper")
+    card = model_card.make_model_card(CocktailConfig(), "org/base", settings_source="paper")
     assert "paper's settings" in card and "NOT measured here" in card
     with pytest.raises(ValueError, match="differs from the paper's settings .*'chunk_size': 16"):
-        cocktail_hub.make_model_card(CocktailConfig(chunk_size=16), "org/base", settings_source="paper")
+        model_card.make_model_card(CocktailConfig(chunk_size=16), "org/base", settings_source="paper")
     with pytest.raises(ValueError, match="settings_source must be one of \\('paper', 'local'\\), got 'mine'"):
-        cocktail_hub.make_model_card(CocktailConfig(), "org/base", settings_source="mine")
+        model_card.make_model_card(CocktailConfig(), "org/base", settings_source="mine")
 
 
 def test_card_script_reads_results_and_run_info(tmp_path):

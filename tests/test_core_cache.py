@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_cocktail import CocktailCache, CocktailConfig
-from hf_cocktail.attention import split_precision_attention_torch
+from hf_cocktail.split_attention import split_precision_attention_torch
 from hf_cocktail.store import FullPart, LayerStore, PackedSegment
 
 from .conftest import ConstEncoder, FakeEncoder, make_prompt, make_tiny_llama
@@ -43,7 +43,7 @@ def test_prepare_inputs_locates_context_and_chunks(tiny_tokenizer):
     prompt, ctx, q = make_prompt(45)
     cache = CocktailCache(cfg())
     enc = cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q)
-    plan = cache._plans[0]
+    plan = cache.plans[0]
     ids = enc["input_ids"][0]
     assert tiny_tokenizer.decode(ids[plan.ctx_start:plan.ctx_end]) == ctx
     assert plan.num_chunks == 6 and plan.chunk_texts[0] == " ".join(ctx.split()[:8])
@@ -73,7 +73,7 @@ def test_precision_map_memory_report_and_nbytes_match_theory(tiny_llama, tiny_to
     prompt, ctx, q = make_prompt(120, needle_at=50)
     out, cache, inputs = run(tiny_llama, tiny_tokenizer, prompt, ctx, q, cfg(alpha=0.3, beta=0.3))
     pmap = cache.precision_map()
-    assert len(pmap) == 1 and len(pmap[0]) == cache._plans[0].num_chunks
+    assert len(pmap) == 1 and len(pmap[0]) == cache.plans[0].num_chunks
     assert set(pmap[0]) <= {16, 4, 2} and len(set(pmap[0])) == 3  # a real mix
     # the chunk holding the needle shares words with the query: it gets the top precision
     scores = cache.chunk_scores()[0]
@@ -82,7 +82,7 @@ def test_precision_map_memory_report_and_nbytes_match_theory(tiny_llama, tiny_to
     # theoretical bytes from the precision map: codes + scales/zeros + full-precision tokens
     L, n_new = inputs["input_ids"].shape[1], GEN["max_new_tokens"] - 1
     H, D, C, G, layers = 2, 32, 8, 16, 2
-    plan = cache._plans[0]
+    plan = cache.plans[0]
     theory = 0
     full_tokens = L + n_new - (plan.ctx_end - plan.ctx_start)
     for i, bits in enumerate(pmap[0]):
@@ -114,7 +114,7 @@ def test_uniform16_equals_dynamic_cache_sdpa(tiny_tokenizer, kv_heads):
     ref = dynamic(ref_model, tiny_tokenizer, prompt)
     assert torch.equal(out.sequences, ref.sequences)
     torch.testing.assert_close(logits(out), logits(ref), rtol=1e-5, atol=1e-5)
-    assert cache.precision_map() == [[16] * cache._plans[0].num_chunks]
+    assert cache.precision_map() == [[16] * cache.plans[0].num_chunks]
 
 
 @pytest.mark.parametrize("config", [cfg(uniform_bits=2), cfg(uniform_bits=4), cfg(alpha=0.3, beta=0.2)])

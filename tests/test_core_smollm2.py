@@ -37,7 +37,7 @@ def test_needle_end_to_end_with_minilm(smollm2, minilm):
     out = model.generate(**inputs, past_key_values=cache, max_new_tokens=20, do_sample=False)
     text = tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     bits = cache.precision_map()[0]
-    plan = cache._plans[0]
+    plan = cache.plans[0]
     needle_chunk = next(i for i, t in enumerate(plan.chunk_texts) if "Harbor Archive" in t)
     assert bits[needle_chunk] == 16, (bits, needle_chunk)
     assert answer in text, text
@@ -50,7 +50,7 @@ def test_triton_backend_matches_torch_backend_on_smollm2(smollm2):
     """Under TRITON_INTERPRET=1 (set by conftest on CPU) the Triton quantizer and decode kernel give SmolLM2 the
     same tokens and logits as the PyTorch path."""
     pytest.importorskip("triton")
-    from hf_cocktail.backend import triton_interpreting
+    from hf_cocktail.dispatch import triton_interpreting
 
     if not torch.cuda.is_available() and not triton_interpreting():
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_cocktail import quant
-from hf_cocktail.attention import split_precision_attention_torch
+from hf_cocktail.split_attention import split_precision_attention_torch
 from hf_cocktail.store import FullPart, LayerStore, PackedSegment
 
 SETTINGS = settings(max_examples=40, deadline=None)

@@ -104,7 +104,7 @@ def test_context_at_the_very_start_or_end(tiny_tokenizer, where):
     ctx, q = random_text(40, seed=9), "what is the secret code ?"
     prompt = f"{ctx} {q}" if where == "start" else f"{q} {ctx}"
     out, cache, inputs = run(make_tiny_llama(), tiny_tokenizer, prompt, ctx, q, cfg(uniform_bits=2))
-    plan = cache._plans[0]
+    plan = cache.plans[0]
     if where == "start":  # the first sink_tokens (4) stay full precision even though they are context
         assert plan.ctx_start == 4
     else:
@@ -165,7 +165,7 @@ def test_bm25_scorer_needs_no_encoder(tiny_llama, tiny_tokenizer):
     cache = CocktailCache(cfg(scorer="bm25", encoder="/nonexistent/encoder"))
     inputs = cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q)
     tiny_llama.generate(**inputs, past_key_values=cache, max_new_tokens=2)
-    plan, bits = cache._plans[0], cache.precision_map()[0]
+    plan, bits = cache.plans[0], cache.precision_map()[0]
     needle = next(i for i, t in enumerate(plan.chunk_texts) if "secret" in t)
     assert bits[needle] == 16
 
@@ -174,7 +174,7 @@ def test_bm25_scorer_needs_no_encoder(tiny_llama, tiny_tokenizer):
 def test_budget_mode_meets_target_bits(tiny_llama, tiny_tokenizer, target):
     prompt, ctx, q = make_prompt(200, needle_at=100)
     _, cache, _ = run(tiny_llama, tiny_tokenizer, prompt, ctx, q, cfg(target_bits=target))  # C=8, G=16: INT2 = 5
-    plan, bits = cache._plans[0], cache.precision_map()[0]
+    plan, bits = cache.plans[0], cache.precision_map()[0]
     n_ctx = plan.ctx_end - plan.ctx_start
     # measured bits per context element: packed bytes + FP16 context chunks counted at 2 bytes per element
     H, D, layers = 2, 32, 2
@@ -211,7 +211,7 @@ def test_requery_equals_a_fresh_run_on_the_new_question(tiny_llama, tiny_tokeniz
                         past_key_values=cache, **GEN)
     first_map = cache.precision_map()
     inputs = cache.requery(tiny_tokenizer, p2, q2)
-    assert cache.get_seq_length() == cache._plans[0].ctx_end  # only the prompt up to the context end is kept
+    assert cache.get_seq_length() == cache.plans[0].ctx_end  # only the prompt up to the context end is kept
     out = tiny_llama.generate(**inputs, past_key_values=cache, **GEN)
     fresh, fcache, _ = run(tiny_llama, tiny_tokenizer, p2, ctx, q2, cfg(**QUANT))
     assert cache.precision_map() == fcache.precision_map() != first_map
@@ -233,7 +233,7 @@ def test_attention_scorer_uses_the_prefill_attention_of_the_query_tokens(tiny_to
     prompt, ctx, q = make_prompt(60, needle_at=30)
     model = make_tiny_llama()
     out, cache, inputs = gen(model, tiny_tokenizer, prompt, ctx, q, cfg(scorer="attention", **QUANT))
-    plan = cache._plans[0]
+    plan = cache.plans[0]
     # independent reference: eager attention probabilities of the same model
     eager = make_tiny_llama(attn="eager")
     with torch.no_grad():

@@ -41,9 +41,9 @@ if INTERPRET:
 
 import triton_ops  # noqa: E402
 from hf_cocktail import CocktailCache, CocktailConfig, quant  # noqa: E402
-from hf_cocktail.attention import split_precision_attention_torch  # noqa: E402
+from hf_cocktail.split_attention import split_precision_attention_torch  # noqa: E402
 from hf_cocktail.store import FullPart, LayerStore, PackedSegment  # noqa: E402
-from triton_ops import attention as tri_attention  # noqa: E402
+from hf_cocktail import dispatch  # noqa: E402
 
 from .conftest import FakeEncoder, make_prompt, make_tiny_llama  # noqa: E402
 
@@ -179,11 +179,18 @@ def attention_sdpa(query, store, scaling, dtype):
     return torch.cat(out)
 
 
+def triton_attention(query, store, scaling, **kw):
+    """The Triton launcher on a store's tensors, as hf_cocktail.dispatch calls it."""
+    full = store.full
+    return triton_ops.split_precision_attention(query, full.keys, full.values, full.start_tensor(),
+                                                [s.kernel_args() for s in store.segments], scaling, **kw)
+
+
 def check_attention(query, store, scaling, low, **kw):
     """The kernel's error against an fp64 computation must be at most twice the error of ``low``, the same
     attention computed by PyTorch at the kernel's precision, plus (fp32 only) the rounding noise of a sum of T fp32
     terms, eps * sqrt(T) * max|v|, which stands in for ``low``'s error when that happens to be tiny."""
-    out = triton_ops.split_precision_attention(query, store, scaling, **kw)
+    out = triton_attention(query, store, scaling, **kw)
     assert out.dtype == query.dtype and out.shape == query.shape
     truth = attention_sdpa(query, store, scaling, torch.float64)
     err = (out.double() - truth).abs().max().item()
@@ -222,18 +229,20 @@ def test_split_attention_matches_reference(name):
 
 
 def test_split_attention_other_head_dim_falls_back(monkeypatch):
-    monkeypatch.setattr(tri_attention, "_warned_dims", set())
+    monkeypatch.setattr(dispatch, "_warned", set())
     store = make_store([4], [9], [5], 2, 32, 8, 16)
     query = torch.randn(1, 4, 1, 32).to(DEV)
     with pytest.warns(RuntimeWarning, match="head dims"):
-        out = triton_ops.split_precision_attention(query, store, 0.2)
+        out = dispatch.split_precision_attention(query, store, 0.2, "triton")
     assert torch.equal(out, split_precision_attention_torch(query, store, 0.2))
+    with pytest.raises(ValueError, match="head dim D must be one of"):  # the launcher itself refuses it
+        triton_attention(query, store, 0.2)
 
 
 def test_split_attention_rejects_bad_gqa():
     store = make_store([4], [3], [3], 2, 64, 8, 32)
     with pytest.raises(ValueError, match="multiple of key/value heads"):
-        triton_ops.split_precision_attention(torch.randn(1, 3, 1, 64).to(DEV), store, 0.1)
+        triton_attention(torch.randn(1, 3, 1, 64).to(DEV), store, 0.1)
 
 
 @gpu
@@ -252,7 +261,7 @@ def test_split_attention_realistic_gpu(dtype, B, Lq):
 
 
 def test_import_without_triton_gives_install_hint(monkeypatch):
-    from hf_cocktail.backend import TRITON_INSTALL_HINT
+    from hf_cocktail.dispatch import TRITON_INSTALL_HINT
 
     for name in [m for m in sys.modules if m == "triton_ops" or m.startswith("triton_ops.")]:
         monkeypatch.delitem(sys.modules, name)  # restored after the test

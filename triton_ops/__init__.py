@@ -1,17 +1,18 @@
 """Triton kernels of hf-cocktail: fused quantize + pack, and split-precision decode attention.
 
-The launchers have the signatures of their PyTorch references (:mod:`hf_cocktail.quant`,
-:func:`hf_cocktail.attention.split_precision_attention_torch`). On CPU they run under ``TRITON_INTERPRET=1``.
+A leaf package: it imports nothing from ``hf_cocktail``. The launchers take tensors (codes, scales, zeros, offsets),
+check them and launch; their PyTorch references are ``hf_cocktail.quant`` and
+``hf_cocktail.split_attention.split_precision_attention_torch``. On CPU they run under ``TRITON_INTERPRET=1``.
 """
 
-from hf_cocktail.backend import TRITON_INSTALL_HINT
+TRITON_INSTALL_HINT = "pip install 'hf-cocktail[triton]' (or: pip install triton)"
 
 try:
     import triton  # noqa: F401
 except ImportError as e:  # pragma: no cover - exercised only without triton
     raise ImportError(f"triton_ops needs the triton package, which is not installed: {TRITON_INSTALL_HINT}") from e
 
-from .attention import split_precision_attention
+from .attention import SUPPORTED_HEAD_DIMS, split_precision_attention
 from .quantize import quantize_pack_keys, quantize_pack_values
 
-__all__ = ["quantize_pack_keys", "quantize_pack_values", "split_precision_attention"]
+__all__ = ["SUPPORTED_HEAD_DIMS", "quantize_pack_keys", "quantize_pack_values", "split_precision_attention"]

@@ -1,4 +1,4 @@
-"""Split-precision decode attention over a :class:`~hf_cocktail.store.LayerStore` (flash-decoding style).
+"""Split-precision decode attention over a layer's full-precision part and packed segments (flash-decoding style).
 
 Shapes: B batch, H_q query heads, H_kv key/value heads (``n_rep = H_q // H_kv``), L_q query tokens, D head dim,
 R length of the full-precision part, C chunk size, G value group size.
@@ -15,20 +15,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import warnings
+from typing import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from hf_cocktail.attention import split_precision_attention_torch
-from hf_cocktail.backend import resolve_backend
-from hf_cocktail.store import LayerStore
+from .checks import check_device
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 _TILE = 8192  # elements of the (query rows x tokens x D) product held in registers (64 per thread, 4 warps)
 _LOG2E = 1.4426950408889634
-_warned_dims: set[int] = set()
 
 
 @triton.jit
@@ -179,26 +176,33 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _segment_args(seg, dummy):
+def _segment_args(seg: tuple | None, max_tokens: int | None, dummy: torch.Tensor):
     """Kernel arguments of a packed segment (or of an empty stand-in), its bits / group size, its longest sequence."""
     if seg is None:
         z = dummy
         return [z, z, z, z, z, z, z, z, 0, 0, 1], 2, 1, 0
-    tensors = [t.contiguous() for t in seg.tensors()]
-    tok, chk = seg.device_offsets()
-    lens = [seg.tok_off[b + 1] - seg.tok_off[b] for b in range(len(seg.tok_off) - 1)]
-    return [*tensors, tok, chk, seg.k_codes.shape[1], seg.k_scale.shape[1], seg.chunk_size], seg.bits, \
-        seg.group_size, max(lens, default=0)
+    bits, chunk_size, group_size, *tensors, tok, chk = seg
+    tensors = [t.contiguous() for t in tensors]
+    if max_tokens is None:
+        max_tokens = int((tok[1:] - tok[:-1]).max()) if tok.numel() > 1 else 0
+    return [*tensors, tok, chk, tensors[0].shape[1], tensors[1].shape[1], chunk_size], bits, group_size, max_tokens
 
 
-def split_precision_attention(query: torch.Tensor, store: LayerStore, scaling: float, *,
+def split_precision_attention(query: torch.Tensor, full_keys: torch.Tensor, full_values: torch.Tensor,
+                              full_start: torch.Tensor, segments: Sequence[tuple], scaling: float, *,
+                              max_tokens: Sequence[int] | None = None, min_full_start: int | None = None,
                               tokens_per_split: int | None = None) -> torch.Tensor:
-    """Triton version of :func:`hf_cocktail.attention.split_precision_attention_torch` (same semantics).
+    """Triton version of ``hf_cocktail.split_attention.split_precision_attention_torch`` (same semantics).
 
     Args:
-        query: ``(B, H_q, L_q, D)``; D of 64 or 128 (other head dims fall back to the PyTorch reference).
-        store: the layer's storage (``B`` sequences, ``H_kv`` heads, at most two packed segments).
+        query: ``(B, H_q, L_q, D)``, D of 64 or 128 (:data:`SUPPORTED_HEAD_DIMS`).
+        full_keys, full_values: ``(B, H_kv, R, D)``; sequence ``b`` owns ``[full_start[b], R)``.
+        full_start: int32 ``(B,)`` on the query's device.
+        segments: at most two packed segments, each ``(bits, chunk_size, group_size, k_codes, k_scale, k_zero,
+            v_codes, v_scale, v_zero, tok_off, chunk_off)`` with int32 offsets ``(B+1,)``.
         scaling: softmax scale (usually ``D ** -0.5``).
+        max_tokens: per segment, the most tokens one sequence owns; min_full_start: ``min(full_start)``. Computed
+            from the tensors when not given (a device sync).
         tokens_per_split: tokens of one sequence per program (default: enough splits to fill the GPU).
 
     Returns:
@@ -207,24 +211,19 @@ def split_precision_attention(query: torch.Tensor, store: LayerStore, scaling: f
     if query.dim() != 4:
         raise ValueError(f"query must have shape (B, H_q, L_q, D), got {tuple(query.shape)}")
     B, H_q, Lq, D = query.shape
-    full = store.full
-    H_kv, R = full.keys.shape[1], full.keys.shape[2]
+    H_kv, R = full_keys.shape[1], full_keys.shape[2]
     if H_q % H_kv:
         raise ValueError(f"query heads H_q={H_q} must be a multiple of key/value heads H_kv={H_kv}")
-    if full.keys.shape[0] != B or full.keys.shape[3] != D:
-        raise ValueError(f"query {tuple(query.shape)} does not match the store's full part {tuple(full.keys.shape)}")
-    if len(store.segments) > 2:
-        raise ValueError(f"the Triton kernel handles at most 2 packed segments, got {len(store.segments)}")
+    if full_keys.shape[0] != B or full_keys.shape[3] != D:
+        raise ValueError(f"query {tuple(query.shape)} does not match the full part {tuple(full_keys.shape)}")
+    if len(segments) > 2:
+        raise ValueError(f"the Triton kernel handles at most 2 packed segments, got {len(segments)}")
     if D not in SUPPORTED_HEAD_DIMS:
-        if D not in _warned_dims:
-            _warned_dims.add(D)
-            warnings.warn(f"triton split-precision attention supports head dims {SUPPORTED_HEAD_DIMS}, got {D}: "
-                          "using the PyTorch implementation", RuntimeWarning, stacklevel=2)
-        return split_precision_attention_torch(query, store, scaling)
-    resolve_backend("triton", query.device)
+        raise ValueError(f"head dim D must be one of {SUPPORTED_HEAD_DIMS}, got {D}")
+    check_device(query)
     if query.stride(-1) != 1:
         query = query.contiguous()
-    fk, fv = full.keys, full.values
+    fk, fv = full_keys, full_values
     if fk.stride(-1) != 1 or fv.stride() != fk.stride():
         fk, fv = fk.contiguous(), fv.contiguous()
     n_rep = H_q // H_kv
@@ -232,9 +231,12 @@ def split_precision_attention(query: torch.Tensor, store: LayerStore, scaling: f
     BQ = min(triton.next_power_of_2(rows), 8)
     n_qb = triton.cdiv(rows, BQ)
     BT = max(8, min(128, _TILE // (BQ * D)))
-    segs = list(store.segments) + [None] * (2 - len(store.segments))
-    (a_args, bits_a, g_a, len_a), (b_args, bits_b, g_b, len_b) = (_segment_args(s, fk) for s in segs)
-    len_full = R - min(full.start)
+    segs = list(segments) + [None] * (2 - len(segments))
+    maxes = list(max_tokens) if max_tokens is not None else [None] * len(segments)
+    maxes += [None] * (2 - len(maxes))
+    (a_args, bits_a, g_a, len_a), (b_args, bits_b, g_b, len_b) = (
+        _segment_args(s, m, fk) for s, m in zip(segs, maxes))
+    len_full = R - (int(full_start.min()) if min_full_start is None else min_full_start)
     P = B * H_kv * n_qb
     if tokens_per_split is None:
         total = len_full + len_a + len_b
@@ -258,7 +260,7 @@ def split_precision_attention(query: torch.Tensor, store: LayerStore, scaling: f
     with torch.cuda.device(dev) if query.is_cuda else contextlib.nullcontext():
         _split_attn_kernel[(P, S_total)](
             query, query.stride(0), query.stride(1), query.stride(2),
-            fk, fv, fk.stride(0), fk.stride(1), fk.stride(2), full.start_tensor(), R,
+            fk, fv, fk.stride(0), fk.stride(1), fk.stride(2), full_start, R,
             *a_args, *b_args, part_o, part_m, part_l,
             H_kv, Lq, n_rep, n_qb, S_full, S_a, S_total, TPS, float(scaling) * _LOG2E,
             D=D, BQ=BQ, BT=BT, BITS_A=bits_a, G_A=g_a, BITS_B=bits_b, G_B=g_b)

@@ -1,4 +1,5 @@
-"""Fused min-max quantization + bit packing, bit-exact with :mod:`hf_cocktail.quant` (the spec).
+"""Fused min-max quantization + bit packing, bit-exact with the PyTorch reference
+(``hf_cocktail.quant``, the spec; this package imports nothing from hf_cocktail).
 
 Shapes: H_kv heads, N tokens, D head dim, C chunk size (key group along tokens), G value group size (channels),
 M = ceil(N / C) chunks, Dp = D * bits // 8 packed bytes per token.
@@ -16,8 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_cocktail import quant
-from hf_cocktail.backend import resolve_backend
+from .checks import check_bits, check_device, check_finite, check_head_dim
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 _TILE = 4096  # elements of one (tokens x channels) tile held in registers
@@ -132,11 +132,11 @@ def _check_input(x: torch.Tensor, what: str, bits: int, scale_dtype) -> torch.dt
         raise ValueError(f"{what} must have shape (H_kv, N, D), got {tuple(x.shape)}")
     if not x.is_floating_point():
         raise ValueError(f"{what} must be a floating point tensor, got {x.dtype}")
-    quant._check_bits(bits)
+    check_bits(bits)
     scale_dtype = scale_dtype or x.dtype
     if scale_dtype not in _TL_DTYPES:
         raise ValueError(f"scale_dtype must be one of {list(_TL_DTYPES)}, got {scale_dtype}")
-    resolve_backend("triton", x.device)  # raises on CPU without TRITON_INTERPRET=1
+    check_device(x)
     return scale_dtype
 
 
@@ -162,7 +162,7 @@ def quantize_pack_keys(k: torch.Tensor, bits: int, chunk_size: int, scale_dtype:
     """
     scale_dtype = _check_input(k, "keys", bits, scale_dtype)
     H, N, D = k.shape
-    quant._check_head_dim(D, bits)
+    check_head_dim(D, bits)
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
     M = -(-N // chunk_size)
@@ -171,7 +171,7 @@ def quantize_pack_keys(k: torch.Tensor, bits: int, chunk_size: int, scale_dtype:
     zero = torch.empty_like(scale)
     if N == 0:
         return codes, scale, zero
-    quant._check_finite(k, "keys")
+    check_finite(k, "keys")
     if k.stride(2) != 1:
         k = k.contiguous()
     block_d = triton.next_power_of_2(D)
@@ -197,7 +197,7 @@ def quantize_pack_values(v: torch.Tensor, bits: int, group_size: int, scale_dtyp
     H, N, D = v.shape
     if not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be an integer >= 1, got {group_size!r}")
-    quant._check_head_dim(D, bits, group_size)
+    check_head_dim(D, bits, group_size)
     if group_size & (group_size - 1):  # CocktailConfig only allows powers of two; the kernel relies on it
         raise ValueError(f"the Triton quantizer needs a power-of-two group_size, got {group_size}")
     NG = D // group_size
@@ -206,7 +206,7 @@ def quantize_pack_values(v: torch.Tensor, bits: int, group_size: int, scale_dtyp
     zero = torch.empty_like(scale)
     if N == 0:
         return codes, scale, zero
-    quant._check_finite(v, "values")
+    check_finite(v, "values")
     if v.stride(2) != 1:
         v = v.contiguous()
     ng_p = triton.next_power_of_2(NG)

@@ -1,13 +1,17 @@
-"""Chunk-level quantization search: score each context chunk against the query, then pick its precision.
+"""Scoring context chunks against the query: retrieval encoders (cosine similarity), BM25, and the LLM's own
+prefill attention mass.
 
-Everything here is pure given an encoder: anything with ``encode(list[str]) -> Tensor (n, E)`` works, so tests can
-pass a fake one.
+Pure given an encoder: anything with ``encode(list[str]) -> Tensor (n, E)`` works, so tests can pass a fake one.
+Shapes: B batch, H_q / H_kv query / key-value heads, L prompt tokens, D head dim.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import threading
+from collections import Counter
 from typing import Protocol, Sequence
 
 import torch
@@ -114,41 +118,15 @@ def score_chunks(encoder: TextEncoder, query: str, chunks: Sequence[str]) -> tor
     return emb[1:] @ emb[0]
 
 
-def assign_precisions(scores: torch.Tensor, alpha: float, beta: float) -> list[int]:
-    """The paper's thresholds: ``T_low = s_min + alpha*(s_max-s_min)``, ``T_high = s_max - beta*(s_max-s_min)``;
-    ``s > T_high`` -> 16, ``T_low < s <= T_high`` -> 4, else 2.
-
-    When every score is equal the range is 0 and, as the formula says, every chunk is INT2.
-    """
-    if scores.numel() == 0:
-        return []
-    s = scores if scores.is_floating_point() else scores.double()
-    smin, smax = s.min(), s.max()
-    t_low = smin + alpha * (smax - smin)
-    t_high = smax - beta * (smax - smin)
-    bits = torch.full_like(s, 2, dtype=torch.long)
-    bits[(s > t_low) & (s <= t_high)] = 4
-    bits[s > t_high] = 16
-    return bits.tolist()
-
-
-_WORD = None
+_WORD = re.compile(r"\w+", re.UNICODE)
 
 
 def _words(text: str) -> list[str]:
-    global _WORD
-    if _WORD is None:
-        import re
-
-        _WORD = re.compile(r"\w+", re.UNICODE)
     return _WORD.findall(text.lower())
 
 
 def bm25_scores(query: str, chunks: Sequence[str], k1: float = 1.5, b: float = 0.75) -> torch.Tensor:
     """Okapi BM25 score of each chunk for the query (chunks are the documents): ``(n_chunks,)`` fp32. No model."""
-    import math
-    from collections import Counter
-
     docs = [Counter(_words(c)) for c in chunks]
     if not docs:
         return torch.zeros(0)
@@ -169,49 +147,30 @@ def bm25_scores(query: str, chunks: Sequence[str], k1: float = 1.5, b: float = 0
     return torch.tensor(out, dtype=torch.float32)
 
 
-def assign_budget(scores: torch.Tensor, sizes: Sequence[int], target_bits: float, beta: float,
-                  bits_cost: dict[int, float]) -> list[int]:
-    """Budget mode: meet an average of ``target_bits`` per context element as closely as possible from below.
 
-    Chunks with ``s > T_high`` (``T_high = s_max - beta*(s_max-s_min)``) get FP16 in rank order while affordable; then
-    INT4 goes to the best-ranked remaining chunks while affordable, the rest stay INT2; budget still left once
-    every chunk is INT4 promotes the best-ranked INT4 chunks to FP16.
+
+def attention_mass(query: torch.Tensor, key: torch.Tensor, scaling: float, pad: int, query_span: tuple[int, int],
+                   context_span: tuple[int, int]) -> torch.Tensor:
+    """Attention mass that the query's tokens give each context token in one layer's prefill of one sequence, summed
+    over heads and query tokens (causal softmax over the unpadded prompt, as the model computes it).
 
     Args:
-        scores: ``(n,)`` chunk scores.
-        sizes: tokens per chunk (the last chunk may be partial).
-        bits_cost: storage bits per element of each precision, e.g. ``{16: 16, 4: 5, 2: 3}``.
+        query: ``(H_q, L, D)``; key: ``(H_kv, L, D)`` (GQA: ``H_q = n_rep * H_kv``), padded positions first.
+        pad: left padding tokens; query_span / context_span: ``[start, end)`` token spans in padded coordinates.
+
+    Returns:
+        ``(context_end - context_start,)`` fp32.
     """
-    n = scores.numel()
-    if n == 0:
-        return []
-    s = scores if scores.is_floating_point() else scores.double()
-    order = torch.argsort(s, descending=True, stable=True).tolist()
-    t_high = s.max() - beta * (s.max() - s.min())
-    bits = [2] * n
-    left = target_bits * sum(sizes) - bits_cost[2] * sum(sizes) + 1e-9
-    for i in order:
-        if s[i] > t_high and (bits_cost[16] - bits_cost[2]) * sizes[i] <= left:
-            bits[i] = 16
-            left -= (bits_cost[16] - bits_cost[2]) * sizes[i]
-    for i in order:
-        if bits[i] == 2 and (bits_cost[4] - bits_cost[2]) * sizes[i] <= left:
-            bits[i] = 4
-            left -= (bits_cost[4] - bits_cost[2]) * sizes[i]
-    for i in order:  # budget left once everything is INT4: promote the best-ranked chunks to FP16
-        if bits[i] == 4 and (bits_cost[16] - bits_cost[4]) * sizes[i] <= left:
-            bits[i] = 16
-            left -= (bits_cost[16] - bits_cost[4]) * sizes[i]
-    return bits
-
-
-def promote_neighbors(bits: list[int], k: int) -> list[int]:
-    """Chunks within ``k`` positions of an FP16 chunk become FP16 too."""
-    if k <= 0:
-        return list(bits)
-    out = list(bits)
-    for i, b in enumerate(bits):
-        if b == 16:
-            for j in range(max(0, i - k), min(len(bits), i + k + 1)):
-                out[j] = 16
-    return out
+    (qs, qe), (cs, ce) = query_span, context_span
+    if qe <= qs or ce <= cs:
+        return torch.zeros(ce - cs, dtype=torch.float32, device=key.device)
+    H_kv = key.shape[0]
+    n_rep = query.shape[0] // H_kv
+    nq = qe - qs
+    q = query[:, qs:qe].float().reshape(H_kv, n_rep * nq, -1)  # rows ordered (rep, i)
+    k = key[:, pad:qe].float()
+    logits = (q @ k.transpose(1, 2)) * scaling  # (H_kv, n_rep*n_q, T)
+    j = torch.arange(k.shape[1], device=q.device) + pad
+    i = torch.arange(qs, qe, device=q.device).repeat(n_rep)
+    p = torch.softmax(logits.masked_fill(j[None, None, :] > i[None, :, None], float("-inf")), dim=-1)
+    return p[..., cs - pad:ce - pad].sum((0, 1))

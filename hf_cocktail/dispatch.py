@@ -1,0 +1,91 @@
+"""Backend choice: the PyTorch reference, the Triton kernels (``triton_ops``) or the fused CPU kernel
+(``cpu_ops``). The only module that imports the kernel packages; it turns a :class:`LayerStore` into their tensor
+arguments and falls back to the reference (one warning) where a kernel cannot run.
+
+Shapes: B batch, H_q query heads, L_q query tokens, D head dim.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import warnings
+from typing import Callable
+
+import torch
+
+from . import quant
+from .split_attention import split_precision_attention_torch
+from .store import LayerStore
+
+BACKENDS = ("auto", "torch", "triton")
+TRITON_INSTALL_HINT = "pip install 'hf-cocktail[triton]' (or: pip install triton)"
+_warned: set[str] = set()
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def require_triton() -> None:
+    if not triton_available():
+        raise ImportError(f"backend='triton' needs the triton package, which is not installed: {TRITON_INSTALL_HINT}")
+
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``"auto"`` -> ``"triton"`` on CUDA tensors when triton is installed, else ``"torch"``.
+
+    ``"triton"`` is honoured on CUDA, or on CPU under ``TRITON_INTERPRET=1``; otherwise it raises.
+    """
+    if backend == "torch":
+        return "torch"
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if backend == "triton":
+        require_triton()
+        if device.type != "cuda" and not triton_interpreting():
+            raise RuntimeError(
+                f"backend='triton' needs CUDA tensors (got device {device}); on CPU set TRITON_INTERPRET=1 "
+                "(slow, for testing) or use backend='torch'")
+        return "triton"
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def quantizers(backend: str, device: torch.device) -> tuple[Callable, Callable]:
+    """``(quantize_pack_keys, quantize_pack_values)`` of the backend (same signatures as :mod:`.quant`)."""
+    if resolve_backend(backend, device) == "triton":
+        import triton_ops
+
+        return triton_ops.quantize_pack_keys, triton_ops.quantize_pack_values
+    return quant.quantize_pack_keys, quant.quantize_pack_values
+
+
+def _triton_attention(query: torch.Tensor, store: LayerStore, scaling: float) -> torch.Tensor:
+    import triton_ops
+
+    D = query.shape[-1]
+    if D not in triton_ops.SUPPORTED_HEAD_DIMS:
+        _warn_once(f"triton-dim-{D}", f"triton split-precision attention supports head dims "
+                   f"{triton_ops.SUPPORTED_HEAD_DIMS}, got {D}: using the PyTorch implementation")
+        return split_precision_attention_torch(query, store, scaling)
+    full = store.full
+    return triton_ops.split_precision_attention(
+        query, full.keys, full.values, full.start_tensor(), [s.kernel_args() for s in store.segments], scaling,
+        max_tokens=[s.max_sequence_tokens() for s in store.segments], min_full_start=min(full.start))
+
+
+def split_precision_attention(query: torch.Tensor, store: LayerStore, scaling: float, backend: str) -> torch.Tensor:
+    """Decode attention of ``query (B, H_q, L_q, D)`` over ``store`` with the chosen backend; ``(B, H_q, L_q, D)``."""
+    if resolve_backend(backend, query.device) == "triton":
+        return _triton_attention(query, store, scaling)
+    return split_precision_attention_torch(query, store, scaling)

@@ -1,0 +1,216 @@
+"""`CocktailLayer`: one layer of a Cocktail cache, a transformers ``CacheLayerMixin`` that owns its storage.
+
+A layer moves through explicit states (:class:`LayerState`); how its decode attention is computed is one explicit
+choice (:class:`AttentionPath`). The attention function asks the layer (``reads_packed_store``,
+``claim_split_attention``, ``observe_prefill_attention``) instead of reading its fields.
+
+Shapes: B batch, H_kv key/value heads, L tokens of one update, D head dim.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from .dispatch import quantizers
+from .store import LayerStore
+
+if TYPE_CHECKING:
+    from .cache import CocktailCache
+
+
+class LayerState(enum.Enum):
+    EMPTY = "empty"  # nothing stored: new, reset, or waiting for a requery's re-prefill (``pending`` set)
+    DEFERRED = "deferred"  # scorer="attention": the prefill's keys/values kept raw until the first decode step
+    PREFILL = "prefill"  # the store was built in this forward: attention runs over the keys update returned
+    DECODE = "decode"  # store built; new tokens go to its full-precision part
+
+
+class AttentionPath(enum.Enum):
+    UNKNOWN = "unknown"  # no attention function claimed the layer yet: update hands out the dequantized cache
+    SPLIT = "split"  # attn_implementation="cocktail" reads the packed store: update returns the full part only
+    DEQUANTIZE = "dequantize"  # load_prefill(split_attention=False): always hand out the dequantized cache
+
+
+class CocktailLayer(CacheLayerMixin):
+    """One layer of a :class:`~hf_cocktail.CocktailCache`. Prefill stores the prompt's keys/values into a
+    :class:`LayerStore` (context chunks quantized by the cache's precision plan); later tokens are appended to its
+    full-precision part."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, cache: CocktailCache, layer_idx: int = 0):
+        super().__init__()
+        self._cache = weakref.ref(cache)  # the cache owns its layers: no reference cycle
+        self.layer_idx = layer_idx
+        self.config = cache.config
+        self.all_full = layer_idx in cache.config.full_precision_layers
+        self.state = LayerState.EMPTY
+        self.path = AttentionPath.UNKNOWN
+        self.store: LayerStore | None = None
+        self.seq_len = 0
+        self.context_copy: tuple[torch.Tensor, torch.Tensor] | None = None  # keep_context_copy, on CPU
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # requery: the copy, to re-prefill
+        self.deferred: tuple[torch.Tensor, torch.Tensor] | None = None  # state DEFERRED: raw prefill k/v
+        self._dequantized_steps = 0
+
+    @property
+    def cache(self) -> CocktailCache:
+        cache = self._cache()
+        if cache is None:
+            raise RuntimeError("this CocktailLayer's cache no longer exists")
+        return cache
+
+    # ----------------------------------------------------------------- CacheLayerMixin
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``key_states``, ``value_states``: ``(B, H_kv, L, D)``; returns what the attention function consumes."""
+        if self.state is LayerState.EMPTY:
+            return self._first_update(key_states, value_states)
+        if self.state is LayerState.DEFERRED:  # first decode step after an attention-scored prefill: quantize now
+            self._build_store(*self.deferred)
+            self.deferred = None
+        self.state = LayerState.DECODE
+        self.store.full.append(key_states, value_states)
+        self.seq_len += key_states.shape[2]
+        if self.path is AttentionPath.SPLIT:
+            return self._tagged(self.store.full.keys), self.store.full.values
+        # still here at a second decode step means another attention implementation consumes the dequantized cache
+        self._dequantized_steps += 1
+        if self._dequantized_steps == 2 and self.path is AttentionPath.UNKNOWN:
+            self.cache.warn_dequantize_fallback()
+        keys, values = self.dequantized()
+        return self._tagged(keys), values
+
+    def _first_update(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        if self.pending is not None:  # after requery: prompt prefix + context at full precision, then the rest
+            pk, pv = self.pending
+            key_states = torch.cat([pk.to(key_states.device, key_states.dtype), key_states], dim=2)
+            value_states = torch.cat([pv.to(value_states.device, value_states.dtype), value_states], dim=2)
+            self.pending = None
+        self.lazy_initialization(key_states, value_states)
+        if self.cache.scores_from_attention():
+            self.cache.plans_for_prefill(key_states, search=False)
+            self.deferred = (key_states, value_states)
+            self.seq_len, self.state = key_states.shape[2], LayerState.DEFERRED
+        else:
+            self._build_store(key_states, value_states)
+        return self._tagged(key_states), value_states
+
+    def _tagged(self, keys: torch.Tensor) -> torch.Tensor:
+        """Let the attention function find this layer behind the key tensor it receives. A weak reference: the
+        layer holds these tensors, and a strong one would make a reference cycle that keeps whole caches alive
+        until the garbage collector runs."""
+        keys._cocktail_layer = weakref.ref(self)
+        return keys
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seq_len + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seq_len
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.store = self.deferred = None
+        self.state = LayerState.EMPTY
+        self.path = AttentionPath.UNKNOWN
+        self.seq_len = 0
+        self.is_initialized = False
+
+    # ----------------------------------------------------------------- what the attention function asks
+    def reads_packed_store(self) -> bool:
+        """True when decode attention must read the packed store (a decode step with split attention allowed)."""
+        return self.state is LayerState.DECODE and self.path is not AttentionPath.DEQUANTIZE
+
+    def claim_split_attention(self) -> None:
+        """The ``"cocktail"`` attention function serves this layer: later updates return the full part only."""
+        if self.path is not AttentionPath.DEQUANTIZE:
+            self.path = AttentionPath.SPLIT
+
+    def observe_prefill_attention(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+        """scorer="attention": add this layer's prefill attention from the query tokens to the chunk scores."""
+        if self.state is LayerState.DEFERRED:
+            self.cache.accumulate_attention(query, key, scaling)
+
+    def after_load_prefill(self, split_attention: bool | None) -> None:
+        """``load_prefill``: the next update is a decode step; ``True``/``False`` fix the attention path."""
+        self.state = LayerState.DECODE if self.store is not None else self.state
+        if split_attention is not None:
+            self.path = AttentionPath.SPLIT if split_attention else AttentionPath.DEQUANTIZE
+
+    def prepare_requery(self, context_len: int) -> None:
+        """Drop the store; the next update re-prefills the context copy followed by the new tokens."""
+        self.pending, self.store, self.state, self.seq_len = self.context_copy, None, LayerState.EMPTY, context_len
+
+    def flush_deferred(self) -> None:
+        """scorer="attention" and generation ended at prefill: quantize now."""
+        if self.state is LayerState.DEFERRED:
+            self._build_store(*self.deferred)
+            self.deferred = None
+
+    # ----------------------------------------------------------------- storage
+    def _build_store(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        plans = self.cache.plans_for_prefill(k)
+        cfg = self.config
+        quantize_k, quantize_v = quantizers(cfg.backend, k.device)
+        positions = self.cache.layer_positions(self.all_full)
+        self.store = LayerStore.build(k, v, positions, cfg.chunk_size, cfg.group_size, cfg.torch_scale_dtype(k.dtype),
+                                      quantize_k, quantize_v)
+        if cfg.keep_context_copy and self.context_copy is None:
+            end = max(p.ctx_end for p in plans)
+            self.context_copy = (k[:, :, :end].to("cpu", copy=True), v[:, :, :end].to("cpu", copy=True))
+        self.seq_len = k.shape[2]
+        self.state = LayerState.PREFILL
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole cache at the model's precision in original token order, ``(B, H_kv, seq_len, D)`` each, left
+        padding as zeros (masked by the attention mask). Used by the plain sdpa/eager fallback."""
+        cache = self.cache
+        return self.store.dequantized(cache.layer_positions(self.all_full), self.seq_len, cache.prefill_len)
+
+    # ----------------------------------------------------------------- batch manipulation
+    def select_sequences(self, indices: list[int], same_packed: bool = False) -> None:
+        """Keep (and reorder / repeat) sequences ``indices`` of the batch (see :meth:`LayerStore.select`)."""
+        if self.deferred is not None:
+            idx = torch.tensor(indices, dtype=torch.long, device=self.deferred[0].device)
+            self.deferred = (self.deferred[0].index_select(0, idx), self.deferred[1].index_select(0, idx))
+        if self.store is not None:
+            self.store = self.store.select(indices, same_packed)
+
+    def crop(self, max_length: int) -> None:
+        """Remove the last ``-max_length`` tokens (only generated ones can go)."""
+        tokens_to_remove = int(max_length)  # some transformers versions pass a 0-d tensor
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop expects a negative number of tokens to remove, got {tokens_to_remove}")
+        n = -tokens_to_remove
+        if n == 0 or self.state is LayerState.EMPTY:
+            return
+        generated = self.seq_len - self.cache.prompt_len
+        if n > generated:
+            raise ValueError(f"CocktailCache can only crop tokens added after the prompt ({max(generated, 0)} "
+                             f"here); asked to remove {n}")
+        if self.deferred is not None:
+            self.deferred = (self.deferred[0][:, :, :-n], self.deferred[1][:, :, :-n])
+        else:
+            full = self.store.full
+            full.keys, full.values = full.keys[:, :, :-n], full.values[:, :, :-n]
+        self.seq_len -= n
+
+
+def layer_of(keys: torch.Tensor) -> CocktailLayer | None:
+    """The Cocktail layer whose ``update`` returned ``keys`` (None for any other tensor)."""
+    ref = getattr(keys, "_cocktail_layer", None)
+    return ref() if ref is not None else None

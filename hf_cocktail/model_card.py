@@ -1,0 +1,175 @@
+"""Model cards for hf-cocktail configs: results tables and the generated ``README.md`` of a config repo.
+
+Works on any config object with the :class:`~hf_cocktail.CocktailConfig` fields and ``to_json_string()``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+from typing import Any, Iterable
+
+from .hub import CONFIG_NAME
+
+CARD_TAGS = ("kv-cache", "quantization", "cocktail", "long-context")
+RESULT_COLUMNS = ("task", "method", "score", "kv_ratio", "prefill_s", "decode_ms_per_token", "n")
+SETTINGS_SOURCES = ("paper", "local")
+PAPER_SETTINGS = {"chunk_size": 32, "alpha": 0.6, "beta": 0.1, "encoder": "facebook/contriever", "group_size": 32,
+                  "uniform_bits": None}
+PAPER = "Cocktail: Chunk-Adaptive Mixed-Precision Quantization for Long-Context LLM Inference"
+
+
+# ---------------------------------------------------------------------------------------------------- results
+def read_results(path: str | os.PathLike) -> list[dict[str, str]]:
+    """Rows of an evaluation ``summary.csv`` (columns :data:`RESULT_COLUMNS`; ``task == "average"`` rows hold the
+    per-method averages)."""
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in RESULT_COLUMNS if c not in (reader.fieldnames or [])]
+        if missing:
+            raise ValueError(f"{os.fspath(path)} lacks the columns {missing}; expected columns {list(RESULT_COLUMNS)}, "
+                             f"got {reader.fieldnames}")
+        return list(reader)
+
+
+def _num(v: Any) -> str:
+    """A CSV cell for a table: integers as written, other numbers to 4 significant digits."""
+    s = str(v).strip()
+    if re.fullmatch(r"[+-]?\d+", s):
+        return s
+    try:
+        return f"{float(s):.4g}"
+    except ValueError:
+        return s
+
+
+def _table(header: Iterable[str], rows: Iterable[Iterable[Any]]) -> str:
+    header = list(header)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_num(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def results_markdown(rows: list[dict[str, str]]) -> str:
+    """Markdown tables of ``summary.csv`` rows: per-method averages first, then every task."""
+    cols = RESULT_COLUMNS[1:]
+    avg = [r for r in rows if r["task"] == "average"]
+    per_task = [r for r in rows if r["task"] != "average"]
+    parts = []
+    if avg:
+        parts.append("Average over tasks, per method:\n\n" + _table(cols, ([r[c] for c in cols] for r in avg)))
+    if per_task:
+        parts.append("Per task:\n\n" + _table(RESULT_COLUMNS, ([r[c] for c in RESULT_COLUMNS] for r in per_task)))
+    return "\n\n".join(parts) if parts else "The results file holds no rows."
+
+
+# ---------------------------------------------------------------------------------------------------- card
+def _yaml_scalar(v: str) -> str:
+    return v if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/-]*", v) else json.dumps(v)
+
+
+def _usage(config: Any, base_model: str | None, name_or_path: str) -> str:
+    model_id = base_model or "<your causal LM>"
+    return f'''```python
+import torch
+import hf_cocktail  # registers attn_implementation="cocktail"
+from hf_cocktail import CocktailCache, CocktailConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+tokenizer = AutoTokenizer.from_pretrained("{model_id}")
+model = AutoModelForCausalLM.from_pretrained(
+    "{model_id}", dtype=torch.float16, device_map="auto", attn_implementation="cocktail")
+cache = CocktailCache(CocktailConfig.from_pretrained("{name_or_path}"))
+
+doc, question = open("document.txt").read(), "What does the document say about X?"
+prompt = f"{{doc}}\\n\\nAnswer the question using the document above.\\nQuestion: {{question}}\\nAnswer:"
+# the document must appear verbatim in the prompt (a chat template around it is fine)
+inputs = cache.prepare_inputs(tokenizer, prompt, contexts=doc, queries=question, device=model.device)
+out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
+print(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+```'''
+
+
+def _method(config: Any) -> str:
+    if config.uniform_bits is not None:
+        return (f"This config disables the search: every context chunk of {config.chunk_size} tokens is stored at "
+                f"{config.uniform_bits} bits (a uniform baseline).")
+    return (f"The context is cut into chunks of {config.chunk_size} tokens. At prefill each chunk is scored against "
+            f"the query with the retrieval encoder `{config.encoder}`; with scores in [s_min, s_max], chunks with "
+            f"s <= s_min + {config.alpha} * (s_max - s_min) are stored in INT2, chunks with "
+            f"s > s_max - {config.beta} * (s_max - s_min) in FP16 and the rest in INT4. Values are quantized per "
+            f"token in groups of {config.group_size} channels, keys per channel within each chunk.")
+
+
+def make_model_card(config: Any, base_model: str | None = None,
+                    results: str | os.PathLike | list[dict[str, str]] | None = None,
+                    hardware: str | dict | None = None, commit: str | None = None,
+                    notes: str | list[str] | None = None, *, name_or_path: str = "path/or/repo-id",
+                    license: str = "apache-2.0", settings_source: str = "local", command: str | None = None,
+                    runtime_s: float | None = None, results_name: str | None = None) -> str:
+    """The ``README.md`` model card of a Cocktail config.
+
+    Args:
+        config: the :class:`CocktailConfig`; its exact JSON goes into the card.
+        base_model: Hub id of the model the config is meant for (front matter ``base_model``), or None.
+        results: evaluation rows (a ``summary.csv`` path or its rows, see :func:`read_results`); None: the card
+            states that nothing was measured.
+        hardware, commit, command, runtime_s: provenance of ``results`` (as in the evaluation's ``run_info.json``).
+        notes: extra markdown paragraphs.
+        name_or_path: what the usage snippet passes to ``CocktailConfig.from_pretrained`` (folder or repo id).
+        license: license of this config repo (the base model keeps its own).
+        settings_source: ``"paper"`` (settings copied from the Cocktail paper, not measured here) or ``"local"``.
+        results_name: the results file, named in the card when it does not exist (e.g. ``eval/results/summary.csv``).
+    """
+    if settings_source not in SETTINGS_SOURCES:
+        raise ValueError(f"settings_source must be one of {SETTINGS_SOURCES}, got {settings_source!r}")
+    if settings_source == "paper":
+        differ = {k: getattr(config, k) for k, v in PAPER_SETTINGS.items() if getattr(config, k) != v}
+        if differ:
+            raise ValueError(f"settings_source='paper' but the config differs from the paper's settings "
+                             f"{PAPER_SETTINGS}: {differ}; use settings_source='local'")
+    if results is not None and not isinstance(results, list):
+        results = read_results(results)
+    front = ["---", "library_name: hf-cocktail"]
+    if base_model:
+        front.append(f"base_model: {_yaml_scalar(base_model)}")
+    front += [f"license: {_yaml_scalar(license)}", "tags:", *[f"- {t}" for t in CARD_TAGS], "---"]
+    title = f"Cocktail KV-cache config for {base_model}" if base_model else "Cocktail KV-cache config"
+    out = ["\n".join(front), f"# {title}",
+           "This repository holds a hf-cocktail configuration (`cocktail_config.json`), not "
+           "model weights: a chunk-adaptive mixed-precision FP16/INT4/INT2 KV cache for Hugging Face transformers, "
+           f"after *{PAPER}*. " + _method(config)]
+    if settings_source == "paper":
+        paper = ", ".join(f"{k}={v!r}" for k, v in PAPER_SETTINGS.items())
+        if results is None:
+            out.append(f"> **These are the Cocktail paper's settings ({paper}), NOT measured here.** hf-cocktail has "
+                       "not evaluated this configuration on this model; no accuracy, memory or speed figure in this "
+                       "card comes from a run.")
+        else:
+            out.append(f"> These are the Cocktail paper's settings ({paper}); the results below were measured with "
+                       "hf-cocktail (see provenance), they are not the paper's numbers.")
+    out += ["## Usage", _usage(config, base_model, name_or_path),
+            "## Configuration", f"`{CONFIG_NAME}`:", "```json\n" + config.to_json_string().rstrip("\n") + "\n```",
+            "## Results"]
+    if results is None:
+        missing = f" (`{results_name}` does not exist yet)" if results_name else ""
+        out.append(f"No evaluation results yet: not measured here{missing}." if settings_source == "local"
+                   else "Not measured here.")
+    else:
+        out.append(results_markdown(results))
+    prov = []
+    if results is not None or hardware or commit:
+        hw = ", ".join(f"{k}: {v}" for k, v in hardware.items()) if isinstance(hardware, dict) else hardware
+        prov = [f"- Hardware: {hw or 'not recorded'}", f"- Commit: `{commit}`" if commit else "- Commit: not recorded"]
+        if command:
+            prov.append(f"- Command: `{command}`")
+        if runtime_s is not None:
+            prov.append(f"- Runtime: {float(runtime_s):.0f} s")
+    out += ["## Hardware and provenance", "\n".join(prov) if prov else "Not applicable: nothing was run."]
+    paras = [notes] if isinstance(notes, str) else list(notes or [])
+    paras.append(f"The base model is not included here; its own license applies. This configuration is released "
+                 f"under {license}.")
+    out += ["## Notes", *paras]
+    return "\n\n".join(out) + "\n"

@@ -1,0 +1,38 @@
+"""What a Cocktail cache holds, in bytes: the numbers behind ``nbytes`` and ``memory_report``."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from .store import LayerStore
+
+
+def memory_report(stores: Sequence[LayerStore], context_copies: Iterable[tuple[torch.Tensor, ...]],
+                  plan_bits: Iterable[Sequence[int] | None]) -> dict[str, Any]:
+    """Breakdown of the stores' bytes plus what the same tokens would take in a FP16 cache. ``ratio_to_fp16``
+    counts the full-precision part at 2 bytes per element (an FP16 deployment) even for fp32 models."""
+    rep: dict[str, Any] = {"codes_bytes": 0, "scales_zeros_bytes": 0, "full_precision_bytes": 0,
+                           "layers": len(stores)}
+    fp16_equiv = full_elements = 0
+    for st in stores:
+        H, D = st.full.keys.shape[1], st.full.keys.shape[3]
+        rep["full_precision_bytes"] += st.full.nbytes()
+        full_elements += st.full.keys.numel() + st.full.values.numel()
+        rep["codes_bytes"] += sum(s.nbytes_codes() for s in st.segments)
+        rep["scales_zeros_bytes"] += sum(s.nbytes_params() for s in st.segments)
+        tokens = st.full.valid_tokens() + sum(s.num_tokens for s in st.segments)
+        fp16_equiv += tokens * H * D * 2 * 2
+    rep["total_bytes"] = rep["codes_bytes"] + rep["scales_zeros_bytes"] + rep["full_precision_bytes"]
+    # keep_context_copy: the CPU copy for requery() is reported apart (it is not part of the working cache)
+    rep["context_copy_bytes"] = sum(sum(t.numel() * t.element_size() for t in copy) for copy in context_copies)
+    rep["fp16_equivalent_bytes"] = fp16_equiv
+    fp16_total = rep["codes_bytes"] + rep["scales_zeros_bytes"] + 2 * full_elements
+    rep["ratio_to_fp16"] = fp16_total / fp16_equiv if fp16_equiv else float("nan")
+    counts = {16: 0, 4: 0, 2: 0}
+    for bits in plan_bits:
+        for b in bits or []:
+            counts[b] += 1
+    rep["chunks"] = {"fp16": counts[16], "int4": counts[4], "int2": counts[2]}
+    return rep

@@ -1,0 +1,94 @@
+"""Split-precision decode attention in plain PyTorch: the spec that the Triton and CPU kernels implement.
+
+Shapes: B batch, H_q query heads, H_kv key/value heads (GQA: ``H_q = n_rep * H_kv``), L_q query tokens, D head dim,
+R length of the full-precision part.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+
+from . import quant
+from .store import LayerStore, PackedSegment
+
+BLOCK_TOKENS = 4096  # the PyTorch path dequantizes at most this many tokens of one segment at a time
+
+Getter = Callable[[str], torch.Tensor]
+
+
+def _segment_blocks(store: LayerStore, b: int) -> Iterator[tuple[str, Getter]]:
+    """Yield ``(kind, getter)`` for the blocks of sequence ``b``: the full-precision part, then each packed segment
+    in blocks of at most ``BLOCK_TOKENS`` tokens; ``getter(which)`` dequantizes keys (``"k"``) or values."""
+    full = store.full
+    s = full.start[b]
+    yield "full", lambda which: (full.keys if which == "k" else full.values)[b, :, s:].float()
+    for seg in store.segments:
+        t0, t1 = seg.tok_off[b], seg.tok_off[b + 1]
+        for a in range(t0, t1, BLOCK_TOKENS):
+            e = min(a + BLOCK_TOKENS, t1)
+            yield "packed", (lambda which, seg=seg, a=a, e=e, t0=t0, c0=seg.chunk_off[b]:
+                             _dequantize_block(seg, which, a, e, a - t0, c0))
+
+
+def _dequantize_block(seg: PackedSegment, which: str, a: int, e: int, first_token: int, c0: int) -> torch.Tensor:
+    """Tokens ``[a, e)`` of ``seg`` dequantized in fp32; ``first_token`` is ``a``'s offset in its sequence, whose
+    first chunk is ``c0``."""
+    if which == "v":
+        return quant.dequantize_values(seg.v_codes[:, a:e], seg.v_scale[:, a:e], seg.v_zero[:, a:e], seg.bits,
+                                       seg.group_size)
+    return quant.dequantize_keys(seg.k_codes[:, a:e], seg.k_scale[:, c0:], seg.k_zero[:, c0:], seg.bits,
+                                 seg.chunk_size, first_token=first_token)
+
+
+def causal_mask_full_part(scores: torch.Tensor, start: int, R: int, Lq: int, n_rep: int) -> torch.Tensor:
+    """Mask the full part's scores ``(H_kv, n_rep*L_q, T)``: key ``j`` (absolute index ``start + j``) is visible to
+    query ``i`` iff ``start + j <= R - L_q + i`` (the newest ``L_q`` tokens are the queries' own)."""
+    if Lq == 1:
+        return scores
+    j = torch.arange(scores.shape[-1], device=scores.device) + start
+    i = torch.arange(Lq, device=scores.device).repeat(n_rep)
+    return scores.masked_fill(j[None, None, :] > (R - Lq + i)[None, :, None], float("-inf"))
+
+
+def split_precision_attention_torch(query: torch.Tensor, store: LayerStore, scaling: float) -> torch.Tensor:
+    """Reference split-precision attention over a :class:`LayerStore` (the spec of the fast kernels).
+
+    Q·K per precision segment, one softmax over all concatenated scores, P·V per segment, outputs summed; computed
+    in fp32. The newest ``L_q`` tokens of the full-precision part are the queries' own tokens: query ``i`` sees them
+    causally. Packed segments are dequantized one block (at most ``BLOCK_TOKENS`` tokens of one sequence) at a time;
+    the whole cache is never materialised at full precision.
+
+    Args:
+        query: ``(B, H_q, L_q, D)``.
+        store: the layer's storage (``B`` sequences, ``H_kv`` heads).
+        scaling: softmax scale (usually ``D ** -0.5``).
+
+    Returns:
+        ``(B, H_q, L_q, D)`` in ``query.dtype``.
+    """
+    B, H_q, Lq, D = query.shape
+    H_kv = store.full.keys.shape[1]
+    if H_q % H_kv:
+        raise ValueError(f"query heads H_q={H_q} must be a multiple of key/value heads H_kv={H_kv}")
+    n_rep = H_q // H_kv
+    R = store.full.length
+    out = torch.empty_like(query)
+    for b in range(B):
+        q = query[b].float().reshape(H_kv, n_rep * Lq, D) * scaling  # rows ordered (rep, i)
+        blocks = list(_segment_blocks(store, b))
+        scores = []
+        for kind, get in blocks:
+            s = q @ get("k").transpose(1, 2)  # (H_kv, n_rep*Lq, T_block)
+            scores.append(causal_mask_full_part(s, store.full.start[b], R, Lq, n_rep) if kind == "full" else s)
+        p = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
+        o = torch.zeros(H_kv, n_rep * Lq, D, dtype=torch.float32, device=query.device)
+        pos = 0
+        for (_, get), s in zip(blocks, scores):
+            T = s.shape[-1]
+            if T:
+                o += p[..., pos:pos + T] @ get("v")
+            pos += T
+        out[b] = o.reshape(H_q, Lq, D).to(query.dtype)
+    return out
