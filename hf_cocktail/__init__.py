@@ -15,5 +15,14 @@ from .scoring import EncoderUnavailableError, offline_encoder_path
 
 _register()
 
-__all__ = ["ATTN_NAME", "CocktailCache", "CocktailConfig", "CocktailLayer", "EncoderUnavailableError", "PlanView",
-           "__version__", "cache_kwargs", "offline_encoder_path"]
+__all__ = [
+    "ATTN_NAME",
+    "CocktailCache",
+    "CocktailConfig",
+    "CocktailLayer",
+    "EncoderUnavailableError",
+    "PlanView",
+    "__version__",
+    "cache_kwargs",
+    "offline_encoder_path",
+]

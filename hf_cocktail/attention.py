@@ -24,11 +24,14 @@ def _refuse_unsupported(module: torch.nn.Module, layer: CocktailLayer, kwargs: d
         raise ValueError(
             f"CocktailCache with attn_implementation='cocktail' does not support sliding-window attention layers "
             f"(layer {getattr(module, 'layer_idx', '?')} has sliding_window={window}); load the model "
-            "with attn_implementation='sdpa' (correct, dequantizing) or use a full-attention model")
+            "with attn_implementation='sdpa' (correct, dequantizing) or use a full-attention model"
+        )
     for name in ("softcap", "s_aux"):
         if kwargs.get(name) is not None:
-            raise ValueError(f"attn_implementation='cocktail' does not support the model's `{name}` attention "
-                             "argument; load the model with attn_implementation='eager'")
+            raise ValueError(
+                f"attn_implementation='cocktail' does not support the model's `{name}` attention "
+                "argument; load the model with attn_implementation='eager'"
+            )
 
 
 def cocktail_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -40,8 +43,9 @@ def cocktail_attention_forward(module, query, key, value, attention_mask, scalin
     """
     layer = layer_of(key)
     if layer is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     _refuse_unsupported(module, layer, kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
@@ -49,8 +53,9 @@ def cocktail_attention_forward(module, query, key, value, attention_mask, scalin
     layer.claim_split_attention()
     if not reads_store:
         layer.observe_prefill_attention(query, key, scaling)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     out = split_precision_attention(query, layer.store, scaling, layer.config.backend)
     return out.transpose(1, 2).contiguous(), None
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 import torch
 from transformers.cache_utils import Cache
@@ -73,8 +74,10 @@ class CocktailCache(Cache):
         """
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not prompts or not all(isinstance(p, str) for p in prompts):
-            raise TypeError(f"prompts must be a non-empty str or list of str, got "
-                            f"{[type(p).__name__ for p in prompts] or 'an empty list'}")
+            raise TypeError(
+                f"prompts must be a non-empty str or list of str, got "
+                f"{[type(p).__name__ for p in prompts] or 'an empty list'}"
+            )
         B = len(prompts)
         contexts = _per_sequence("contexts", contexts, B)
         queries = _per_sequence("queries", queries, B)
@@ -91,8 +94,9 @@ class CocktailCache(Cache):
         self.prompt_len = enc["input_ids"].shape[1]
         return enc.to(device) if device is not None else enc
 
-    def _plan_row(self, tokenizer, enc, offsets, b: int, prompt: str, context: str | None,
-                  query: str | None) -> SequencePlan:
+    def _plan_row(
+        self, tokenizer, enc, offsets, b: int, prompt: str, context: str | None, query: str | None
+    ) -> SequencePlan:
         cfg = self.config
         ids, mask = enc["input_ids"][b], enc["attention_mask"][b]
         L = ids.shape[0]
@@ -118,8 +122,10 @@ class CocktailCache(Cache):
         """scorer="attention": add the attention mass that the query's tokens give each context token in one layer's
         prefill. ``query (B, H_q, L, D)``, ``key (B, H_kv, L, D)``."""
         if query.shape[2] != key.shape[2] or any(p.query_span[1] > key.shape[2] for p in self._plans):
-            raise ValueError("scorer='attention' needs the whole prompt in one prefill forward; generation's "
-                             "prefill_chunk_size (chunked prefill) is not supported with it")
+            raise ValueError(
+                "scorer='attention' needs the whole prompt in one prefill forward; generation's "
+                "prefill_chunk_size (chunked prefill) is not supported with it"
+            )
         for b, plan in enumerate(self._plans):
             mass = attention_mass(query[b], key[b], scaling, plan.pad, plan.query_span, (plan.ctx_start, plan.ctx_end))
             plan.attn_mass = mass if plan.attn_mass is None else plan.attn_mass + mass.to(plan.attn_mass.device)
@@ -128,8 +134,10 @@ class CocktailCache(Cache):
         """The plans for a prefill of keys ``k (B, H_kv, L, D)``: runs the search once, follows generate's batch
         expansion (beams / return sequences), and builds each plan's positions for ``L``."""
         if self._plans is None:
-            raise RuntimeError("CocktailCache: call cache.prepare_inputs(tokenizer, prompts, contexts=..., "
-                               "queries=...) and pass its output to generate before the first forward")
+            raise RuntimeError(
+                "CocktailCache: call cache.prepare_inputs(tokenizer, prompts, contexts=..., "
+                "queries=...) and pass its output to generate before the first forward"
+            )
         B, _, L, _ = k.shape
         n = len(self._plans)
         if search and not self._searched:
@@ -138,8 +146,10 @@ class CocktailCache(Cache):
             # generate expanded the prompts (num_beams / num_return_sequences): rows repeated consecutively
             self._plans = [dataclasses.replace(p) for p in self._plans for _ in range(B // n)]
         if B != len(self._plans):
-            raise RuntimeError(f"CocktailCache was prepared for {len(self._plans)} prompt(s) but the model's prefill "
-                               f"has batch {B}; pass the output of prepare_inputs to generate unchanged")
+            raise RuntimeError(
+                f"CocktailCache was prepared for {len(self._plans)} prompt(s) but the model's prefill "
+                f"has batch {B}; pass the output of prepare_inputs to generate unchanged"
+            )
         # L may exceed the prompt (assisted decoding prefills its first candidates too): those tokens are cropable
         if search and self.prefill_len != L:
             for plan in self._plans:
@@ -163,11 +173,17 @@ class CocktailCache(Cache):
                 continue
             scores = self._chunk_scores(plan)
             if cfg.target_bits is None:
-                bits = planning.promote_neighbors(planning.assign_precisions(scores, cfg.alpha, cfg.beta),
-                                                  cfg.neighbors)
+                bits = planning.promote_neighbors(
+                    planning.assign_precisions(scores, cfg.alpha, cfg.beta), cfg.neighbors
+                )
             else:
-                bits = planning.assign_budget(scores, plan.chunk_sizes(cfg.chunk_size), cfg.target_bits, cfg.beta,
-                                              planning.bits_cost(cfg.packed_bits_per_element))
+                bits = planning.assign_budget(
+                    scores,
+                    plan.chunk_sizes(cfg.chunk_size),
+                    cfg.target_bits,
+                    cfg.beta,
+                    planning.bits_cost(cfg.packed_bits_per_element),
+                )
             plan.scores, plan.bits = scores.tolist(), bits
         self._searched = True
         self.prefill_len = -1  # positions are built at prefill, for its length
@@ -178,12 +194,17 @@ class CocktailCache(Cache):
             return bm25_scores(plan.query or "", plan.chunk_texts)
         if cfg.scorer == "attention":
             if plan.attn_mass is None:
-                raise RuntimeError("scorer='attention' takes its scores from the prefill attention: load the model "
-                                   "with attn_implementation='cocktail' (and do not use load_prefill)")
+                raise RuntimeError(
+                    "scorer='attention' takes its scores from the prefill attention: load the model "
+                    "with attn_implementation='cocktail' (and do not use load_prefill)"
+                )
             mass = plan.attn_mass.cpu()
             spans = [plan.chunk_range(i, cfg.chunk_size) for i in range(plan.num_chunks)]
-            return torch.stack([mass[a - plan.ctx_start:e - plan.ctx_start].mean() for a, e in spans]) \
-                if spans else torch.zeros(0)
+            return (
+                torch.stack([mass[a - plan.ctx_start : e - plan.ctx_start].mean() for a, e in spans])
+                if spans
+                else torch.zeros(0)
+            )
         encoder = self._encoder or get_encoder(cfg.encoder, cfg.encoder_device, cfg.encoder_batch_size)
         return score_chunks(encoder, plan.query or "", plan.chunk_texts)
 
@@ -213,9 +234,12 @@ class CocktailCache(Cache):
         attention implementation at the first decode step; ``True`` asserts ``attn_implementation="cocktail"``
         (saves that step's dequantization; wrong results under another implementation), ``False`` forces the
         dequantizing path."""
-        self.layers = []
-        pairs = [(layer.keys, layer.values) for layer in past_key_values.layers] \
-            if hasattr(past_key_values, "layers") else list(past_key_values)
+        self.layers: list = []
+        pairs = (
+            [(layer.keys, layer.values) for layer in past_key_values.layers]
+            if hasattr(past_key_values, "layers")
+            else list(past_key_values)
+        )
         for i, (k, v) in enumerate(pairs):
             self.update(k.detach(), v.detach(), i)  # aliases: the caller's tensors are not tagged
             self.layers[i].after_load_prefill(split_attention)
@@ -236,10 +260,12 @@ class CocktailCache(Cache):
         enc = tokenizer(prompt, return_tensors="pt")
         ids = enc["input_ids"]
         end = self.layers[0].context_copy[0].shape[2]
-        old = self._input_ids[0, plan.pad:end]
-        if ids.shape[1] <= old.shape[0] or not torch.equal(ids[0, :old.shape[0]], old):
-            raise ValueError("the new prompt must repeat the previous prompt's tokens up to the end of the context "
-                             f"({old.shape[0]} tokens) and add the new question after them")
+        old = self._input_ids[0, plan.pad : end]
+        if ids.shape[1] <= old.shape[0] or not torch.equal(ids[0, : old.shape[0]], old):
+            raise ValueError(
+                "the new prompt must repeat the previous prompt's tokens up to the end of the context "
+                f"({old.shape[0]} tokens) and add the new question after them"
+            )
         if plan.pad:
             raise ValueError("requery() needs an unpadded prompt")
         plan.query = query
@@ -256,13 +282,14 @@ class CocktailCache(Cache):
         if not self.layers or any(layer.context_copy is None for layer in self.layers):
             raise RuntimeError("requery() needs a finished generate on the document first")
         if self._plans is None or len(self._plans) != 1:
-            raise ValueError(f"requery() supports one sequence (batch 1), this cache holds "
-                             f"{len(self._plans or [])}")
+            raise ValueError(f"requery() supports one sequence (batch 1), this cache holds {len(self._plans or [])}")
         if not isinstance(query, str):
             raise TypeError(f"query must be a str, got {type(query).__name__}")
         if self.config.scorer == "attention":
-            raise ValueError("requery() supports scorer='encoder' or 'bm25'; scorer='attention' would need the new "
-                             "question's prefill attention over the old context (use a new prepare_inputs instead)")
+            raise ValueError(
+                "requery() supports scorer='encoder' or 'bm25'; scorer='attention' would need the new "
+                "question's prefill attention over the old context (use a new prepare_inputs instead)"
+            )
 
     # ----------------------------------------------------------------- Cache API
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -270,10 +297,12 @@ class CocktailCache(Cache):
             self.layers.append(CocktailLayer(self, len(self.layers)))
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
-    def _refuse_linear(self, *args, **kwargs):
-        raise ValueError("CocktailCache stores attention keys and values only: this model has linear-attention, "
-                         "convolution or state-space layers (a hybrid model), which it does not support; use the "
-                         "model's own cache (e.g. DynamicCache(config=model.config))")
+    def _refuse_linear(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise ValueError(
+            "CocktailCache stores attention keys and values only: this model has linear-attention, "
+            "convolution or state-space layers (a hybrid model), which it does not support; use the "
+            "model's own cache (e.g. DynamicCache(config=model.config))"
+        )
 
     update_conv_state = update_recurrent_state = get_conv_state = get_recurrent_state = _refuse_linear
 
@@ -287,8 +316,9 @@ class CocktailCache(Cache):
 
     def _select(self, indices: list[int]) -> None:
         plans = self._plans or []
-        same = len(indices) == len(plans) and all(plans[j] is plans[i] or plans[j].origin == plans[i].origin
-                                                  for i, j in enumerate(indices))
+        same = len(indices) == len(plans) and all(
+            plans[j] is plans[i] or plans[j].origin == plans[i].origin for i, j in enumerate(indices)
+        )
         for layer in self.layers:
             layer.select_sequences(indices, same_packed=same)
         if self._plans is not None:
@@ -318,9 +348,11 @@ class CocktailCache(Cache):
 
     def warn_dequantize_fallback(self) -> None:
         if not self._warned_fallback:
-            logger.warning("CocktailCache is used with an attention implementation other than 'cocktail': every "
-                           "decode step dequantizes the whole cache (correct but slow). Load the model with "
-                           "attn_implementation='cocktail' to read the packed codes directly.")
+            logger.warning(
+                "CocktailCache is used with an attention implementation other than 'cocktail': every "
+                "decode step dequantizes the whole cache (correct but slow). Load the model with "
+                "attn_implementation='cocktail' to read the packed codes directly."
+            )
             self._warned_fallback = True
 
     # ----------------------------------------------------------------- reports
@@ -373,8 +405,10 @@ def _per_sequence(name: str, value: Any, B: int) -> list:
 def _tokenize(tokenizer, prompts: Sequence[str], tokenizer_kwargs: dict):
     """Left-padded fast tokenization with offsets (a pad token borrowed from EOS for a batch if none is set)."""
     if not getattr(tokenizer, "is_fast", False):
-        raise ValueError("prepare_inputs needs a fast tokenizer (offset mapping), got a slow one: "
-                         "load it with AutoTokenizer.from_pretrained(..., use_fast=True)")
+        raise ValueError(
+            "prepare_inputs needs a fast tokenizer (offset mapping), got a slow one: "
+            "load it with AutoTokenizer.from_pretrained(..., use_fast=True)"
+        )
     B = len(prompts)
     old_side, old_pad = tokenizer.padding_side, tokenizer.pad_token
     tokenizer.padding_side = "left"
@@ -383,8 +417,9 @@ def _tokenize(tokenizer, prompts: Sequence[str], tokenizer_kwargs: dict):
             raise ValueError("a batch of prompts needs padding: set tokenizer.pad_token")
         tokenizer.pad_token = tokenizer.eos_token
     try:
-        return tokenizer(list(prompts), return_tensors="pt", padding=B > 1, return_offsets_mapping=True,
-                         **tokenizer_kwargs)
+        return tokenizer(
+            list(prompts), return_tensors="pt", padding=B > 1, return_offsets_mapping=True, **tokenizer_kwargs
+        )
     finally:
         tokenizer.padding_side = old_side
         if B > 1 and old_pad is None:

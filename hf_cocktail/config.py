@@ -13,6 +13,7 @@ import torch
 
 from .hub import CONFIG_NAME, README_NAME, download_config, hub_has_readme, upload_folder
 from .model_card import make_model_card
+from .rotation import ROTATIONS
 
 FORMAT_VERSION = 1
 DEFAULT_ENCODER = "facebook/contriever"
@@ -70,6 +71,12 @@ class CocktailConfig:
         full_precision_layers: indices of layers kept entirely at full precision (e.g. ``(0,)``).
         neighbors: chunks within ``neighbors`` positions of an FP16 chunk are promoted to FP16 too (alpha/beta
             mode), so that a fact straddling a chunk boundary is not half INT2. 0 (default) is the paper.
+        rotation: rotated storage (:mod:`hf_cocktail.rotation`): ``None`` (the paper), ``"hadamard"`` (keys and
+            values), ``"hadamard_keys"`` or ``"hadamard_values"``. A fixed orthonormal per-head transform (Hadamard
+            with seeded random signs; a seeded random orthogonal matrix for head dims that are not a power of two) is
+            applied to the stored keys/values; attention rotates the query once and the output back once, never the
+            cache. Same bytes, far less quantization error.
+        rotation_seed: seed of the rotation's random signs.
         keep_context_copy: keep a full-precision copy of the prompt up to the end of the context on CPU, so that
             :meth:`CocktailCache.requery` can answer a new question about the same document without a new prefill.
     """
@@ -91,47 +98,76 @@ class CocktailConfig:
     full_precision_layers: tuple = ()
     keep_context_copy: bool = False
     neighbors: int = 0
+    rotation: str | None = None
+    rotation_seed: int = 0
 
     def __post_init__(self) -> None:
-        _check(_is_int(self.chunk_size) and self.chunk_size >= 1,
-               f"chunk_size must be an integer >= 1, got {self.chunk_size!r}")
+        _check(
+            _is_int(self.chunk_size) and self.chunk_size >= 1,
+            f"chunk_size must be an integer >= 1, got {self.chunk_size!r}",
+        )
         for name in ("alpha", "beta"):
             v = getattr(self, name)
             _check(_is_real(v) and 0.0 <= v <= 1.0, f"{name} must be a number in [0, 1], got {v!r}")
-        _check(self.alpha + self.beta <= 1.0 + 1e-12,
-               f"alpha + beta must be <= 1 (so that T_low <= T_high), got alpha={self.alpha!r}, beta={self.beta!r}")
-        _check(isinstance(self.encoder, str) and self.encoder.strip() != "",
-               f"encoder must be a non-empty Hub id or local path, got {self.encoder!r}")
-        _check(_is_int(self.group_size) and self.group_size >= 1 and (self.group_size & (self.group_size - 1)) == 0,
-               f"group_size must be a power of two >= 1, got {self.group_size!r}")
-        _check(self.uniform_bits in _UNIFORM_BITS and not isinstance(self.uniform_bits, bool),
-               f"uniform_bits must be one of None, 16, 4, 2, got {self.uniform_bits!r}")
+        _check(
+            self.alpha + self.beta <= 1.0 + 1e-12,
+            f"alpha + beta must be <= 1 (so that T_low <= T_high), got alpha={self.alpha!r}, beta={self.beta!r}",
+        )
+        _check(
+            isinstance(self.encoder, str) and self.encoder.strip() != "",
+            f"encoder must be a non-empty Hub id or local path, got {self.encoder!r}",
+        )
+        _check(
+            _is_int(self.group_size) and self.group_size >= 1 and (self.group_size & (self.group_size - 1)) == 0,
+            f"group_size must be a power of two >= 1, got {self.group_size!r}",
+        )
+        _check(
+            self.uniform_bits in _UNIFORM_BITS and not isinstance(self.uniform_bits, bool),
+            f"uniform_bits must be one of None, 16, 4, 2, got {self.uniform_bits!r}",
+        )
         _check(self.backend in _BACKENDS, f"backend must be one of {_BACKENDS}, got {self.backend!r}")
         _check(self.scorer in _SCORERS, f"scorer must be one of {_SCORERS}, got {self.scorer!r}")
         for name in ("sink_tokens", "recent_tokens"):
             v = getattr(self, name)
             _check(_is_int(v) and v >= 0, f"{name} must be an integer >= 0, got {v!r}")
         layers = self.full_precision_layers
-        _check(isinstance(layers, (list, tuple)) and all(_is_int(i) and i >= 0 for i in layers),
-               f"full_precision_layers must be a list of layer indices >= 0, got {layers!r}")
+        _check(
+            isinstance(layers, (list, tuple)) and all(_is_int(i) and i >= 0 for i in layers),
+            f"full_precision_layers must be a list of layer indices >= 0, got {layers!r}",
+        )
         self.full_precision_layers = tuple(sorted(set(layers)))
-        _check(_is_int(self.neighbors) and self.neighbors >= 0,
-               f"neighbors must be an integer >= 0, got {self.neighbors!r}")
-        _check(self.neighbors == 0 or self.target_bits is None,
-               f"neighbors applies to the alpha/beta mode, not with target_bits={self.target_bits!r}")
-        _check(isinstance(self.keep_context_copy, bool),
-               f"keep_context_copy must be True or False, got {self.keep_context_copy!r}")
+        _check(
+            _is_int(self.neighbors) and self.neighbors >= 0,
+            f"neighbors must be an integer >= 0, got {self.neighbors!r}",
+        )
+        _check(
+            self.neighbors == 0 or self.target_bits is None,
+            f"neighbors applies to the alpha/beta mode, not with target_bits={self.target_bits!r}",
+        )
+        _check(
+            isinstance(self.keep_context_copy, bool),
+            f"keep_context_copy must be True or False, got {self.keep_context_copy!r}",
+        )
         if self.target_bits is not None:
             lo = self.packed_bits_per_element(2)
-            _check(_is_real(self.target_bits) and lo <= self.target_bits <= 16,
-                   f"target_bits must be None or a number in [{lo:g}, 16] (all-INT2 costs {lo:g} bits per element "
-                   f"with chunk_size={self.chunk_size}, group_size={self.group_size}), got {self.target_bits!r}")
-        _check(self.scale_dtype in _SCALE_DTYPES,
-               f"scale_dtype must be one of {_SCALE_DTYPES}, got {self.scale_dtype!r}")
-        _check(_is_int(self.encoder_batch_size) and self.encoder_batch_size >= 1,
-               f"encoder_batch_size must be an integer >= 1, got {self.encoder_batch_size!r}")
-        _check(self.encoder_device is None or isinstance(self.encoder_device, str),
-               f"encoder_device must be None or a device string, got {self.encoder_device!r}")
+            _check(
+                _is_real(self.target_bits) and lo <= self.target_bits <= 16,
+                f"target_bits must be None or a number in [{lo:g}, 16] (all-INT2 costs {lo:g} bits per element "
+                f"with chunk_size={self.chunk_size}, group_size={self.group_size}), got {self.target_bits!r}",
+            )
+        _check(
+            self.scale_dtype in _SCALE_DTYPES, f"scale_dtype must be one of {_SCALE_DTYPES}, got {self.scale_dtype!r}"
+        )
+        _check(
+            _is_int(self.encoder_batch_size) and self.encoder_batch_size >= 1,
+            f"encoder_batch_size must be an integer >= 1, got {self.encoder_batch_size!r}",
+        )
+        _check(
+            self.encoder_device is None or isinstance(self.encoder_device, str),
+            f"encoder_device must be None or a device string, got {self.encoder_device!r}",
+        )
+        _check(self.rotation in ROTATIONS, f"rotation must be one of {ROTATIONS}, got {self.rotation!r}")
+        _check(_is_int(self.rotation_seed), f"rotation_seed must be an integer, got {self.rotation_seed!r}")
 
     def packed_bits_per_element(self, bits: int) -> float:
         """Storage bits per K/V element of a ``bits``-bit chunk, scales and zeros included (K: 2 per C tokens per
@@ -151,7 +187,7 @@ class CocktailConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], **overrides: Any) -> "CocktailConfig":
+    def from_dict(cls, d: dict[str, Any], **overrides: Any) -> CocktailConfig:
         if not isinstance(d, dict):
             raise TypeError(f"from_dict expects a dict, got {type(d).__name__}")
         d = dict(d)
@@ -159,7 +195,8 @@ class CocktailConfig:
         if not _is_int(version) or version > FORMAT_VERSION or version < 1:
             raise ValueError(
                 f"cocktail config format_version {version!r} is not supported by this hf-cocktail "
-                f"(it reads versions 1..{FORMAT_VERSION}); upgrade hf-cocktail: pip install -U hf-cocktail")
+                f"(it reads versions 1..{FORMAT_VERSION}); upgrade hf-cocktail: pip install -U hf-cocktail"
+            )
         d.update(overrides)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
@@ -171,9 +208,17 @@ class CocktailConfig:
         """The exact text ``save_pretrained`` writes to ``cocktail_config.json``."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
 
-    def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, repo_id: str | None = None,
-                        commit_message: str | None = None, token: str | bool | None = None,
-                        private: bool | None = None, model_card: bool | str = True, **card_kwargs: Any) -> str:
+    def save_pretrained(
+        self,
+        save_directory: str | os.PathLike,
+        push_to_hub: bool = False,
+        repo_id: str | None = None,
+        commit_message: str | None = None,
+        token: str | bool | None = None,
+        private: bool | None = None,
+        model_card: bool | str = True,
+        **card_kwargs: Any,
+    ) -> str:
         """Write ``cocktail_config.json`` (and a model card) into ``save_directory``; returns the config file path.
 
         Args:
@@ -192,13 +237,27 @@ class CocktailConfig:
             repo_id = os.path.basename(os.path.abspath(save_directory))
         _write_card(self, save_directory, model_card, repo_id or os.fspath(save_directory), card_kwargs)
         if push_to_hub:
-            upload_folder(save_directory, repo_id, commit_message=commit_message or _COMMIT_MESSAGE, private=private,
-                          token=token, allow_patterns=[CONFIG_NAME] + ([README_NAME] if model_card is not False else []))
+            upload_folder(
+                save_directory,
+                repo_id,
+                commit_message=commit_message or _COMMIT_MESSAGE,
+                private=private,
+                token=token,
+                allow_patterns=[CONFIG_NAME] + ([README_NAME] if model_card is not False else []),
+            )
         return path
 
-    def push_to_hub(self, repo_id: str, commit_message: str | None = None, private: bool | None = None,
-                    token: str | bool | None = None, revision: str | None = None, create_pr: bool = False,
-                    model_card: bool | str = True, **card_kwargs: Any):
+    def push_to_hub(
+        self,
+        repo_id: str,
+        commit_message: str | None = None,
+        private: bool | None = None,
+        token: str | bool | None = None,
+        revision: str | None = None,
+        create_pr: bool = False,
+        model_card: bool | str = True,
+        **card_kwargs: Any,
+    ):
         """Upload this config (and a model card) to Hub repo ``repo_id``, created if needed; returns the CommitInfo.
 
         ``model_card``: ``True`` uploads a generated card unless the repo already has a ``README.md`` (kept); a
@@ -212,13 +271,26 @@ class CocktailConfig:
                 card_kwargs = {"name_or_path": repo_id} | card_kwargs
         with tempfile.TemporaryDirectory() as tmp:
             self.save_pretrained(tmp, model_card=model_card, **card_kwargs)
-            return upload_folder(tmp, repo_id, commit_message=commit_message or _COMMIT_MESSAGE, private=private,
-                                 token=token, revision=revision, create_pr=create_pr)
+            return upload_folder(
+                tmp,
+                repo_id,
+                commit_message=commit_message or _COMMIT_MESSAGE,
+                private=private,
+                token=token,
+                revision=revision,
+                create_pr=create_pr,
+            )
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str | os.PathLike, revision: str | None = None,
-                        cache_dir: str | os.PathLike | None = None, token: str | bool | None = None,
-                        local_files_only: bool | None = None, **overrides: Any) -> "CocktailConfig":
+    def from_pretrained(
+        cls,
+        name_or_path: str | os.PathLike,
+        revision: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        token: str | bool | None = None,
+        local_files_only: bool | None = None,
+        **overrides: Any,
+    ) -> CocktailConfig:
         """Read ``cocktail_config.json`` from a local folder, the file itself, or a Hub repo id.
 
         A path that exists locally is read directly (``revision``/``cache_dir``/``token`` are then unused); any
@@ -230,12 +302,18 @@ class CocktailConfig:
         if os.path.exists(name) or _looks_like_local_path(name):
             path = os.path.join(name, CONFIG_NAME) if os.path.isdir(name) else name
             if not os.path.isfile(path):
-                raise FileNotFoundError(f"no {CONFIG_NAME} found at {name!r}" + (
-                    f" (the folder exists but has no {CONFIG_NAME})" if os.path.isdir(name) else
-                    " (no such local file or folder)"))
+                raise FileNotFoundError(
+                    f"no {CONFIG_NAME} found at {name!r}"
+                    + (
+                        f" (the folder exists but has no {CONFIG_NAME})"
+                        if os.path.isdir(name)
+                        else " (no such local file or folder)"
+                    )
+                )
         else:
-            path = download_config(name, revision=revision, cache_dir=cache_dir, token=token,
-                                   local_files_only=local_files_only)
+            path = download_config(
+                name, revision=revision, cache_dir=cache_dir, token=token, local_files_only=local_files_only
+            )
         with open(path, encoding="utf-8") as f:
             try:
                 d = json.load(f)
@@ -249,12 +327,22 @@ _COMMIT_MESSAGE = "Upload Cocktail KV-cache config"
 
 def _looks_like_local_path(name: str) -> bool:
     """True when ``name`` can only be meant as a filesystem path, never a ``namespace/repo`` Hub id."""
-    return (os.path.isabs(name) or name.startswith((".", "~")) or "\\" in name or name.endswith(".json")
-            or name.count("/") > 1)
+    return (
+        os.path.isabs(name)
+        or name.startswith((".", "~"))
+        or "\\" in name
+        or name.endswith(".json")
+        or name.count("/") > 1
+    )
 
 
-def _write_card(config: CocktailConfig, folder: str | os.PathLike, model_card: bool | str, name_or_path: str,
-                card_kwargs: dict[str, Any]) -> None:
+def _write_card(
+    config: CocktailConfig,
+    folder: str | os.PathLike,
+    model_card: bool | str,
+    name_or_path: str,
+    card_kwargs: dict[str, Any],
+) -> None:
     if not isinstance(model_card, (bool, str)):
         raise TypeError(f"model_card must be True, False or the card text (str), got {type(model_card).__name__}")
     if card_kwargs and model_card is not True:

@@ -18,15 +18,61 @@ import torch
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-_PLACES = ["Ashford", "Brindle", "Corvale", "Dunmere", "Eastwick", "Fallow", "Glenrock", "Harrowgate", "Ivel",
-           "Juniper Hollow", "Kestrel", "Larchmont", "Millbrook", "Northcott", "Oakhurst", "Pendle", "Quarry End",
-           "Redfern", "Stonebridge", "Thornbury", "Upton", "Varley", "Westmere", "Yarrow"]
-_GOODS = ["barley", "copper wire", "wool", "salt", "timber", "glass jars", "lamp oil", "rope", "tea", "iron nails",
-          "candles", "paper", "linen", "clay pots", "honey", "dried fish"]
+_PLACES = [
+    "Ashford",
+    "Brindle",
+    "Corvale",
+    "Dunmere",
+    "Eastwick",
+    "Fallow",
+    "Glenrock",
+    "Harrowgate",
+    "Ivel",
+    "Juniper Hollow",
+    "Kestrel",
+    "Larchmont",
+    "Millbrook",
+    "Northcott",
+    "Oakhurst",
+    "Pendle",
+    "Quarry End",
+    "Redfern",
+    "Stonebridge",
+    "Thornbury",
+    "Upton",
+    "Varley",
+    "Westmere",
+    "Yarrow",
+]
+_GOODS = [
+    "barley",
+    "copper wire",
+    "wool",
+    "salt",
+    "timber",
+    "glass jars",
+    "lamp oil",
+    "rope",
+    "tea",
+    "iron nails",
+    "candles",
+    "paper",
+    "linen",
+    "clay pots",
+    "honey",
+    "dried fish",
+]
 _PEOPLE = ["Mara", "Tobin", "Elsie", "Rowan", "Jasper", "Nell", "Ivo", "Perrin", "Wren", "Orla", "Silas", "Hedda"]
-_EVENTS = ["a late frost damaged the orchards", "the river bridge was repaired", "a new well was dug",
-           "the market moved to the old mill", "two carts were lost in a storm", "the school roof was replaced",
-           "a fair drew visitors from the coast", "the road north was closed for a week"]
+_EVENTS = [
+    "a late frost damaged the orchards",
+    "the river bridge was repaired",
+    "a new well was dug",
+    "the market moved to the old mill",
+    "two carts were lost in a storm",
+    "the school roof was replaced",
+    "a fair drew visitors from the coast",
+    "the road north was closed for a week",
+]
 
 
 def generate_document(n_paragraphs: int = 60, seed: int = 0) -> tuple[str, str, str]:
@@ -42,7 +88,8 @@ def generate_document(n_paragraphs: int = 60, seed: int = 0) -> tuple[str, str, 
             f"Report {i + 1} from {place}. The stores of {place} hold {rng.randint(20, 900)} crates of {good}, "
             f"counted by {person} in the {rng.choice(['spring', 'summer', 'autumn', 'winter'])}. This season "
             f"{rng.choice(_EVENTS)}, and {rng.choice(_EVENTS)}. {person} notes that {rng.randint(2, 40)} families "
-            f"traded {rng.choice(_GOODS)} for {rng.choice(_GOODS)} at a rate of {rng.randint(2, 9)} to one.")
+            f"traded {rng.choice(_GOODS)} for {rng.choice(_GOODS)} at a rate of {rng.randint(2, 9)} to one."
+        )
     code = f"{rng.randint(10000, 99999)}"
     needle = f"Special note: the lock combination of the Harbor Archive is {code}. Keep it safe."
     paras.insert(int(n_paragraphs * 0.37), needle)
@@ -59,14 +106,20 @@ def load_smollm2(dtype=torch.bfloat16):
 
     d = os.path.dirname(spec.origin)
     tok = AutoTokenizer.from_pretrained(d, gguf_file=SMOLLM2_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=SMOLLM2_GGUF, dtype=dtype,
-                                                 attn_implementation="cocktail").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        d, gguf_file=SMOLLM2_GGUF, dtype=dtype, attn_implementation="cocktail"
+    ).eval()
     return model, tok
 
 
 def build_prompt(tok, document: str, question: str) -> str:
-    msgs = [{"role": "user", "content": f"Read the document and answer the question.\n\n{document}\n\n"
-                                        f"Question: {question}\nAnswer briefly."}]
+    msgs = [
+        {
+            "role": "user",
+            "content": f"Read the document and answer the question.\n\n{document}\n\n"
+            f"Question: {question}\nAnswer briefly.",
+        }
+    ]
     return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
 
 
@@ -80,8 +133,10 @@ def plot_chunks(scores, bits, path, title):
     colors = {16: "#d62728", 4: "#ff7f0e", 2: "#1f77b4"}
     fig, ax = plt.subplots(figsize=(10, 3.2))
     ax.bar(range(len(scores)), scores, color=[colors[b] for b in bits], width=1.0)
-    handles = [Patch(color=colors[b], label=f"{name} ({bits.count(b)} chunks)")
-               for b, name in ((16, "FP16"), (4, "INT4"), (2, "INT2"))]
+    handles = [
+        Patch(color=colors[b], label=f"{name} ({bits.count(b)} chunks)")
+        for b, name in ((16, "FP16"), (4, "INT4"), (2, "INT2"))
+    ]
     ax.set_xlabel("context chunk (original order)")
     ax.set_ylabel("cosine similarity to the query")
     lo = min(scores) if scores else 0.0
@@ -149,11 +204,15 @@ def main(argv=None):
     print(f"Cocktail answer            : {ck_answer!r}   [{t_ck:.1f}s incl. chunk search]")
     if answer:
         print(f"correct: FP16 {answer in fp16_answer}, Cocktail {answer in ck_answer}")
-    print(f"precision mix over {len(bits)} chunks of {config.chunk_size} tokens: FP16 {bits.count(16)}, "
-          f"INT4 {bits.count(4)}, INT2 {bits.count(2)} (alpha={config.alpha}, beta={config.beta})")
-    print(f"KV bytes: Cocktail {rep['total_bytes'] / 2**20:.2f} MiB vs FP16 {fp16_bytes / 2**20:.2f} MiB "
-          f"= {rep['total_bytes'] / fp16_bytes:.3f}x  (codes {rep['codes_bytes'] / 2**20:.2f}, scales/zeros "
-          f"{rep['scales_zeros_bytes'] / 2**20:.2f}, full precision {rep['full_precision_bytes'] / 2**20:.2f} MiB)")
+    print(
+        f"precision mix over {len(bits)} chunks of {config.chunk_size} tokens: FP16 {bits.count(16)}, "
+        f"INT4 {bits.count(4)}, INT2 {bits.count(2)} (alpha={config.alpha}, beta={config.beta})"
+    )
+    print(
+        f"KV bytes: Cocktail {rep['total_bytes'] / 2**20:.2f} MiB vs FP16 {fp16_bytes / 2**20:.2f} MiB "
+        f"= {rep['total_bytes'] / fp16_bytes:.3f}x  (codes {rep['codes_bytes'] / 2**20:.2f}, scales/zeros "
+        f"{rep['scales_zeros_bytes'] / 2**20:.2f}, full precision {rep['full_precision_bytes'] / 2**20:.2f} MiB)"
+    )
     os.makedirs(args.out_dir, exist_ok=True)
     png = os.path.join(args.out_dir, "chunk_precisions.png")
     plot_chunks(scores, bits, png, f"Cocktail chunk search: {question[:70]}")

@@ -10,12 +10,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from . import quant
-from .split_attention import split_precision_attention_torch
+from .split_attention import attend_in_store_basis, split_precision_attention_torch, with_rotation
 from .store import LayerStore
 
 BACKENDS = ("auto", "torch", "triton")
@@ -50,7 +50,8 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         if device.type != "cuda" and not triton_interpreting():
             raise RuntimeError(
                 f"backend='triton' needs CUDA tensors (got device {device}); on CPU set TRITON_INTERPRET=1 "
-                "(slow, for testing) or use backend='torch'")
+                "(slow, for testing) or use backend='torch'"
+            )
         return "triton"
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
@@ -70,22 +71,32 @@ def quantizers(backend: str, device: torch.device) -> tuple[Callable, Callable]:
     return quant.quantize_pack_keys, quant.quantize_pack_values
 
 
-def _triton_attention(query: torch.Tensor, store: LayerStore, scaling: float) -> torch.Tensor:
+def _triton_attention(query: torch.Tensor, store: LayerStore, scaling: float, out_dtype: torch.dtype) -> torch.Tensor:
     import triton_ops
 
     D = query.shape[-1]
     if D not in triton_ops.SUPPORTED_HEAD_DIMS:
-        _warn_once(f"triton-dim-{D}", f"triton split-precision attention supports head dims "
-                   f"{triton_ops.SUPPORTED_HEAD_DIMS}, got {D}: using the PyTorch implementation")
-        return split_precision_attention_torch(query, store, scaling)
+        _warn_once(
+            f"triton-dim-{D}",
+            f"triton split-precision attention supports head dims "
+            f"{triton_ops.SUPPORTED_HEAD_DIMS}, got {D}: using the PyTorch implementation",
+        )
+        return attend_in_store_basis(query, store, scaling, out_dtype)
     full = store.full
     return triton_ops.split_precision_attention(
-        query, full.keys, full.values, full.start_tensor(), [s.kernel_args() for s in store.segments], scaling,
-        max_tokens=[s.max_sequence_tokens() for s in store.segments], min_full_start=min(full.start))
+        query,
+        full.keys,
+        full.values,
+        full.start_tensor(),
+        [s.kernel_args() for s in store.segments],
+        scaling,
+        max_tokens=[s.max_sequence_tokens() for s in store.segments],
+        min_full_start=min(full.start),
+    ).to(out_dtype)
 
 
 def split_precision_attention(query: torch.Tensor, store: LayerStore, scaling: float, backend: str) -> torch.Tensor:
     """Decode attention of ``query (B, H_q, L_q, D)`` over ``store`` with the chosen backend; ``(B, H_q, L_q, D)``."""
     if resolve_backend(backend, query.device) == "triton":
-        return _triton_attention(query, store, scaling)
+        return with_rotation(_triton_attention, query, store, scaling)
     return split_precision_attention_torch(query, store, scaling)

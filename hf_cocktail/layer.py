@@ -17,6 +17,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .dispatch import quantizers
+from .rotation import Rotation
 from .store import LayerStore
 
 if TYPE_CHECKING:
@@ -72,8 +73,9 @@ class CocktailLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``key_states``, ``value_states``: ``(B, H_kv, L, D)``; returns what the attention function consumes."""
         if self.state is LayerState.EMPTY:
             return self._first_update(key_states, value_states)
@@ -81,7 +83,7 @@ class CocktailLayer(CacheLayerMixin):
             self._build_store(*self.deferred)
             self.deferred = None
         self.state = LayerState.DECODE
-        self.store.full.append(key_states, value_states)
+        self.store.append(key_states, value_states)
         self.seq_len += key_states.shape[2]
         if self.path is AttentionPath.SPLIT:
             return self._tagged(self.store.full.keys), self.store.full.values
@@ -111,7 +113,7 @@ class CocktailLayer(CacheLayerMixin):
         """Let the attention function find this layer behind the key tensor it receives. A weak reference: the
         layer holds these tensors, and a strong one would make a reference cycle that keeps whole caches alive
         until the garbage collector runs."""
-        keys._cocktail_layer = weakref.ref(self)
+        keys._cocktail_layer = weakref.ref(self)  # type: ignore[attr-defined]
         return keys
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -167,8 +169,20 @@ class CocktailLayer(CacheLayerMixin):
         cfg = self.config
         quantize_k, quantize_v = quantizers(cfg.backend, k.device)
         positions = self.cache.layer_positions(self.all_full)
-        self.store = LayerStore.build(k, v, positions, cfg.chunk_size, cfg.group_size, cfg.torch_scale_dtype(k.dtype),
-                                      quantize_k, quantize_v)
+        rotation = (
+            None if self.all_full else Rotation.make(cfg.rotation, k.shape[1], k.shape[3], cfg.rotation_seed, k.device)
+        )
+        self.store = LayerStore.build(
+            k,
+            v,
+            positions,
+            cfg.chunk_size,
+            cfg.group_size,
+            cfg.torch_scale_dtype(k.dtype),
+            quantize_k,
+            quantize_v,
+            rotation,
+        )
         if cfg.keep_context_copy and self.context_copy is None:
             end = max(p.ctx_end for p in plans)
             self.context_copy = (k[:, :, :end].to("cpu", copy=True), v[:, :, :end].to("cpu", copy=True))
@@ -200,13 +214,14 @@ class CocktailLayer(CacheLayerMixin):
             return
         generated = self.seq_len - self.cache.prompt_len
         if n > generated:
-            raise ValueError(f"CocktailCache can only crop tokens added after the prompt ({max(generated, 0)} "
-                             f"here); asked to remove {n}")
+            raise ValueError(
+                f"CocktailCache can only crop tokens added after the prompt ({max(generated, 0)} "
+                f"here); asked to remove {n}"
+            )
         if self.deferred is not None:
             self.deferred = (self.deferred[0][:, :, :-n], self.deferred[1][:, :, :-n])
         else:
-            full = self.store.full
-            full.keys, full.values = full.keys[:, :, :-n], full.values[:, :, :-n]
+            self.store.full.truncate(n)
         self.seq_len -= n
 
 

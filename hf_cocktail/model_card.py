@@ -9,15 +9,22 @@ import csv
 import json
 import os
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from .hub import CONFIG_NAME
 
 CARD_TAGS = ("kv-cache", "quantization", "cocktail", "long-context")
 RESULT_COLUMNS = ("task", "method", "score", "kv_ratio", "prefill_s", "decode_ms_per_token", "n")
 SETTINGS_SOURCES = ("paper", "local")
-PAPER_SETTINGS = {"chunk_size": 32, "alpha": 0.6, "beta": 0.1, "encoder": "facebook/contriever", "group_size": 32,
-                  "uniform_bits": None}
+PAPER_SETTINGS = {
+    "chunk_size": 32,
+    "alpha": 0.6,
+    "beta": 0.1,
+    "encoder": "facebook/contriever",
+    "group_size": 32,
+    "uniform_bits": None,
+}
 PAPER = "Cocktail: Chunk-Adaptive Mixed-Precision Quantization for Long-Context LLM Inference"
 
 
@@ -29,8 +36,10 @@ def read_results(path: str | os.PathLike) -> list[dict[str, str]]:
         reader = csv.DictReader(f)
         missing = [c for c in RESULT_COLUMNS if c not in (reader.fieldnames or [])]
         if missing:
-            raise ValueError(f"{os.fspath(path)} lacks the columns {missing}; expected columns {list(RESULT_COLUMNS)}, "
-                             f"got {reader.fieldnames}")
+            raise ValueError(
+                f"{os.fspath(path)} lacks the columns {missing}; expected columns {list(RESULT_COLUMNS)}, "
+                f"got {reader.fieldnames}"
+            )
         return list(reader)
 
 
@@ -94,21 +103,34 @@ print(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_token
 
 def _method(config: Any) -> str:
     if config.uniform_bits is not None:
-        return (f"This config disables the search: every context chunk of {config.chunk_size} tokens is stored at "
-                f"{config.uniform_bits} bits (a uniform baseline).")
-    return (f"The context is cut into chunks of {config.chunk_size} tokens. At prefill each chunk is scored against "
-            f"the query with the retrieval encoder `{config.encoder}`; with scores in [s_min, s_max], chunks with "
-            f"s <= s_min + {config.alpha} * (s_max - s_min) are stored in INT2, chunks with "
-            f"s > s_max - {config.beta} * (s_max - s_min) in FP16 and the rest in INT4. Values are quantized per "
-            f"token in groups of {config.group_size} channels, keys per channel within each chunk.")
+        return (
+            f"This config disables the search: every context chunk of {config.chunk_size} tokens is stored at "
+            f"{config.uniform_bits} bits (a uniform baseline)."
+        )
+    return (
+        f"The context is cut into chunks of {config.chunk_size} tokens. At prefill each chunk is scored against "
+        f"the query with the retrieval encoder `{config.encoder}`; with scores in [s_min, s_max], chunks with "
+        f"s <= s_min + {config.alpha} * (s_max - s_min) are stored in INT2, chunks with "
+        f"s > s_max - {config.beta} * (s_max - s_min) in FP16 and the rest in INT4. Values are quantized per "
+        f"token in groups of {config.group_size} channels, keys per channel within each chunk."
+    )
 
 
-def make_model_card(config: Any, base_model: str | None = None,
-                    results: str | os.PathLike | list[dict[str, str]] | None = None,
-                    hardware: str | dict | None = None, commit: str | None = None,
-                    notes: str | list[str] | None = None, *, name_or_path: str = "path/or/repo-id",
-                    license: str = "apache-2.0", settings_source: str = "local", command: str | None = None,
-                    runtime_s: float | None = None, results_name: str | None = None) -> str:
+def make_model_card(
+    config: Any,
+    base_model: str | None = None,
+    results: str | os.PathLike | list[dict[str, str]] | None = None,
+    hardware: str | dict | None = None,
+    commit: str | None = None,
+    notes: str | list[str] | None = None,
+    *,
+    name_or_path: str = "path/or/repo-id",
+    license: str = "apache-2.0",
+    settings_source: str = "local",
+    command: str | None = None,
+    runtime_s: float | None = None,
+    results_name: str | None = None,
+) -> str:
     """The ``README.md`` model card of a Cocktail config.
 
     Args:
@@ -128,8 +150,10 @@ def make_model_card(config: Any, base_model: str | None = None,
     if settings_source == "paper":
         differ = {k: getattr(config, k) for k, v in PAPER_SETTINGS.items() if getattr(config, k) != v}
         if differ:
-            raise ValueError(f"settings_source='paper' but the config differs from the paper's settings "
-                             f"{PAPER_SETTINGS}: {differ}; use settings_source='local'")
+            raise ValueError(
+                f"settings_source='paper' but the config differs from the paper's settings "
+                f"{PAPER_SETTINGS}: {differ}; use settings_source='local'"
+            )
     if results is not None and not isinstance(results, list):
         results = read_results(results)
     front = ["---", "library_name: hf-cocktail"]
@@ -137,26 +161,41 @@ def make_model_card(config: Any, base_model: str | None = None,
         front.append(f"base_model: {_yaml_scalar(base_model)}")
     front += [f"license: {_yaml_scalar(license)}", "tags:", *[f"- {t}" for t in CARD_TAGS], "---"]
     title = f"Cocktail KV-cache config for {base_model}" if base_model else "Cocktail KV-cache config"
-    out = ["\n".join(front), f"# {title}",
-           "This repository holds a hf-cocktail configuration (`cocktail_config.json`), not "
-           "model weights: a chunk-adaptive mixed-precision FP16/INT4/INT2 KV cache for Hugging Face transformers, "
-           f"after *{PAPER}*. " + _method(config)]
+    out = [
+        "\n".join(front),
+        f"# {title}",
+        "This repository holds a hf-cocktail configuration (`cocktail_config.json`), not "
+        "model weights: a chunk-adaptive mixed-precision FP16/INT4/INT2 KV cache for Hugging Face transformers, "
+        f"after *{PAPER}*. " + _method(config),
+    ]
     if settings_source == "paper":
         paper = ", ".join(f"{k}={v!r}" for k, v in PAPER_SETTINGS.items())
         if results is None:
-            out.append(f"> **These are the Cocktail paper's settings ({paper}), NOT measured here.** hf-cocktail has "
-                       "not evaluated this configuration on this model; no accuracy, memory or speed figure in this "
-                       "card comes from a run.")
+            out.append(
+                f"> **These are the Cocktail paper's settings ({paper}), NOT measured here.** hf-cocktail has "
+                "not evaluated this configuration on this model; no accuracy, memory or speed figure in this "
+                "card comes from a run."
+            )
         else:
-            out.append(f"> These are the Cocktail paper's settings ({paper}); the results below were measured with "
-                       "hf-cocktail (see provenance), they are not the paper's numbers.")
-    out += ["## Usage", _usage(config, base_model, name_or_path),
-            "## Configuration", f"`{CONFIG_NAME}`:", "```json\n" + config.to_json_string().rstrip("\n") + "\n```",
-            "## Results"]
+            out.append(
+                f"> These are the Cocktail paper's settings ({paper}); the results below were measured with "
+                "hf-cocktail (see provenance), they are not the paper's numbers."
+            )
+    out += [
+        "## Usage",
+        _usage(config, base_model, name_or_path),
+        "## Configuration",
+        f"`{CONFIG_NAME}`:",
+        "```json\n" + config.to_json_string().rstrip("\n") + "\n```",
+        "## Results",
+    ]
     if results is None:
         missing = f" (`{results_name}` does not exist yet)" if results_name else ""
-        out.append(f"No evaluation results yet: not measured here{missing}." if settings_source == "local"
-                   else "Not measured here.")
+        out.append(
+            f"No evaluation results yet: not measured here{missing}."
+            if settings_source == "local"
+            else "Not measured here."
+        )
     else:
         out.append(results_markdown(results))
     prov = []
@@ -169,7 +208,8 @@ def make_model_card(config: Any, base_model: str | None = None,
             prov.append(f"- Runtime: {float(runtime_s):.0f} s")
     out += ["## Hardware and provenance", "\n".join(prov) if prov else "Not applicable: nothing was run."]
     paras = [notes] if isinstance(notes, str) else list(notes or [])
-    paras.append(f"The base model is not included here; its own license applies. This configuration is released "
-                 f"under {license}.")
+    paras.append(
+        f"The base model is not included here; its own license applies. This configuration is released under {license}."
+    )
     out += ["## Notes", *paras]
     return "\n\n".join(out) + "\n"

@@ -6,8 +6,8 @@ Shapes: L prompt tokens (after left padding), C chunk size.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 
@@ -45,14 +45,19 @@ class SequencePlan:
         """Positions of each part among the first ``prefill_len`` prompt tokens (later ones are appended as new
         tokens to the full-precision part)."""
         if prefill_len < self.ctx_end:
-            raise RuntimeError(f"the prefill covers {prefill_len} tokens but the context ends at token "
-                               f"{self.ctx_end}: the whole context must be in the prefill")
+            raise RuntimeError(
+                f"the prefill covers {prefill_len} tokens but the context ends at token "
+                f"{self.ctx_end}: the whole context must be in the prefill"
+            )
         parts: dict = {16: [], 4: [], 2: []}
         for i, bits in enumerate(self.bits or []):
             parts[bits].extend(range(*self.chunk_range(i, chunk_size)))
         full = list(range(self.pad, self.ctx_start)) + parts[16] + list(range(self.ctx_end, prefill_len))
-        self.positions = {"full": torch.tensor(full, dtype=torch.long),
-                          4: torch.tensor(parts[4], dtype=torch.long), 2: torch.tensor(parts[2], dtype=torch.long)}
+        self.positions = {
+            "full": torch.tensor(full, dtype=torch.long),
+            4: torch.tensor(parts[4], dtype=torch.long),
+            2: torch.tensor(parts[2], dtype=torch.long),
+        }
 
     def all_full_positions(self, prefill_len: int) -> dict:
         """Positions for a layer kept entirely at full precision (``full_precision_layers``)."""
@@ -63,20 +68,33 @@ class SequencePlan:
 def token_span(offsets: torch.Tensor, mask: torch.Tensor, first: int, char_start: int, char_end: int) -> list[int]:
     """Tokens at or after ``first`` whose characters lie inside ``[char_start, char_end)``; ``offsets (L, 2)``."""
     L = offsets.shape[0]
-    return [t for t in range(first, L) if mask[t] and offsets[t, 1] > offsets[t, 0]
-            and offsets[t, 0] >= char_start and offsets[t, 1] <= char_end]
+    return [
+        t
+        for t in range(first, L)
+        if mask[t] and offsets[t, 1] > offsets[t, 0] and offsets[t, 0] >= char_start and offsets[t, 1] <= char_end
+    ]
 
 
-def context_span(prompt: str, context: str | None, offsets: torch.Tensor, mask: torch.Tensor, pad: int,
-                 sink_tokens: int, recent_tokens: int, row: int) -> tuple[int, int]:
+def context_span(
+    prompt: str,
+    context: str | None,
+    offsets: torch.Tensor,
+    mask: torch.Tensor,
+    pad: int,
+    sink_tokens: int,
+    recent_tokens: int,
+    row: int,
+) -> tuple[int, int]:
     """Token span ``[start, end)`` of ``context`` in ``prompt`` minus the protected tokens (the first
     ``sink_tokens`` of the prompt and the last ``recent_tokens`` of the context); ``(pad, pad)`` without a context."""
     if not context:
         return pad, pad
     c0 = prompt.find(context)
     if c0 < 0:
-        raise ValueError(f"contexts[{row}] was not found in prompts[{row}]: the context must appear verbatim "
-                         f"in its prompt (got a context of {len(context)} characters)")
+        raise ValueError(
+            f"contexts[{row}] was not found in prompts[{row}]: the context must appear verbatim "
+            f"in its prompt (got a context of {len(context)} characters)"
+        )
     inside = token_span(offsets, mask, pad, c0, c0 + len(context))
     if not inside:
         return pad, pad
@@ -85,14 +103,17 @@ def context_span(prompt: str, context: str | None, offsets: torch.Tensor, mask: 
     return cs, max(cs, ce - recent_tokens)
 
 
-def query_span(prompt: str, text: str, offsets: torch.Tensor, mask: torch.Tensor, pad: int, after: int,
-               name: str) -> tuple[int, int]:
+def query_span(
+    prompt: str, text: str, offsets: torch.Tensor, mask: torch.Tensor, pad: int, after: int, name: str
+) -> tuple[int, int]:
     """Token span of the last occurrence of ``text`` in ``prompt`` at or after token ``after``."""
     c0 = prompt.rfind(text) if text else -1
     toks = token_span(offsets, mask, max(pad, after), c0, c0 + len(text)) if c0 >= 0 else []
     if not toks:
-        raise ValueError(f"{name} must appear verbatim in its prompt after the context for scorer='attention' "
-                         f"(its tokens are the ones whose attention scores the chunks); got {text!r}")
+        raise ValueError(
+            f"{name} must appear verbatim in its prompt after the context for scorer='attention' "
+            f"(its tokens are the ones whose attention scores the chunks); got {text!r}"
+        )
     return toks[0], toks[-1] + 1
 
 
@@ -147,8 +168,9 @@ def assign_precisions(scores: torch.Tensor, alpha: float, beta: float) -> list[i
     return bits.tolist()
 
 
-def assign_budget(scores: torch.Tensor, sizes: Sequence[int], target_bits: float, beta: float,
-                  bits_cost: dict[int, float]) -> list[int]:
+def assign_budget(
+    scores: torch.Tensor, sizes: Sequence[int], target_bits: float, beta: float, bits_cost: dict[int, float]
+) -> list[int]:
     """Budget mode: meet an average of ``target_bits`` per context element as closely as possible from below.
 
     Chunks with ``s > T_high`` (``T_high = s_max - beta*(s_max-s_min)``) get FP16 in rank order while affordable; then
@@ -212,9 +234,17 @@ class PlanView:
 
     @classmethod
     def of(cls, plan: SequencePlan) -> PlanView:
-        return cls(plan.pad, plan.ctx_start, plan.ctx_end, tuple(plan.chunk_texts), plan.query, plan.query_span,
-                   None if plan.scores is None else tuple(plan.scores), None if plan.bits is None else tuple(plan.bits),
-                   None if plan.attn_mass is None else plan.attn_mass.clone())
+        return cls(
+            plan.pad,
+            plan.ctx_start,
+            plan.ctx_end,
+            tuple(plan.chunk_texts),
+            plan.query,
+            plan.query_span,
+            None if plan.scores is None else tuple(plan.scores),
+            None if plan.bits is None else tuple(plan.bits),
+            None if plan.attn_mass is None else plan.attn_mass.clone(),
+        )
 
     @property
     def num_chunks(self) -> int:

@@ -65,8 +65,10 @@ def _quantize_groups(x: torch.Tensor, dim: int, bits: int, scale_dtype: torch.dt
     scale = ((mx - mn) / qmax).to(scale_dtype)
     zero = mn.to(scale_dtype)
     if not (bool(torch.isfinite(scale).all()) and bool(torch.isfinite(zero).all())):
-        raise ValueError(f"quantization scales/zeros overflow scale_dtype={scale_dtype} (key/value magnitudes up to "
-                         f"{float(x.abs().max()):.3g}); use CocktailConfig(scale_dtype='float32')")
+        raise ValueError(
+            f"quantization scales/zeros overflow scale_dtype={scale_dtype} (key/value magnitudes up to "
+            f"{float(x.abs().max()):.3g}); use CocktailConfig(scale_dtype='float32')"
+        )
     s32, z32 = scale.float(), zero.float()
     inv = torch.where(s32 > 0, 1.0 / s32, torch.zeros_like(s32))
     codes = torch.floor((x - z32) * inv + 0.5).clamp_(0, qmax).to(torch.uint8)
@@ -77,7 +79,8 @@ def _check_finite(x: torch.Tensor, what: str) -> None:
     if not bool(torch.isfinite(x).all()):
         raise ValueError(
             f"{what} contain NaN or inf; hf-cocktail refuses to quantize non-finite key/value states "
-            "(the model produced them: check its dtype, e.g. use bfloat16 or float32 instead of float16)")
+            "(the model produced them: check its dtype, e.g. use bfloat16 or float32 instead of float16)"
+        )
 
 
 def quantize_pack_keys(k: torch.Tensor, bits: int, chunk_size: int, scale_dtype: torch.dtype | None = None):
@@ -97,8 +100,11 @@ def quantize_pack_keys(k: torch.Tensor, bits: int, chunk_size: int, scale_dtype:
     _check_head_dim(D, bits)
     scale_dtype = scale_dtype or k.dtype
     if N == 0:
-        return (k.new_zeros((H, 0, D * bits // 8), dtype=torch.uint8), k.new_zeros((H, 0, D), dtype=scale_dtype),
-                k.new_zeros((H, 0, D), dtype=scale_dtype))
+        return (
+            k.new_zeros((H, 0, D * bits // 8), dtype=torch.uint8),
+            k.new_zeros((H, 0, D), dtype=scale_dtype),
+            k.new_zeros((H, 0, D), dtype=scale_dtype),
+        )
     _check_finite(k, "keys")
     M = -(-N // chunk_size)
     x = k.float()
@@ -130,8 +136,15 @@ def quantize_pack_values(v: torch.Tensor, bits: int, group_size: int, scale_dtyp
     return pack_codes(codes.reshape(H, N, D), bits), scale, zero
 
 
-def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, chunk_size: int,
-                    out_dtype: torch.dtype = torch.float32, first_token: int = 0) -> torch.Tensor:
+def dequantize_keys(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    bits: int,
+    chunk_size: int,
+    out_dtype: torch.dtype = torch.float32,
+    first_token: int = 0,
+) -> torch.Tensor:
     """``codes (H_kv, N, Dp)``, ``scale/zero (H_kv, M, D)`` -> keys ``(H_kv, N, D)``. ``first_token``: index of the
     first code's token counted from the start of chunk 0 of ``scale`` (for a block that starts mid-sequence)."""
     c = unpack_codes(codes, bits).float()
@@ -142,8 +155,14 @@ def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
     return (c * s + z).to(out_dtype)
 
 
-def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group_size: int,
-                      out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_values(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    bits: int,
+    group_size: int,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """``codes (H_kv, N, Dp)``, ``scale/zero (H_kv, N, D//G)`` -> values ``(H_kv, N, D)``."""
     c = unpack_codes(codes, bits).float()
     H, N, D = c.shape

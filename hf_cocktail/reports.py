@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
 from .store import LayerStore
 
 
-def memory_report(stores: Sequence[LayerStore], context_copies: Iterable[tuple[torch.Tensor, ...]],
-                  plan_bits: Iterable[Sequence[int] | None]) -> dict[str, Any]:
+def memory_report(
+    stores: Sequence[LayerStore],
+    context_copies: Iterable[tuple[torch.Tensor, ...]],
+    plan_bits: Iterable[Sequence[int] | None],
+) -> dict[str, Any]:
     """Breakdown of the stores' bytes plus what the same tokens would take in a FP16 cache. ``ratio_to_fp16``
     counts the full-precision part at 2 bytes per element (an FP16 deployment) even for fp32 models."""
-    rep: dict[str, Any] = {"codes_bytes": 0, "scales_zeros_bytes": 0, "full_precision_bytes": 0,
-                           "layers": len(stores)}
+    rep: dict[str, Any] = {"codes_bytes": 0, "scales_zeros_bytes": 0, "full_precision_bytes": 0, "layers": len(stores)}
     fp16_equiv = full_elements = 0
     for st in stores:
         H, D = st.full.keys.shape[1], st.full.keys.shape[3]

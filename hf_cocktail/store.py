@@ -12,12 +12,13 @@ Shapes: B batch, H_kv key/value heads, D head dim, C chunk size, G value group s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from . import quant
+from .rotation import Rotation
 
 
 def _offsets(lengths: list[int]) -> list[int]:
@@ -33,9 +34,10 @@ class FullPart:
     values: torch.Tensor  # (B, H_kv, R, D)
     start: list[int]  # (B,) first valid index per sequence
     _start_t: torch.Tensor | None = field(default=None, repr=False)
+    _buffers: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)  # (B, H_kv, capacity, D)
 
     @classmethod
-    def from_sequences(cls, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> "FullPart":
+    def from_sequences(cls, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> FullPart:
         """``ks[b]``, ``vs[b]``: ``(H_kv, R_b, D)`` -> right-aligned ``(B, H_kv, max R_b, D)``."""
         R = max(k.shape[1] for k in ks)
         H, D = ks[0].shape[0], ks[0].shape[2]
@@ -50,9 +52,30 @@ class FullPart:
         return cls(keys, values, start)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append ``(B, H_kv, L_new, D)`` new tokens for every sequence."""
-        self.keys = torch.cat([self.keys, k.to(self.keys.dtype)], dim=2)
-        self.values = torch.cat([self.values, v.to(self.values.dtype)], dim=2)
+        """Append ``(B, H_kv, L_new, D)`` new tokens for every sequence. ``keys``/``values`` are views of buffers
+        whose capacity grows geometrically (by a quarter, at least 64 tokens), so a long generation copies the part
+        O(log) times instead of once per step."""
+        R, n = self.length, k.shape[2]
+        if self._buffers is None or R + n > self._buffers[0].shape[2]:
+            B, H, _, D = self.keys.shape
+            capacity = R + n + max(64, (R + n) // 4)
+            bufs = tuple(t.new_empty((B, H, capacity, D)) for t in (self.keys, self.values))
+            bufs[0][:, :, :R], bufs[1][:, :, :R] = self.keys, self.values
+            self._buffers = (bufs[0], bufs[1])
+        buf_k, buf_v = self._buffers
+        buf_k[:, :, R : R + n] = k
+        buf_v[:, :, R : R + n] = v
+        self.keys, self.values = buf_k[:, :, : R + n], buf_v[:, :, : R + n]
+
+    def truncate(self, n: int) -> None:
+        """Drop the last ``n`` tokens (their buffer room is reused by the next append)."""
+        self.keys, self.values = self.keys[:, :, : self.length - n], self.values[:, :, : self.length - n]
+
+    def reserved_bytes(self) -> int:
+        """Buffer capacity held beyond the valid tokens (room for the next appended tokens)."""
+        if self._buffers is None:
+            return 0
+        return sum(b.numel() * b.element_size() for b in self._buffers) - self.nbytes()
 
     @property
     def length(self) -> int:
@@ -86,9 +109,17 @@ class PackedSegment:
     _dev_offsets: tuple | None = field(default=None, repr=False)
 
     @classmethod
-    def from_sequences(cls, ks: list[torch.Tensor], vs: list[torch.Tensor], bits: int, chunk_size: int,
-                       group_size: int, scale_dtype: torch.dtype, quantize_keys=None,
-                       quantize_values=None) -> "PackedSegment":
+    def from_sequences(
+        cls,
+        ks: list[torch.Tensor],
+        vs: list[torch.Tensor],
+        bits: int,
+        chunk_size: int,
+        group_size: int,
+        scale_dtype: torch.dtype,
+        quantize_keys=None,
+        quantize_values=None,
+    ) -> PackedSegment:
         """Quantize and pack per-sequence chunk-ordered segments ``ks[b], vs[b]: (H_kv, N_b, D)``.
 
         ``quantize_keys`` / ``quantize_values`` default to the PyTorch reference in :mod:`hf_cocktail.quant`; the
@@ -98,9 +129,19 @@ class PackedSegment:
         qv = quantize_values or quant.quantize_pack_values
         parts = [(qk(k, bits, chunk_size, scale_dtype), qv(v, bits, group_size, scale_dtype)) for k, v in zip(ks, vs)]
         cat = lambda i, j: torch.cat([p[i][j] for p in parts], dim=1)  # noqa: E731
-        return cls(bits, chunk_size, group_size,
-                   cat(0, 0), cat(0, 1), cat(0, 2), cat(1, 0), cat(1, 1), cat(1, 2),
-                   _offsets([k.shape[1] for k in ks]), _offsets([-(-k.shape[1] // chunk_size) for k in ks]))
+        return cls(
+            bits,
+            chunk_size,
+            group_size,
+            cat(0, 0),
+            cat(0, 1),
+            cat(0, 2),
+            cat(1, 0),
+            cat(1, 1),
+            cat(1, 2),
+            _offsets([k.shape[1] for k in ks]),
+            _offsets([-(-k.shape[1] // chunk_size) for k in ks]),
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -110,18 +151,22 @@ class PackedSegment:
         """``tok_off`` and ``chunk_off`` as int32 tensors on the segment's device (cached)."""
         dev = self.k_codes.device
         if self._dev_offsets is None or self._dev_offsets[0].device != dev:
-            self._dev_offsets = (torch.tensor(self.tok_off, dtype=torch.int32, device=dev),
-                                 torch.tensor(self.chunk_off, dtype=torch.int32, device=dev))
+            self._dev_offsets = (
+                torch.tensor(self.tok_off, dtype=torch.int32, device=dev),
+                torch.tensor(self.chunk_off, dtype=torch.int32, device=dev),
+            )
         return self._dev_offsets
 
     def sequence(self, b: int, out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized keys and values of sequence ``b``: ``(H_kv, N_b, D)`` each."""
         t0, t1 = self.tok_off[b], self.tok_off[b + 1]
         c0, c1 = self.chunk_off[b], self.chunk_off[b + 1]
-        k = quant.dequantize_keys(self.k_codes[:, t0:t1], self.k_scale[:, c0:c1], self.k_zero[:, c0:c1], self.bits,
-                                  self.chunk_size, out_dtype)
-        v = quant.dequantize_values(self.v_codes[:, t0:t1], self.v_scale[:, t0:t1], self.v_zero[:, t0:t1],
-                                    self.bits, self.group_size, out_dtype)
+        k = quant.dequantize_keys(
+            self.k_codes[:, t0:t1], self.k_scale[:, c0:c1], self.k_zero[:, c0:c1], self.bits, self.chunk_size, out_dtype
+        )
+        v = quant.dequantize_values(
+            self.v_codes[:, t0:t1], self.v_scale[:, t0:t1], self.v_zero[:, t0:t1], self.bits, self.group_size, out_dtype
+        )
         return k, v
 
     def tensors(self) -> list[torch.Tensor]:
@@ -137,7 +182,7 @@ class PackedSegment:
         int32 tensors ``(B+1,)`` on the segment's device."""
         return (self.bits, self.chunk_size, self.group_size, *self.tensors(), *self.device_offsets())
 
-    def select(self, indices: list[int]) -> "PackedSegment":
+    def select(self, indices: list[int]) -> PackedSegment:
         """The segment holding sequences ``indices`` (reordered / repeated) of this one."""
         tok = [slice(self.tok_off[i], self.tok_off[i + 1]) for i in indices]
         chk = [slice(self.chunk_off[i], self.chunk_off[i + 1]) for i in indices]
@@ -146,9 +191,18 @@ class PackedSegment:
             return torch.cat([t[:, s] for s in sl], dim=1) if sl else t[:, :0]
 
         return PackedSegment(
-            self.bits, self.chunk_size, self.group_size, cat(self.k_codes, tok), cat(self.k_scale, chk),
-            cat(self.k_zero, chk), cat(self.v_codes, tok), cat(self.v_scale, tok), cat(self.v_zero, tok),
-            _offsets([s.stop - s.start for s in tok]), _offsets([s.stop - s.start for s in chk]))
+            self.bits,
+            self.chunk_size,
+            self.group_size,
+            cat(self.k_codes, tok),
+            cat(self.k_scale, chk),
+            cat(self.k_zero, chk),
+            cat(self.v_codes, tok),
+            cat(self.v_scale, tok),
+            cat(self.v_zero, tok),
+            _offsets([s.stop - s.start for s in tok]),
+            _offsets([s.stop - s.start for s in chk]),
+        )
 
     def nbytes_codes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k_codes, self.v_codes))
@@ -163,16 +217,35 @@ class LayerStore:
 
     full: FullPart
     segments: list[PackedSegment]  # INT4 then INT2; a segment may hold 0 tokens
+    rotation: Rotation | None = None  # everything stored (full part included) is rotated by it
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append ``(B, H_kv, L_new, D)`` new tokens (rotated like the rest) to the full-precision part."""
+        if self.rotation is not None:
+            k, v = self.rotation.rotate_keys(k), self.rotation.rotate_values(v)
+        self.full.append(k, v)
 
     def nbytes(self) -> int:
         return self.full.nbytes() + sum(s.nbytes_codes() + s.nbytes_params() for s in self.segments)
 
     @classmethod
-    def build(cls, k: torch.Tensor, v: torch.Tensor, positions: list[dict], chunk_size: int, group_size: int,
-              scale_dtype: torch.dtype, quantize_keys: Callable | None = None,
-              quantize_values: Callable | None = None) -> "LayerStore":
+    def build(
+        cls,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: list[dict],
+        chunk_size: int,
+        group_size: int,
+        scale_dtype: torch.dtype,
+        quantize_keys: Callable | None = None,
+        quantize_values: Callable | None = None,
+        rotation: Rotation | None = None,
+    ) -> LayerStore:
         """Store a prefill: ``k, v (B, H_kv, L, D)``; ``positions[b]`` maps ``"full"`` and each packed bit width to
-        the prompt positions of sequence ``b`` that go there (chunk order kept)."""
+        the prompt positions of sequence ``b`` that go there (chunk order kept). With ``rotation`` everything is
+        stored rotated (see :mod:`.rotation`)."""
+        if rotation is not None:
+            k, v = rotation.rotate_keys(k), rotation.rotate_values(v)
         fulls_k, fulls_v = [], []
         segs: dict[int, tuple[list, list]] = {bits: ([], []) for bits in quant.PACKED_BITS}
         for b, pos in enumerate(positions):
@@ -182,9 +255,13 @@ class LayerStore:
             for bits in quant.PACKED_BITS:
                 segs[bits][0].append(k[b].index_select(1, pos[bits]))
                 segs[bits][1].append(v[b].index_select(1, pos[bits]))
-        packed = [PackedSegment.from_sequences(*segs[bits], bits, chunk_size, group_size, scale_dtype,
-                                               quantize_keys, quantize_values) for bits in quant.PACKED_BITS]
-        return cls(FullPart.from_sequences(fulls_k, fulls_v), packed)
+        packed = [
+            PackedSegment.from_sequences(
+                *segs[bits], bits, chunk_size, group_size, scale_dtype, quantize_keys, quantize_values
+            )
+            for bits in quant.PACKED_BITS
+        ]
+        return cls(FullPart.from_sequences(fulls_k, fulls_v), packed, rotation)
 
     def dequantized(self, positions: list[dict], seq_len: int, prefill_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole layer at the model's precision in original token order, ``(B, H_kv, seq_len, D)`` each, left
@@ -196,21 +273,24 @@ class LayerStore:
         dev = keys.device
         for b, pos in enumerate(positions):
             fpos = torch.cat([pos["full"].to(dev), torch.arange(prefill_len, seq_len, device=dev)])
-            keys[b, :, fpos] = full.keys[b, :, full.start[b]:]
-            values[b, :, fpos] = full.values[b, :, full.start[b]:]
+            keys[b, :, fpos] = full.keys[b, :, full.start[b] :]
+            values[b, :, fpos] = full.values[b, :, full.start[b] :]
             for seg in self.segments:
                 k_b, v_b = seg.sequence(b, keys.dtype)
                 p = pos[seg.bits].to(dev)
                 keys[b, :, p] = k_b
                 values[b, :, p] = v_b
+        if self.rotation is not None:
+            keys, values = self.rotation.unrotate_keys(keys), self.rotation.unrotate_values(values)
         return keys, values
 
-    def select(self, indices: list[int], same_packed: bool = False) -> "LayerStore":
+    def select(self, indices: list[int], same_packed: bool = False) -> LayerStore:
         """Keep (and reorder / repeat) sequences ``indices``. ``same_packed``: each new row comes from the same prompt
         as the old row at its place (beams of one prompt), so only the full-precision part moves."""
         full = self.full
         idx = torch.tensor(indices, dtype=torch.long, device=full.keys.device)
-        new_full = FullPart(full.keys.index_select(0, idx), full.values.index_select(0, idx),
-                            [full.start[i] for i in indices])
+        new_full = FullPart(
+            full.keys.index_select(0, idx), full.values.index_select(0, idx), [full.start[i] for i in indices]
+        )
         segments = self.segments if same_packed else [seg.select(indices) for seg in self.segments]
-        return LayerStore(new_full, segments)
+        return LayerStore(new_full, segments, self.rotation)

@@ -13,6 +13,7 @@ if INTERPRET:  # must be set before the first import of triton, and before trito
     _PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
 
+import dataclasses
 import math  # noqa: E402
 import re  # noqa: E402
 
@@ -307,3 +308,20 @@ def test_generate_triton_backend_equals_torch_backend(tiny_tokenizer, monkeypatc
     T = inputs["input_ids"].shape[1] + gen["max_new_tokens"]
     tol = layers * torch.finfo(torch.float32).eps * math.sqrt(T) * logits_t.abs().max().item()
     torch.testing.assert_close(logits_x, logits_t, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("kind", ["hadamard", "hadamard_keys", "hadamard_values"])
+def test_split_attention_rotated_store_triton_equals_torch(kind):
+    """A rotated store: the dispatcher rotates the query and the output around the Triton kernel exactly as the
+    PyTorch reference does around its own attention."""
+    from hf_cocktail.rotation import Rotation
+
+    store = make_store([5, 9], [17, 8], [20, 11], 2, 64, 8, 16)
+    store.rotation = Rotation.make(kind, 2, 64, seed=1, device=DEV)
+    query = (torch.randn(2, 6, 2, 64, generator=torch.Generator().manual_seed(2)) * 2).to(DEV)
+    ref = split_precision_attention_torch(query, store, 0.125)
+    out = dispatch.split_precision_attention(query, store, 0.125, "triton")
+    assert out.dtype == query.dtype and out.shape == query.shape
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    plain = split_precision_attention_torch(query, dataclasses.replace(store, rotation=None), 0.125)
+    assert (plain - ref).abs().max() > 1e-3  # the rotation really is applied

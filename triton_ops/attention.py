@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -43,9 +43,32 @@ def _online_update(acc, m_i, l_i, q, k, v, valid):
 
 
 @triton.jit
-def _packed_split(acc, m_i, l_i, q, rmask, b, h, j, TPS,
-                  kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, tok_ptr, chk_ptr, N, M, C,
-                  D: tl.constexpr, BT: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr):
+def _packed_split(
+    acc,
+    m_i,
+    l_i,
+    q,
+    rmask,
+    b,
+    h,
+    j,
+    TPS,
+    kc_ptr,
+    ks_ptr,
+    kz_ptr,
+    vc_ptr,
+    vs_ptr,
+    vz_ptr,
+    tok_ptr,
+    chk_ptr,
+    N,
+    M,
+    C,
+    D: tl.constexpr,
+    BT: tl.constexpr,
+    BITS: tl.constexpr,
+    G: tl.constexpr,
+):
     """Split ``j`` of sequence ``b`` in a packed segment: its tokens ``[tok_off[b] + j*TPS, ...)``. Key scales are
     per (chunk, channel), chunk = ``chunk_off[b] + (token - tok_off[b]) // C``; value scales per (token, group)."""
     PER: tl.constexpr = 8 // BITS
@@ -76,24 +99,72 @@ def _packed_split(acc, m_i, l_i, q, rmask, b, h, j, TPS,
         k_off = (c0 + (t - t0) // C).to(tl.int64)[:, None] * D + d[None, :]
         v_off = t64[:, None] * NG + grp[None, :]
         kq = (tl.load(kc_ptr + c_off, mask=m2, other=0).to(tl.int32) >> shift[None, :]) & QMAX
-        k = kq.to(tl.float32) * tl.load(ks_ptr + k_off, mask=m2, other=0.0).to(tl.float32) \
-            + tl.load(kz_ptr + k_off, mask=m2, other=0.0).to(tl.float32)
+        k = kq.to(tl.float32) * tl.load(ks_ptr + k_off, mask=m2, other=0.0).to(tl.float32) + tl.load(
+            kz_ptr + k_off, mask=m2, other=0.0
+        ).to(tl.float32)
         vq = (tl.load(vc_ptr + c_off, mask=m2, other=0).to(tl.int32) >> shift[None, :]) & QMAX
-        v = vq.to(tl.float32) * tl.load(vs_ptr + v_off, mask=m2, other=0.0).to(tl.float32) \
-            + tl.load(vz_ptr + v_off, mask=m2, other=0.0).to(tl.float32)
+        v = vq.to(tl.float32) * tl.load(vs_ptr + v_off, mask=m2, other=0.0).to(tl.float32) + tl.load(
+            vz_ptr + v_off, mask=m2, other=0.0
+        ).to(tl.float32)
         acc, m_i, l_i = _online_update(acc, m_i, l_i, q, k, v, rmask[:, None] & tm[None, :])
     return acc, m_i, l_i
 
 
 @triton.jit
-def _split_attn_kernel(q_ptr, s_qb, s_qh, s_ql,
-                       fk_ptr, fv_ptr, s_fb, s_fh, s_ft, start_ptr, R,
-                       a_kc, a_ks, a_kz, a_vc, a_vs, a_vz, a_tok, a_chk, a_N, a_M, a_C,
-                       b_kc, b_ks, b_kz, b_vc, b_vs, b_vz, b_tok, b_chk, b_N, b_M, b_C,
-                       po_ptr, pm_ptr, pl_ptr,
-                       H_kv, L_q, n_rep, n_qb, S_full, S_a, S_total, TPS, qk_scale,
-                       D: tl.constexpr, BQ: tl.constexpr, BT: tl.constexpr,
-                       BITS_A: tl.constexpr, G_A: tl.constexpr, BITS_B: tl.constexpr, G_B: tl.constexpr):
+def _split_attn_kernel(
+    q_ptr,
+    s_qb,
+    s_qh,
+    s_ql,
+    fk_ptr,
+    fv_ptr,
+    s_fb,
+    s_fh,
+    s_ft,
+    start_ptr,
+    R,
+    a_kc,
+    a_ks,
+    a_kz,
+    a_vc,
+    a_vs,
+    a_vz,
+    a_tok,
+    a_chk,
+    a_N,
+    a_M,
+    a_C,
+    b_kc,
+    b_ks,
+    b_kz,
+    b_vc,
+    b_vs,
+    b_vz,
+    b_tok,
+    b_chk,
+    b_N,
+    b_M,
+    b_C,
+    po_ptr,
+    pm_ptr,
+    pl_ptr,
+    H_kv,
+    L_q,
+    n_rep,
+    n_qb,
+    S_full,
+    S_a,
+    S_total,
+    TPS,
+    qk_scale,
+    D: tl.constexpr,
+    BQ: tl.constexpr,
+    BT: tl.constexpr,
+    BITS_A: tl.constexpr,
+    G_A: tl.constexpr,
+    BITS_B: tl.constexpr,
+    G_B: tl.constexpr,
+):
     """Grid ``(B * H_kv * n_qb, S_total)``: partial attention of one block of query rows over one token split."""
     pid = tl.program_id(0)
     sp = tl.program_id(1)
@@ -124,13 +195,59 @@ def _split_attn_kernel(q_ptr, s_qb, s_qh, s_ql,
             valid = rmask[:, None] & tm[None, :] & (t[None, :] <= (R - L_q + i)[:, None])
             acc, m_i, l_i = _online_update(acc, m_i, l_i, q, k, v, valid)
     elif sp < S_full + S_a:
-        acc, m_i, l_i = _packed_split(acc, m_i, l_i, q, rmask, b, h, sp - S_full, TPS,
-                                      a_kc, a_ks, a_kz, a_vc, a_vs, a_vz, a_tok, a_chk, a_N, a_M, a_C,
-                                      D, BT, BITS_A, G_A)
+        acc, m_i, l_i = _packed_split(
+            acc,
+            m_i,
+            l_i,
+            q,
+            rmask,
+            b,
+            h,
+            sp - S_full,
+            TPS,
+            a_kc,
+            a_ks,
+            a_kz,
+            a_vc,
+            a_vs,
+            a_vz,
+            a_tok,
+            a_chk,
+            a_N,
+            a_M,
+            a_C,
+            D,
+            BT,
+            BITS_A,
+            G_A,
+        )
     else:
-        acc, m_i, l_i = _packed_split(acc, m_i, l_i, q, rmask, b, h, sp - S_full - S_a, TPS,
-                                      b_kc, b_ks, b_kz, b_vc, b_vs, b_vz, b_tok, b_chk, b_N, b_M, b_C,
-                                      D, BT, BITS_B, G_B)
+        acc, m_i, l_i = _packed_split(
+            acc,
+            m_i,
+            l_i,
+            q,
+            rmask,
+            b,
+            h,
+            sp - S_full - S_a,
+            TPS,
+            b_kc,
+            b_ks,
+            b_kz,
+            b_vc,
+            b_vs,
+            b_vz,
+            b_tok,
+            b_chk,
+            b_N,
+            b_M,
+            b_C,
+            D,
+            BT,
+            BITS_B,
+            G_B,
+        )
     r = (pid.to(tl.int64) * S_total + sp) * BQ + tl.arange(0, BQ)
     tl.store(pm_ptr + r, m_i)
     tl.store(pl_ptr + r, l_i)
@@ -138,8 +255,23 @@ def _split_attn_kernel(q_ptr, s_qb, s_qh, s_ql,
 
 
 @triton.jit
-def _merge_kernel(po_ptr, pm_ptr, pl_ptr, o_ptr, s_ob, s_oh, s_ol, H_kv, L_q, n_rep, n_qb, S_total,
-                  D: tl.constexpr, BQ: tl.constexpr, BS: tl.constexpr):
+def _merge_kernel(
+    po_ptr,
+    pm_ptr,
+    pl_ptr,
+    o_ptr,
+    s_ob,
+    s_oh,
+    s_ol,
+    H_kv,
+    L_q,
+    n_rep,
+    n_qb,
+    S_total,
+    D: tl.constexpr,
+    BQ: tl.constexpr,
+    BS: tl.constexpr,
+):
     """Grid ``(B * H_kv * n_qb,)``: log-sum-exp merge of the ``S_total`` partials of a block of query rows."""
     pid = tl.program_id(0)
     qb = pid % n_qb
@@ -171,7 +303,7 @@ def _merge_kernel(po_ptr, pm_ptr, pl_ptr, o_ptr, s_ob, s_oh, s_ol, H_kv, L_q, n_
     tl.store(o_ptr + o_off[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -188,10 +320,18 @@ def _segment_args(seg: tuple | None, max_tokens: int | None, dummy: torch.Tensor
     return [*tensors, tok, chk, tensors[0].shape[1], tensors[1].shape[1], chunk_size], bits, group_size, max_tokens
 
 
-def split_precision_attention(query: torch.Tensor, full_keys: torch.Tensor, full_values: torch.Tensor,
-                              full_start: torch.Tensor, segments: Sequence[tuple], scaling: float, *,
-                              max_tokens: Sequence[int] | None = None, min_full_start: int | None = None,
-                              tokens_per_split: int | None = None) -> torch.Tensor:
+def split_precision_attention(
+    query: torch.Tensor,
+    full_keys: torch.Tensor,
+    full_values: torch.Tensor,
+    full_start: torch.Tensor,
+    segments: Sequence[tuple],
+    scaling: float,
+    *,
+    max_tokens: Sequence[int] | None = None,
+    min_full_start: int | None = None,
+    tokens_per_split: int | None = None,
+) -> torch.Tensor:
     """Triton version of ``hf_cocktail.split_attention.split_precision_attention_torch`` (same semantics).
 
     Args:
@@ -234,8 +374,7 @@ def split_precision_attention(query: torch.Tensor, full_keys: torch.Tensor, full
     segs = list(segments) + [None] * (2 - len(segments))
     maxes = list(max_tokens) if max_tokens is not None else [None] * len(segments)
     maxes += [None] * (2 - len(maxes))
-    (a_args, bits_a, g_a, len_a), (b_args, bits_b, g_b, len_b) = (
-        _segment_args(s, m, fk) for s, m in zip(segs, maxes))
+    (a_args, bits_a, g_a, len_a), (b_args, bits_b, g_b, len_b) = (_segment_args(s, m, fk) for s, m in zip(segs, maxes))
     len_full = R - (int(full_start.min()) if min_full_start is None else min_full_start)
     P = B * H_kv * n_qb
     if tokens_per_split is None:
@@ -259,12 +398,54 @@ def split_precision_attention(query: torch.Tensor, full_keys: torch.Tensor, full
     out = torch.empty((B, H_q, Lq, D), dtype=query.dtype, device=dev)
     with torch.cuda.device(dev) if query.is_cuda else contextlib.nullcontext():
         _split_attn_kernel[(P, S_total)](
-            query, query.stride(0), query.stride(1), query.stride(2),
-            fk, fv, fk.stride(0), fk.stride(1), fk.stride(2), full_start, R,
-            *a_args, *b_args, part_o, part_m, part_l,
-            H_kv, Lq, n_rep, n_qb, S_full, S_a, S_total, TPS, float(scaling) * _LOG2E,
-            D=D, BQ=BQ, BT=BT, BITS_A=bits_a, G_A=g_a, BITS_B=bits_b, G_B=g_b)
-        _merge_kernel[(P,)](part_o, part_m, part_l, out, out.stride(0), out.stride(1), out.stride(2),
-                            H_kv, Lq, n_rep, n_qb, S_total, D=D, BQ=BQ,
-                            BS=min(triton.next_power_of_2(S_total), max(1, _TILE // (BQ * D))))
+            query,
+            query.stride(0),
+            query.stride(1),
+            query.stride(2),
+            fk,
+            fv,
+            fk.stride(0),
+            fk.stride(1),
+            fk.stride(2),
+            full_start,
+            R,
+            *a_args,
+            *b_args,
+            part_o,
+            part_m,
+            part_l,
+            H_kv,
+            Lq,
+            n_rep,
+            n_qb,
+            S_full,
+            S_a,
+            S_total,
+            TPS,
+            float(scaling) * _LOG2E,
+            D=D,
+            BQ=BQ,
+            BT=BT,
+            BITS_A=bits_a,
+            G_A=g_a,
+            BITS_B=bits_b,
+            G_B=g_b,
+        )
+        _merge_kernel[(P,)](
+            part_o,
+            part_m,
+            part_l,
+            out,
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            H_kv,
+            Lq,
+            n_rep,
+            n_qb,
+            S_total,
+            D=D,
+            BQ=BQ,
+            BS=min(triton.next_power_of_2(S_total), max(1, _TILE // (BQ * D))),
+        )
     return out

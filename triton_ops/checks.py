@@ -27,7 +27,8 @@ def check_finite(x: torch.Tensor, what: str) -> None:
     if not bool(torch.isfinite(x).all()):
         raise ValueError(
             f"{what} contain NaN or inf; hf-cocktail refuses to quantize non-finite key/value states "
-            "(the model produced them: check its dtype, e.g. use bfloat16 or float32 instead of float16)")
+            "(the model produced them: check its dtype, e.g. use bfloat16 or float32 instead of float16)"
+        )
 
 
 def check_device(x: torch.Tensor) -> None:
@@ -35,4 +36,5 @@ def check_device(x: torch.Tensor) -> None:
     if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise RuntimeError(
             f"backend='triton' needs CUDA tensors (got device {x.device}); on CPU set TRITON_INTERPRET=1 "
-            "(slow, for testing) or use backend='torch'")
+            "(slow, for testing) or use backend='torch'"
+        )

@@ -57,9 +57,22 @@ def _pack(q, ROWS: tl.constexpr, WIDTH: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _quant_keys_kernel(k_ptr, codes_ptr, scale_ptr, zero_ptr, N, C, s_kh, s_kn, M,
-                       D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BITS: tl.constexpr,
-                       SD: tl.constexpr):
+def _quant_keys_kernel(
+    k_ptr,
+    codes_ptr,
+    scale_ptr,
+    zero_ptr,
+    N,
+    C,
+    s_kh,
+    s_kn,
+    M,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BITS: tl.constexpr,
+    SD: tl.constexpr,
+):
     """One program per (head, chunk): per-channel min/max over the chunk's valid tokens, then quantize and pack."""
     h = tl.program_id(0)
     m = tl.program_id(1)
@@ -89,17 +102,33 @@ def _quant_keys_kernel(k_ptr, codes_ptr, scale_ptr, zero_ptr, N, C, s_kh, s_kn, 
     for a in range(t_lo, t_hi, BLOCK_T):
         t = a + tl.arange(0, BLOCK_T)
         tmask = t < t_hi
-        x = tl.load(k_base + t[:, None].to(tl.int64) * s_kn + d[None, :], mask=tmask[:, None] & dmask[None, :],
-                    other=0.0).to(tl.float32)
+        x = tl.load(
+            k_base + t[:, None].to(tl.int64) * s_kn + d[None, :], mask=tmask[:, None] & dmask[None, :], other=0.0
+        ).to(tl.float32)
         packed = _pack(_quantize(x, zero[None, :], scale[None, :], BITS), BLOCK_T, BLOCK_D, BITS)
-        tl.store(c_base + t[:, None].to(tl.int64) * (D // PER) + dp[None, :], packed,
-                 mask=tmask[:, None] & (dp < D // PER)[None, :])
+        tl.store(
+            c_base + t[:, None].to(tl.int64) * (D // PER) + dp[None, :],
+            packed,
+            mask=tmask[:, None] & (dp < D // PER)[None, :],
+        )
 
 
 @triton.jit
-def _quant_values_kernel(v_ptr, codes_ptr, scale_ptr, zero_ptr, N, s_vh, s_vn,
-                         D: tl.constexpr, G: tl.constexpr, NG_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BITS: tl.constexpr, SD: tl.constexpr):
+def _quant_values_kernel(
+    v_ptr,
+    codes_ptr,
+    scale_ptr,
+    zero_ptr,
+    N,
+    s_vh,
+    s_vn,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    NG_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BITS: tl.constexpr,
+    SD: tl.constexpr,
+):
     """One program per (head, block of tokens): per-token min/max over groups of G channels."""
     h = tl.program_id(0)
     PER: tl.constexpr = 8 // BITS
@@ -110,8 +139,9 @@ def _quant_values_kernel(v_ptr, codes_ptr, scale_ptr, zero_ptr, N, s_vh, s_vn,
     tmask = t < N
     msk = tmask[:, None, None] & (ch < D)[None, :, :]
     t64 = t.to(tl.int64)
-    x = tl.load(v_ptr + h.to(tl.int64) * s_vh + t64[:, None, None] * s_vn + ch[None, :, :], mask=msk,
-                other=0.0).to(tl.float32)  # (BLOCK_N, NG_P, G)
+    x = tl.load(v_ptr + h.to(tl.int64) * s_vh + t64[:, None, None] * s_vn + ch[None, :, :], mask=msk, other=0.0).to(
+        tl.float32
+    )  # (BLOCK_N, NG_P, G)
     gmask = tmask[:, None] & (g < NG)[None, :]
     mn = tl.where(gmask, tl.min(tl.where(msk, x, float("inf")), axis=2), 0.0)
     mx = tl.where(gmask, tl.max(tl.where(msk, x, float("-inf")), axis=2), 0.0)
@@ -123,8 +153,11 @@ def _quant_values_kernel(v_ptr, codes_ptr, scale_ptr, zero_ptr, N, s_vh, s_vn,
     q = _quantize(x, zero[:, :, None], scale[:, :, None], BITS)
     packed = _pack(tl.reshape(q, [BLOCK_N, NG_P * G]), BLOCK_N, NG_P * G, BITS)
     dp = tl.arange(0, NG_P * G // PER)
-    tl.store(codes_ptr + (h.to(tl.int64) * N + t64[:, None]) * (D // PER) + dp[None, :], packed,
-             mask=tmask[:, None] & (dp < D // PER)[None, :])
+    tl.store(
+        codes_ptr + (h.to(tl.int64) * N + t64[:, None]) * (D // PER) + dp[None, :],
+        packed,
+        mask=tmask[:, None] & (dp < D // PER)[None, :],
+    )
 
 
 def _check_input(x: torch.Tensor, what: str, bits: int, scale_dtype) -> torch.dtype:
@@ -143,8 +176,10 @@ def _check_input(x: torch.Tensor, what: str, bits: int, scale_dtype) -> torch.dt
 def _check_params(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, scale_dtype) -> None:
     """The reference's overflow check, with its message."""
     if not (bool(torch.isfinite(scale).all()) and bool(torch.isfinite(zero).all())):
-        raise ValueError(f"quantization scales/zeros overflow scale_dtype={scale_dtype} (key/value magnitudes up to "
-                         f"{float(x.float().abs().max()):.3g}); use CocktailConfig(scale_dtype='float32')")
+        raise ValueError(
+            f"quantization scales/zeros overflow scale_dtype={scale_dtype} (key/value magnitudes up to "
+            f"{float(x.float().abs().max()):.3g}); use CocktailConfig(scale_dtype='float32')"
+        )
 
 
 def _device_ctx(x: torch.Tensor):
@@ -177,9 +212,23 @@ def quantize_pack_keys(k: torch.Tensor, bits: int, chunk_size: int, scale_dtype:
     block_d = triton.next_power_of_2(D)
     block_t = min(triton.next_power_of_2(chunk_size), max(1, _TILE // block_d))
     with _device_ctx(k):
-        _quant_keys_kernel[(H, M)](k, codes, scale, zero, N, chunk_size, k.stride(0), k.stride(1), M,
-                                   D=D, BLOCK_D=block_d, BLOCK_T=block_t, BITS=bits, SD=_TL_DTYPES[scale_dtype],
-                                   enable_fp_fusion=False)
+        _quant_keys_kernel[(H, M)](
+            k,
+            codes,
+            scale,
+            zero,
+            N,
+            chunk_size,
+            k.stride(0),
+            k.stride(1),
+            M,
+            D=D,
+            BLOCK_D=block_d,
+            BLOCK_T=block_t,
+            BITS=bits,
+            SD=_TL_DTYPES[scale_dtype],
+            enable_fp_fusion=False,
+        )
     _check_params(k, scale, zero, scale_dtype)
     return codes, scale, zero
 
@@ -213,7 +262,20 @@ def quantize_pack_values(v: torch.Tensor, bits: int, group_size: int, scale_dtyp
     block_n = max(1, _TILE // (ng_p * group_size))
     with _device_ctx(v):
         _quant_values_kernel[(H, triton.cdiv(N, block_n))](
-            v, codes, scale, zero, N, v.stride(0), v.stride(1), D=D, G=group_size, NG_P=ng_p, BLOCK_N=block_n,
-            BITS=bits, SD=_TL_DTYPES[scale_dtype], enable_fp_fusion=False)
+            v,
+            codes,
+            scale,
+            zero,
+            N,
+            v.stride(0),
+            v.stride(1),
+            D=D,
+            G=group_size,
+            NG_P=ng_p,
+            BLOCK_N=block_n,
+            BITS=bits,
+            SD=_TL_DTYPES[scale_dtype],
+            enable_fp_fusion=False,
+        )
     _check_params(v, scale, zero, scale_dtype)
     return codes, scale, zero
