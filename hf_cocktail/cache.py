@@ -7,6 +7,7 @@ D head dim, C chunk size.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from collections.abc import Sequence
@@ -17,8 +18,9 @@ from transformers.cache_utils import Cache
 
 from . import planning, reports
 from .config import CocktailConfig
-from .layer import CocktailLayer
+from .layer import CocktailLayer, LayerState
 from .planning import PlanView, SequencePlan
+from .prefill_watch import PrefillWatch
 from .scoring import TextEncoder, attention_mass, bm25_scores, get_encoder, score_chunks
 
 logger = logging.getLogger(__name__)
@@ -52,10 +54,15 @@ class CocktailCache(Cache):
             raise TypeError(f"encoder must have an encode(list[str]) -> Tensor method, got {type(encoder).__name__}")
         self._encoder = encoder
         self._plans: list[SequencePlan] | None = None
+        self._input_ids: torch.Tensor | None = None  # (B, L) the prepared prompt(s)
         self.prompt_len = 0
         self.prefill_len = -1
         self._searched = False
         self._warned_fallback = False
+        # chunked prefill (generate's prefill_chunk_size): per layer, the prompt's keys/values so far, at full
+        # precision, until the prepared prompt is complete
+        self._partial: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._watch = PrefillWatch()  # what the prefill really embeds (armed from prepare_inputs to the prefill)
 
     # ----------------------------------------------------------------- inputs
     def prepare_inputs(self, tokenizer, prompts, contexts=None, queries=None, device=None, **tokenizer_kwargs):
@@ -92,6 +99,7 @@ class CocktailCache(Cache):
         self._plans = plans
         self._input_ids = enc["input_ids"].clone()
         self.prompt_len = enc["input_ids"].shape[1]
+        self._watch.arm()
         return enc.to(device) if device is not None else enc
 
     def _plan_row(
@@ -102,7 +110,7 @@ class CocktailCache(Cache):
         L = ids.shape[0]
         pad = int(L - mask.sum())
         cs, ce = planning.context_span(prompt, context, offsets[b], mask, pad, cfg.sink_tokens, cfg.recent_tokens, b)
-        texts = planning.chunk_texts(lambda a, e: tokenizer.decode(ids[a:e]), cs, ce, cfg.chunk_size)
+        texts = planning.chunk_texts(prompt, offsets[b], cs, ce, cfg.chunk_size)
         plan = SequencePlan(pad, cs, ce, texts, query, origin=b)
         if cfg.scorer == "attention" and cfg.uniform_bits is None and ce > cs:
             plan.query_span = planning.query_span(prompt, query or "", offsets[b], mask, pad, ce, f"queries[{b}]")
@@ -235,13 +243,17 @@ class CocktailCache(Cache):
         (saves that step's dequantization; wrong results under another implementation), ``False`` forces the
         dequantizing path."""
         self.layers: list = []
+        self._partial = {}
         pairs = (
             [(layer.keys, layer.values) for layer in past_key_values.layers]
             if hasattr(past_key_values, "layers")
             else list(past_key_values)
         )
+        for k, v in pairs:
+            _check_head_dims(k, v, None)
+        self._check_layer_count(len(pairs))
         for i, (k, v) in enumerate(pairs):
-            self.update(k.detach(), v.detach(), i)  # aliases: the caller's tensors are not tagged
+            self._layer(i).update(k.detach(), v.detach())  # aliases: the caller's tensors are not tagged
             self.layers[i].after_load_prefill(split_attention)
 
     def requery(self, tokenizer, prompt: str, query: str, device=None):
@@ -274,6 +286,7 @@ class CocktailCache(Cache):
         self.prompt_len = ids.shape[1]
         for layer in self.layers:
             layer.prepare_requery(end)
+        self._watch.arm()
         return enc.to(device) if device is not None else enc
 
     def _check_requery(self, query: str) -> None:
@@ -293,9 +306,104 @@ class CocktailCache(Cache):
 
     # ----------------------------------------------------------------- Cache API
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        _check_head_dims(key_states, value_states, self._watch.model_type)
+        if layer_idx == 0:
+            if self._watch.armed:
+                self._check_forward(key_states)
+            elif self.layers and self._watch.num_layers is None:  # no model config seen: count the layers filled
+                self._check_layer_count(len(self.layers))
+        layer = self._layer(layer_idx)
+        if self._is_prefill_chunk(layer, key_states):
+            return self._prefill_chunk(layer, key_states, value_states)
+        return layer.update(key_states, value_states, *args, **kwargs)
+
+    def _layer(self, layer_idx: int) -> CocktailLayer:
         while len(self.layers) <= layer_idx:
             self.layers.append(CocktailLayer(self, len(self.layers)))
-        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+        return self.layers[layer_idx]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if layer_idx in self._partial:
+            return self._partial[layer_idx][0].shape[2]
+        return super().get_seq_length(layer_idx)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        if layer_idx in self._partial:
+            return self._partial[layer_idx][0].shape[2] + query_length, 0
+        return super().get_mask_sizes(query_length, layer_idx)
+
+    # ----------------------------------------------------------------- prefill checks and chunked prefill
+    def _check_forward(self, k: torch.Tensor) -> None:
+        """At the first layer of each forward until the prepared prompt is complete: the batch, the model's layer
+        count and the token ids the model embedded (as far as :class:`PrefillWatch` saw them) must be the prepared
+        prompt's. A forward may cover a part of the prompt (chunked prefill, a prefix first) or go beyond it
+        (assisted decoding's first candidates)."""
+        watch = self._watch
+        if self._input_ids is None:
+            watch.disarm()
+            return
+        if watch.num_layers is not None:
+            self._check_layer_count(watch.num_layers)
+        prepared = self._input_ids
+        B, L, n = k.shape[0], k.shape[2], prepared.shape[0]
+        if B % n:
+            raise RuntimeError(
+                f"CocktailCache was prepared for {n} prompt(s) but the model's prefill has batch {B}; pass the "
+                "output of prepare_inputs to generate unchanged"
+            )
+        past = self.get_seq_length(0)
+        if past >= self.prompt_len:
+            watch.disarm()
+            return
+        expected = prepared.repeat_interleave(B // n, dim=0)[:, past : past + L]
+        seen = watch.check_ids(expected, L)
+        if seen is not None and not seen[0]:
+            got = seen[1][:, : expected.shape[1]].to(expected.device)
+            b, t = (got != expected).nonzero()[0].tolist()
+            raise ValueError(
+                "CocktailCache: the prefill's input_ids differ from the prompt prepared by prepare_inputs (sequence "
+                f"{b}, token {past + t}: id {int(got[b, t])} where the prepared prompt has {int(expected[b, t])}); "
+                "pass the output of prepare_inputs to generate unchanged, or call prepare_inputs again for this "
+                "prompt"
+            )
+        if past + L >= self.prompt_len:
+            watch.disarm()
+
+    def _check_layer_count(self, num_layers: int) -> None:
+        layers = self.config.full_precision_layers
+        if layers and layers[-1] >= num_layers:
+            raise ValueError(
+                f"full_precision_layers {layers} names layer(s) {[i for i in layers if i >= num_layers]} but the "
+                f"model has {num_layers} layers (indices 0..{num_layers - 1})"
+            )
+
+    def _is_prefill_chunk(self, layer: CocktailLayer, k: torch.Tensor) -> bool:
+        """A forward that starts filling an empty layer with fewer tokens than the prepared prompt (chunked
+        prefill, or a prefix first), or a later piece of such a prefill."""
+        if self._plans is None:
+            return False
+        if layer.layer_idx in self._partial:
+            return True
+        return layer.state is LayerState.EMPTY and layer.pending is None and k.shape[2] < self.prompt_len
+
+    def _prefill_chunk(
+        self, layer: CocktailLayer, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chunked prefill (generate's ``prefill_chunk_size``): keep the prompt's keys/values at full precision
+        until the prepared prompt is complete, then hand the whole prompt to the layer at once, so the precision
+        plan applies exactly as after a prefill in one forward."""
+        if self.scores_from_attention():
+            raise ValueError(
+                "scorer='attention' needs the whole prompt in one prefill forward; generation's "
+                "prefill_chunk_size (chunked prefill) is not supported with it"
+            )
+        if layer.layer_idx in self._partial:
+            pk, pv = self._partial.pop(layer.layer_idx)
+            k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
+        if k.shape[2] < self.prompt_len:
+            self._partial[layer.layer_idx] = (k, v)
+            return k, v
+        return layer.update(k, v)
 
     def _refuse_linear(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise ValueError(
@@ -310,9 +418,26 @@ class CocktailCache(Cache):
         self._refuse_linear()
 
     def reset(self):
+        """Empty the cache and forget the prepared prompts (the next ``generate`` needs a new ``prepare_inputs``)."""
         self.layers = []
+        self._plans = None
+        self._input_ids = None
+        self.prompt_len = 0
+        self._partial = {}
         self._searched = False
         self.prefill_len = -1
+        self._watch.disarm()
+
+    def __deepcopy__(self, memo: dict) -> CocktailCache:
+        """``copy.deepcopy(cache)``: an independent cache (its layers belong to the copy), e.g. one shared prefill
+        copied per prompt. The encoder, a stateless scorer that may be a whole model, is shared, not copied."""
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        if self._encoder is not None:
+            memo[id(self._encoder)] = self._encoder
+        for name, value in self.__dict__.items():
+            new.__dict__[name] = copy.deepcopy(value, memo)
+        return new
 
     def _select(self, indices: list[int]) -> None:
         plans = self._plans or []
@@ -357,14 +482,20 @@ class CocktailCache(Cache):
 
     # ----------------------------------------------------------------- reports
     def precision_map(self) -> list[list[int]]:
-        """Per sequence, the bits (16, 4 or 2) of each context chunk in original order."""
+        """Per sequence of the cache's batch, the bits (16, 4 or 2) of each context chunk in original order.
+
+        Rows follow generate's batch: after beam search (``num_beams=k``) or ``num_return_sequences=k`` the cache
+        holds k rows per prompt and so does this map (prompt i's rows are ``i*k`` to ``i*k+k-1``; all rows of one
+        prompt have its map).
+        """
         self._flush_deferred()
         if not self._plans or not self._searched:
             raise RuntimeError("precision_map() is available after the prefill of generate (the search runs there)")
         return [list(p.bits) for p in self._plans]
 
     def chunk_scores(self) -> list[list[float] | None]:
-        """Per sequence, each context chunk's similarity score (None with ``uniform_bits``)."""
+        """Per sequence, each context chunk's similarity score (None with ``uniform_bits``); rows as in
+        :meth:`precision_map`."""
         self._flush_deferred()
         if not self._plans or not self._searched:
             raise RuntimeError("chunk_scores() is available after the prefill of generate")
@@ -388,6 +519,18 @@ class CocktailCache(Cache):
         :func:`hf_cocktail.reports.memory_report`)."""
         copies = [layer.context_copy for layer in self.layers if layer.context_copy is not None]
         return reports.memory_report(self._stores(), copies, [p.bits for p in self._plans or []])
+
+
+def _check_head_dims(k: torch.Tensor, v: torch.Tensor, model_type: str | None) -> None:
+    """Refuse keys and values of different head dims: multi-head latent attention (DeepSeek-V2/V3, MiniCPM3)
+    caches a compressed latent and a shared rotary key instead of per-head keys and values."""
+    if k.shape[-1] != v.shape[-1]:
+        model = f"{model_type} models" if model_type else "this model"
+        raise ValueError(
+            f"CocktailCache does not support {model}: keys and values have different head dims: K {k.shape[-1]}, "
+            f"V {v.shape[-1]} (multi-head latent attention, as in DeepSeek-V2/V3 or MiniCPM3, caches a compressed "
+            "latent rather than per-head keys and values); use the model's own cache, e.g. DynamicCache()"
+        )
 
 
 def _per_sequence(name: str, value: Any, B: int) -> list:

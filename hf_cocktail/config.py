@@ -122,7 +122,7 @@ class CocktailConfig:
             f"group_size must be a power of two >= 1, got {self.group_size!r}",
         )
         _check(
-            self.uniform_bits in _UNIFORM_BITS and not isinstance(self.uniform_bits, bool),
+            self.uniform_bits is None or (_is_int(self.uniform_bits) and self.uniform_bits in _UNIFORM_BITS),
             f"uniform_bits must be one of None, 16, 4, 2, got {self.uniform_bits!r}",
         )
         _check(self.backend in _BACKENDS, f"backend must be one of {_BACKENDS}, got {self.backend!r}")
@@ -135,7 +135,7 @@ class CocktailConfig:
             isinstance(layers, (list, tuple)) and all(_is_int(i) and i >= 0 for i in layers),
             f"full_precision_layers must be a list of layer indices >= 0, got {layers!r}",
         )
-        self.full_precision_layers = tuple(sorted(set(layers)))
+        object.__setattr__(self, "full_precision_layers", tuple(sorted(set(layers))))  # no re-validation
         _check(
             _is_int(self.neighbors) and self.neighbors >= 0,
             f"neighbors must be an integer >= 0, got {self.neighbors!r}",
@@ -168,6 +168,21 @@ class CocktailConfig:
         )
         _check(self.rotation in ROTATIONS, f"rotation must be one of {ROTATIONS}, got {self.rotation!r}")
         _check(_is_int(self.rotation_seed), f"rotation_seed must be an integer, got {self.rotation_seed!r}")
+        object.__setattr__(self, "_validated", True)  # from now on, assignments are validated (__setattr__)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """A field assigned after construction is validated as at construction, and a refused value is not kept.
+        Checks across fields run too: change related fields together with ``dataclasses.replace(config, ...)``."""
+        if not self.__dict__.get("_validated") or name not in {f.name for f in dataclasses.fields(self)}:
+            object.__setattr__(self, name, value)
+            return
+        old = self.__dict__[name]
+        object.__setattr__(self, name, value)
+        try:
+            self.__post_init__()
+        except Exception:
+            object.__setattr__(self, name, old)
+            raise
 
     def packed_bits_per_element(self, bits: int) -> float:
         """Storage bits per K/V element of a ``bits``-bit chunk, scales and zeros included (K: 2 per C tokens per

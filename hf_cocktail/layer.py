@@ -9,6 +9,7 @@ Shapes: B batch, H_kv key/value heads, L tokens of one update, D head dim.
 
 from __future__ import annotations
 
+import copy
 import enum
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -67,6 +68,17 @@ class CocktailLayer(CacheLayerMixin):
         if cache is None:
             raise RuntimeError("this CocktailLayer's cache no longer exists")
         return cache
+
+    def __deepcopy__(self, memo: dict) -> CocktailLayer:
+        """A copy that belongs to the copy of its cache when the cache is copied (``copy.deepcopy(cache)``), not
+        to the original: the weak reference is re-pointed through ``memo``."""
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            new.__dict__[name] = copy.deepcopy(value, memo)
+        cache = self._cache()
+        new._cache = weakref.ref(memo.get(id(cache), cache)) if cache is not None else self._cache
+        return new
 
     # ----------------------------------------------------------------- CacheLayerMixin
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

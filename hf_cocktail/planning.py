@@ -90,6 +90,12 @@ def context_span(
     if not context:
         return pad, pad
     c0 = prompt.find(context)
+    n = _occurrences(prompt, context, c0)
+    if n > 1:
+        raise ValueError(
+            f"contexts[{row}] appears {n} times in prompts[{row}]: the cache cannot tell which occurrence is the "
+            "document to chunk; give a context that appears once (e.g. longer), or a prompt with one copy"
+        )
     if c0 < 0:
         raise ValueError(
             f"contexts[{row}] was not found in prompts[{row}]: the context must appear verbatim "
@@ -101,6 +107,15 @@ def context_span(
     cs, ce = inside[0], inside[-1] + 1
     cs = min(max(cs, pad + sink_tokens), ce)
     return cs, max(cs, ce - recent_tokens)
+
+
+def _occurrences(text: str, part: str, first: int) -> int:
+    """How many times ``part`` occurs in ``text`` (overlaps counted), from its first occurrence ``first``."""
+    n, i = 0, first
+    while i >= 0:
+        n += 1
+        i = text.find(part, i + 1)
+    return n
 
 
 def query_span(
@@ -117,9 +132,21 @@ def query_span(
     return toks[0], toks[-1] + 1
 
 
-def chunk_texts(decode: Callable[[int, int], str], start: int, end: int, chunk_size: int) -> list[str]:
-    """The text of each chunk of ``[start, end)``: ``decode(a, b)`` gives the text of tokens ``[a, b)``."""
-    return [decode(a, min(a + chunk_size, end)) for a in range(start, end, chunk_size)]
+def chunk_texts(prompt: str, offsets: torch.Tensor, start: int, end: int, chunk_size: int) -> list[str]:
+    """The text of each chunk of tokens ``[start, end)``: the prompt's own characters, cut with the tokenizer's
+    ``offsets (L, 2)``, never a decode of token ids (a byte-level token slice can cut a character in two, and a
+    normalizing tokenizer would give lowercased or ``[UNK]`` text).
+
+    Chunk ``i`` ends where its last token ends; the characters between two chunks (spaces) open the next chunk, and
+    a character whose bytes straddle a chunk edge goes to the chunk that ends with any of its bytes. So the texts,
+    concatenated, are exactly ``prompt[offsets[start, 0]:offsets[end - 1, 1]]``.
+    """
+    if end <= start:
+        return []
+    cuts = [int(offsets[start, 0])]
+    for a in range(start, end, chunk_size):
+        cuts.append(max(cuts[-1], int(offsets[min(a + chunk_size, end) - 1, 1])))
+    return [prompt[a:b] for a, b in zip(cuts, cuts[1:])]
 
 
 def bits_cost(packed_bits_per_element: Callable[[int], float]) -> dict[int, float]:

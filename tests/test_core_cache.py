@@ -7,6 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_cocktail import CocktailCache, CocktailConfig
+from hf_cocktail.compat import cache_kwargs
 from hf_cocktail.split_attention import split_precision_attention_torch
 from hf_cocktail.store import FullPart, LayerStore, PackedSegment
 
@@ -25,13 +26,13 @@ def cfg(**kw):
 def run(model, tok, prompts, contexts, queries, config, encoder=None):
     cache = CocktailCache(config, encoder=encoder or FakeEncoder())
     inputs = cache.prepare_inputs(tok, prompts, contexts=contexts, queries=queries)
-    out = model.generate(**inputs, past_key_values=cache, **GEN)
+    out = model.generate(**inputs, **cache_kwargs(model, cache), **GEN)
     return out, cache, inputs
 
 
 def dynamic(model, tok, prompt):
     inputs = tok(prompt, return_tensors="pt")
-    return model.generate(**inputs, past_key_values=DynamicCache(), **GEN)
+    return model.generate(**inputs, **cache_kwargs(model, DynamicCache()), **GEN)
 
 
 def logits(out):
@@ -66,7 +67,7 @@ def test_prepare_inputs_errors(tiny_tokenizer):
 def test_generate_without_prepare_inputs_is_a_clear_error(tiny_llama, tiny_tokenizer):
     inputs = tiny_tokenizer("w1 w2 w3", return_tensors="pt")
     with pytest.raises(RuntimeError, match="prepare_inputs"):
-        tiny_llama.generate(**inputs, past_key_values=CocktailCache(cfg()), max_new_tokens=2)
+        tiny_llama.generate(**inputs, **cache_kwargs(tiny_llama, CocktailCache(cfg())), max_new_tokens=2)
 
 
 def test_precision_map_memory_report_and_nbytes_match_theory(tiny_llama, tiny_tokenizer):

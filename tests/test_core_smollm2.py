@@ -5,6 +5,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_cocktail import CocktailCache, CocktailConfig
+from hf_cocktail.compat import cache_kwargs
 from hf_cocktail.demo import build_prompt, generate_document
 
 pytestmark = pytest.mark.slow
@@ -17,8 +18,8 @@ def test_uniform16_gives_dynamic_cache_logits(smollm2):
     gen = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True)
     cache = CocktailCache(CocktailConfig(uniform_bits=16, backend="torch"))
     out = model.generate(**cache.prepare_inputs(tok, prompt, contexts=doc, queries=question),
-                         past_key_values=cache, **gen)
-    ref = model.generate(**tok(prompt, return_tensors="pt"), past_key_values=DynamicCache(), **gen)
+                         **cache_kwargs(model, cache), **gen)
+    ref = model.generate(**tok(prompt, return_tensors="pt"), **cache_kwargs(model, DynamicCache()), **gen)
     assert torch.equal(out.sequences, ref.sequences)
     torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), rtol=1e-4, atol=1e-4)
 
@@ -34,7 +35,7 @@ def test_needle_end_to_end_with_minilm(smollm2, minilm):
     cache = CocktailCache(CocktailConfig(encoder=minilm.name, alpha=0.2, backend="torch"))
     inputs = cache.prepare_inputs(tok, prompt, contexts=doc, queries=question)
     assert inputs["input_ids"].shape[1] > 1500
-    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=20, do_sample=False)
+    out = model.generate(**inputs, **cache_kwargs(model, cache), max_new_tokens=20, do_sample=False)
     text = tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     bits = cache.precision_map()[0]
     plan = cache.plans[0]
@@ -62,7 +63,7 @@ def test_triton_backend_matches_torch_backend_on_smollm2(smollm2):
     for backend in ("torch", "triton"):
         cache = CocktailCache(CocktailConfig(scorer="bm25", target_bits=6.0, backend=backend))
         out = model.generate(**cache.prepare_inputs(tok, prompt, contexts=doc, queries=question),
-                             past_key_values=cache, **gen)
+                             **cache_kwargs(model, cache), **gen)
         outs.append((out, cache))
     (a, ca), (b, cb) = outs
     assert ca.precision_map() == cb.precision_map() and len(set(ca.precision_map()[0])) == 3

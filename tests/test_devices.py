@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from hf_cocktail import CocktailCache
+from hf_cocktail.compat import cache_kwargs
 
 from .conftest import FakeEncoder, make_prompt, make_tiny_llama
 from transformers import DynamicCache
@@ -24,7 +25,7 @@ def test_store_tensors_live_on_the_key_device(tiny_llama, tiny_tokenizer):
     prompt, ctx, q = make_prompt(40)
     cache = CocktailCache(cfg(alpha=0.3, beta=0.2), encoder=FakeEncoder())
     tiny_llama.generate(**cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q),
-                        past_key_values=cache, max_new_tokens=2)
+                        **cache_kwargs(tiny_llama, cache), max_new_tokens=2)
     assert _layer_devices(cache) == [{torch.device("cpu")}] * 2
 
 
@@ -40,8 +41,8 @@ def test_layers_split_between_cpu_and_gpu(tiny_tokenizer, backend):
     prompt, ctx, q = make_prompt(80)
     cache = CocktailCache(cfg(uniform_bits=16, backend=backend, group_size=32), encoder=FakeEncoder())
     inputs = cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q, device="cuda:0")
-    out = model.generate(**inputs, past_key_values=cache, **GEN)
+    out = model.generate(**inputs, **cache_kwargs(model, cache), **GEN)
     assert _layer_devices(cache) == [{torch.device("cpu")}, {torch.device("cuda", 0)}]
-    ref = model.generate(**tiny_tokenizer(prompt, return_tensors="pt").to("cuda:0"), past_key_values=DynamicCache(),
-                         **GEN)
+    ref = model.generate(**tiny_tokenizer(prompt, return_tensors="pt").to("cuda:0"),
+                         **cache_kwargs(model, DynamicCache()), **GEN)
     torch.testing.assert_close(logits(out), logits(ref), rtol=1e-4, atol=1e-4)

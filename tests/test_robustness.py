@@ -5,6 +5,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_cocktail import CocktailCache, CocktailConfig
+from hf_cocktail.compat import cache_kwargs
 
 from .conftest import FakeEncoder, make_prompt, make_tiny_llama, random_text
 from .test_core_cache import GEN, cfg, dynamic, logits, run
@@ -15,7 +16,7 @@ QUANT = dict(alpha=0.3, beta=0.2)
 def gen(model, tok, prompts, contexts, queries, config, **kw):
     cache = CocktailCache(config, encoder=FakeEncoder())
     inputs = cache.prepare_inputs(tok, prompts, contexts=contexts, queries=queries)
-    out = model.generate(**inputs, past_key_values=cache, do_sample=False, max_new_tokens=6, **kw)
+    out = model.generate(**inputs, **cache_kwargs(model, cache), do_sample=False, max_new_tokens=6, **kw)
     return out, cache, inputs
 
 
@@ -25,8 +26,9 @@ def gen(model, tok, prompts, contexts, queries, config, **kw):
 def test_generate_modes_uniform16_equal_dynamic_cache(tiny_tokenizer, kw):
     prompt, ctx, q = make_prompt(60, needle_at=10)
     out, _, _ = gen(make_tiny_llama(), tiny_tokenizer, prompt, ctx, q, cfg(uniform_bits=16), **kw)
-    ref = make_tiny_llama(attn="sdpa").generate(**tiny_tokenizer(prompt, return_tensors="pt"), do_sample=False,
-                                                max_new_tokens=6, past_key_values=DynamicCache(), **kw)
+    ref_model = make_tiny_llama(attn="sdpa")
+    ref = ref_model.generate(**tiny_tokenizer(prompt, return_tensors="pt"), do_sample=False, max_new_tokens=6,
+                             **cache_kwargs(ref_model, DynamicCache()), **kw)
     assert torch.equal(out, ref)
 
 
@@ -71,7 +73,7 @@ def test_reuse_with_prepare_inputs_resets(tiny_llama, tiny_tokenizer):
     cache = CocktailCache(cfg(**QUANT), encoder=FakeEncoder())
     for p, c, q in [(p1, c1, q1), (p2, c2, q2)]:
         inputs = cache.prepare_inputs(tiny_tokenizer, p, contexts=c, queries=q)
-        out = tiny_llama.generate(**inputs, past_key_values=cache, **GEN)
+        out = tiny_llama.generate(**inputs, **cache_kwargs(tiny_llama, cache), **GEN)
     fresh, fcache, _ = run(tiny_llama, tiny_tokenizer, p2, c2, q2, cfg(**QUANT))
     assert torch.equal(out.sequences, fresh.sequences)
     assert cache.precision_map() == fcache.precision_map()
@@ -164,7 +166,7 @@ def test_bm25_scorer_needs_no_encoder(tiny_llama, tiny_tokenizer):
     prompt, ctx, q = make_prompt(120, needle_at=70)
     cache = CocktailCache(cfg(scorer="bm25", encoder="/nonexistent/encoder"))
     inputs = cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q)
-    tiny_llama.generate(**inputs, past_key_values=cache, max_new_tokens=2)
+    tiny_llama.generate(**inputs, **cache_kwargs(tiny_llama, cache), max_new_tokens=2)
     plan, bits = cache.plans[0], cache.precision_map()[0]
     needle = next(i for i, t in enumerate(plan.chunk_texts) if "secret" in t)
     assert bits[needle] == 16
@@ -208,11 +210,11 @@ def test_requery_equals_a_fresh_run_on_the_new_question(tiny_llama, tiny_tokeniz
     config = cfg(keep_context_copy=True, **QUANT)
     cache = CocktailCache(config, encoder=FakeEncoder())
     tiny_llama.generate(**cache.prepare_inputs(tiny_tokenizer, p1, contexts=ctx, queries=q1),
-                        past_key_values=cache, **GEN)
+                        **cache_kwargs(tiny_llama, cache), **GEN)
     first_map = cache.precision_map()
     inputs = cache.requery(tiny_tokenizer, p2, q2)
     assert cache.get_seq_length() == cache.plans[0].ctx_end  # only the prompt up to the context end is kept
-    out = tiny_llama.generate(**inputs, past_key_values=cache, **GEN)
+    out = tiny_llama.generate(**inputs, **cache_kwargs(tiny_llama, cache), **GEN)
     fresh, fcache, _ = run(tiny_llama, tiny_tokenizer, p2, ctx, q2, cfg(**QUANT))
     assert cache.precision_map() == fcache.precision_map() != first_map
     assert torch.equal(out.sequences, fresh.sequences)
@@ -248,8 +250,8 @@ def test_attention_scorer_uses_the_prefill_attention_of_the_query_tokens(tiny_to
     ref_cache = CocktailCache(cfg(**QUANT))
     ref_inputs = ref_cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q)
     ref_cache.set_precisions(cache.precision_map())
-    ref_out = make_tiny_llama(attn="sdpa").generate(**ref_inputs, past_key_values=ref_cache, do_sample=False,
-                                                    max_new_tokens=6)
+    ref_model = make_tiny_llama(attn="sdpa")
+    ref_out = ref_model.generate(**ref_inputs, **cache_kwargs(ref_model, ref_cache), do_sample=False, max_new_tokens=6)
     assert torch.equal(out, ref_out)
 
 
@@ -282,9 +284,9 @@ def test_load_prefill_default_is_right_under_any_attention(tiny_tokenizer):
         inputs = cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q)
         dyn = DynamicCache()
         with torch.no_grad():
-            model(input_ids=inputs["input_ids"][:, :-1], past_key_values=dyn)
+            model(input_ids=inputs["input_ids"][:, :-1], **cache_kwargs(model, dyn))
         cache.load_prefill(dyn, split_attention=split)
-        outs.append(model.generate(**inputs, past_key_values=cache, **GEN))
+        outs.append(model.generate(**inputs, **cache_kwargs(model, cache), **GEN))
     # the same branched cache decoded with split-precision attention and with plain SDPA over its dequantization
     for other in outs[1:]:
         assert torch.equal(outs[0].sequences, other.sequences)
@@ -300,14 +302,16 @@ def test_prompt_lookup_with_candidates_at_the_first_step(tiny_tokenizer):
     kw = dict(prompt_lookup_num_tokens=3, do_sample=False, max_new_tokens=8)
     for config, ref_attn in ((cfg(uniform_bits=16), None), (cfg(**QUANT), "sdpa")):
         cache = CocktailCache(config, encoder=FakeEncoder())
-        out = make_tiny_llama().generate(**cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=tail),
-                                         past_key_values=cache, **kw)
+        model = make_tiny_llama()
+        out = model.generate(**cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=tail),
+                             **cache_kwargs(model, cache), **kw)
         if ref_attn is None:
             ref = make_tiny_llama(attn="sdpa").generate(**tiny_tokenizer(prompt, return_tensors="pt"), **kw)
         else:
             rc = CocktailCache(config, encoder=FakeEncoder())
-            ref = make_tiny_llama(attn=ref_attn).generate(
-                **rc.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=tail), past_key_values=rc, **kw)
+            ref_model = make_tiny_llama(attn=ref_attn)
+            ref = ref_model.generate(**rc.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=tail),
+                                     **cache_kwargs(ref_model, rc), **kw)
         assert torch.equal(out, ref)
 
 
@@ -315,7 +319,7 @@ def test_attention_scorer_reports_after_a_prefill_only_generate(tiny_llama, tiny
     prompt, ctx, q = make_prompt(40)
     cache = CocktailCache(cfg(scorer="attention", **QUANT))
     tiny_llama.generate(**cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q),
-                        past_key_values=cache, max_new_tokens=1)
+                        **cache_kwargs(tiny_llama, cache), max_new_tokens=1)
     assert len(cache.precision_map()[0]) == 5 and cache.nbytes() > 0
 
 
@@ -323,7 +327,7 @@ def test_attention_scorer_reuse_with_beams(tiny_llama, tiny_tokenizer):
     prompt, ctx, q = make_prompt(40)
     cache = CocktailCache(cfg(scorer="attention", **QUANT))
     outs = [tiny_llama.generate(**cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q),
-                                past_key_values=cache, num_beams=2, max_new_tokens=3, do_sample=False)
+                                **cache_kwargs(tiny_llama, cache), num_beams=2, max_new_tokens=3, do_sample=False)
             for _ in range(2)]
     assert torch.equal(outs[0], outs[1])
 
@@ -332,12 +336,12 @@ def test_attention_scorer_refusals(tiny_llama, tiny_tokenizer):
     prompt, ctx, q = make_prompt(40)
     cache = CocktailCache(cfg(scorer="attention", keep_context_copy=True))
     tiny_llama.generate(**cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q),
-                        past_key_values=cache, max_new_tokens=2)
+                        **cache_kwargs(tiny_llama, cache), max_new_tokens=2)
     with pytest.raises(ValueError, match="requery\\(\\) supports scorer='encoder' or 'bm25'"):
         cache.requery(tiny_tokenizer, prompt, q)
     with pytest.raises(ValueError, match="prefill_chunk_size"):
         tiny_llama.generate(**cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q),
-                            past_key_values=cache, max_new_tokens=2, prefill_chunk_size=16)
+                            **cache_kwargs(tiny_llama, cache), max_new_tokens=2, prefill_chunk_size=16)
 
 
 def test_hybrid_models_are_refused_clearly(tiny_tokenizer):

@@ -42,6 +42,7 @@ if INTERPRET:
 
 import triton_ops  # noqa: E402
 from hf_cocktail import CocktailCache, CocktailConfig, quant  # noqa: E402
+from hf_cocktail.compat import cache_kwargs  # noqa: E402
 from hf_cocktail.split_attention import split_precision_attention_torch  # noqa: E402
 from hf_cocktail.store import FullPart, LayerStore, PackedSegment  # noqa: E402
 from hf_cocktail import dispatch  # noqa: E402
@@ -291,7 +292,7 @@ def test_generate_triton_backend_equals_torch_backend(tiny_tokenizer, monkeypatc
         cache = CocktailCache(cfg, encoder=FakeEncoder())
         inputs = cache.prepare_inputs(tiny_tokenizer, [p for p, _, _ in prompts], contexts=[c for _, c, _ in prompts],
                                       queries=[q for _, _, q in prompts])
-        runs[backend] = (model.generate(**inputs, past_key_values=cache, **gen), cache)
+        runs[backend] = (model.generate(**inputs, **cache_kwargs(model, cache), **gen), cache)
     (out_t, cache_t), (out_x, cache_x) = runs["torch"], runs["triton"]
     layers = model.config.num_hidden_layers
     # prefill quantizes 2 segments per layer; each of the 3 decode steps runs the attention once per layer

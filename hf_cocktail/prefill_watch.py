@@ -1,0 +1,109 @@
+"""What a prefill really was, seen from a cache: the token ids the model embedded and the model's config.
+
+A transformers cache receives key/value states only. To check that a prefill runs on the prompt that
+``CocktailCache.prepare_inputs`` planned, a cache *arms* its :class:`PrefillWatch` from ``prepare_inputs`` until its
+prefill is complete. While at least one watch is armed, one process-wide forward pre-hook
+(``torch.nn.modules.module.register_module_forward_pre_hook``) records, for every armed watch, the integer inputs of
+``nn.Embedding`` calls (the token ids a model embeds) and the text config of the transformers modules called. The
+hook is removed as soon as no watch is armed, so nothing runs outside those windows.
+
+What it cannot see (``inputs_embeds`` instead of ids, a token embedding that is not an ``nn.Embedding``) it does not
+judge: :meth:`PrefillWatch.ids_match` then answers ``None``.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+_ARMED: weakref.WeakSet[PrefillWatch] = weakref.WeakSet()
+_LOCK = threading.Lock()
+_HANDLE: Any = None
+_KEEP_IDS = 8  # embedding calls remembered per watch (the prefill's own comes right before its first cache update)
+
+
+def _hook(module: nn.Module, args: tuple) -> None:
+    watches = list(_ARMED)
+    if not watches:
+        _remove_hook()
+        return
+    if isinstance(module, nn.Embedding):
+        ids = args[0] if args else None
+        if isinstance(ids, torch.Tensor) and not ids.is_floating_point() and ids.dim() == 2:
+            for watch in watches:
+                watch.ids.append(ids)
+        return
+    config = getattr(module, "config", None)
+    if config is not None and hasattr(config, "model_type") and hasattr(config, "get_text_config"):
+        for watch in watches:
+            watch.note_config(config)
+
+
+def _remove_hook() -> None:
+    global _HANDLE
+    with _LOCK:
+        if _HANDLE is not None and not len(_ARMED):
+            _HANDLE.remove()
+            _HANDLE = None
+
+
+class PrefillWatch:
+    """One cache's view of the forwards that fill it (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.ids: collections.deque[torch.Tensor] = collections.deque(maxlen=_KEEP_IDS)
+        self.model_type: str | None = None
+        self.num_layers: int | None = None
+
+    @property
+    def armed(self) -> bool:
+        return self in _ARMED
+
+    def arm(self) -> None:
+        global _HANDLE
+        self.ids.clear()
+        with _LOCK:
+            _ARMED.add(self)
+            if _HANDLE is None:
+                _HANDLE = nn.modules.module.register_module_forward_pre_hook(_hook)
+
+    def disarm(self) -> None:
+        self.ids.clear()
+        _ARMED.discard(self)
+        _remove_hook()
+
+    def note_config(self, config: Any) -> None:
+        try:
+            text = config.get_text_config(decoder=True)
+        except Exception:  # any config object: keep what can be read
+            text = config
+        self.model_type = getattr(text, "model_type", None) or getattr(config, "model_type", None)
+        n = getattr(text, "num_hidden_layers", None)
+        self.num_layers = n if isinstance(n, int) else None
+
+    def check_ids(self, expected: torch.Tensor, length: int) -> tuple[bool, torch.Tensor] | None:
+        """Compare the ids embedded since the last check with ``expected (B, n)``, the prepared prompt's tokens of a
+        forward of ``length`` >= n tokens (tokens past the prompt, e.g. assisted decoding's candidates, are free).
+
+        Returns ``None`` when no embedding call of shape ``(B, length)`` was seen (nothing to judge), else
+        ``(matched, ids)``: whether one of them begins with ``expected``, and the most recent one."""
+        B, n = expected.shape
+        seen = [ids for ids in self.ids if tuple(ids.shape) == (B, length)]
+        self.ids.clear()
+        if not seen:
+            return None
+        matched = any(torch.equal(ids[:, :n], expected.to(ids.device)) for ids in seen)
+        return matched, seen[-1]
+
+    def __deepcopy__(self, memo: dict) -> PrefillWatch:
+        new = PrefillWatch()
+        new.model_type, new.num_layers = self.model_type, self.num_layers
+        if self.armed:
+            new.arm()
+        new.ids.extend(self.ids)  # never modified in place: shared
+        return new
