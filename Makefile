@@ -51,7 +51,7 @@ test-compat: $(COMPAT_VENV)/.installed
 		tests/test_robustness.py tests/test_properties.py tests/test_devices.py
 
 bench: $(STAMP)
-	$(PY) eval/bench_latency.py --quick
+	$(PY) -m eval.benchmarks.bench_latency --quick
 
 clean:
 	rm -rf $(VENV) $(COMPAT_VENV) demo_out .pytest_cache

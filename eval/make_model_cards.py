@@ -9,8 +9,8 @@ Each preset folder model_cards/<preset>/ holds ``cocktail_config.json`` and ``ca
 
 Results and provenance are only ever read from the evaluation's files; without them the card says so.
 
-    python eval/make_model_cards.py                       # rewrite model_cards/*/README.md
-    python eval/make_model_cards.py --push-to ORG [--presets smollm2-135m-instruct]
+    python -m eval.make_model_cards                       # rewrite model_cards/*/README.md
+    python -m eval.make_model_cards --push-to ORG [--presets smollm2-135m-instruct]
         # push each preset to ORG/cocktail-<preset> (config + card whose snippet loads the repo id)
 """
 
@@ -19,15 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import warnings
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from hf_cocktail.config import CONFIG_NAME, CocktailConfig
+from hf_cocktail.hub import README_NAME
+from hf_cocktail.model_card import make_model_card, read_results
 
-from hf_cocktail.config import CONFIG_NAME, CocktailConfig  # noqa: E402
-from hf_cocktail.hub import README_NAME  # noqa: E402
-from hf_cocktail.model_card import make_model_card, read_results  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CARDS_DIR = os.path.join(ROOT, "model_cards")
 META_NAME = "card_meta.json"
@@ -64,7 +62,8 @@ def build_card(folder: str, name_or_path: str, root: str = ROOT) -> str:
             with open(os.path.join(root, info_rel), encoding="utf-8") as f:
                 run_info = json.load(f)
         else:
-            warnings.warn(f"{res_rel} exists but its run info {info_rel!r} does not: the card says 'not recorded'")
+            warnings.warn(f"{res_rel} exists but its run info {info_rel!r} does not: the card says 'not recorded'",
+                          stacklevel=2)
     notes = meta.get("notes", [])
     notes = [n.replace("{name_or_path}", name_or_path) for n in ([notes] if isinstance(notes, str) else notes)]
     return make_model_card(

@@ -1,14 +1,8 @@
-"""LongBench metrics of eval/metrics.py on hand-checked cases (no model, no data needed)."""
-
-import os
-import sys
+"""LongBench metrics of eval/longbench/metrics.py on hand-checked cases (no model, no data needed)."""
 
 import pytest
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from eval import metrics as M  # noqa: E402
+from eval.longbench import metrics as M
 
 
 def test_normalize_answer():

@@ -2,7 +2,7 @@
 
 Differences from the official code, all documented in ``eval/README.md``:
 
-* ROUGE-L is computed through ``evaluate`` with the local module ``eval/metrics/rouge_local`` (Google's
+* ROUGE-L is computed through ``evaluate`` with the local module ``eval/longbench/rouge_local`` (Google's
   ``rouge_score``, rougeL F-measure, no stemming), whereas LongBench uses the ``rouge`` PyPI package (summary-level
   LCS over '.'-split sentences, whitespace tokens). Scores are comparable between methods, not with published
   numbers.
@@ -20,7 +20,7 @@ import string
 import uuid
 from collections import Counter
 
-ROUGE_MODULE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "metrics", "rouge_local")
+ROUGE_MODULE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rouge_local")
 _ROUGE = None
 
 

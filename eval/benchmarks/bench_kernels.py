@@ -20,8 +20,9 @@ Methods (one row each in the table and the CSV):
   whole key and value cache (``HQQQuantizedLayer`` or ``QuantoQuantizedLayer``, their defaults: q_group_size=64),
   then ``fp16_sdpa``. If neither backend works, it is emulated with :mod:`hf_cocktail.quant`'s PyTorch dequantizer
   and labelled ``torch-emulated``.
-* ``cocktail``: ``triton_ops.split_precision_attention`` over the :class:`~hf_cocktail.store.LayerStore`, one per mix.
-  Its output is checked against the fp32 PyTorch reference (``max_abs_err``).
+* ``cocktail``: ``triton_ops.split_precision_attention`` over the tensors of a :class:`~hf_cocktail.store.LayerStore`
+  (arguments prepared once, as the decode path does), one store per mix. Its output is checked against the fp32
+  PyTorch reference ``split_precision_attention_torch`` (``max_abs_err``).
 
 Bandwidth = bytes of the method's stored cache (each read once per step) / time; for ``qcache`` the bytes are the
 nominal packed codes plus fp16 scale/zero per group (its dequantized copy, written and read again, is not counted:
@@ -30,8 +31,8 @@ its GB/s is an effective rate). ``pct_peak`` is relative to the H200's 4.8 TB/s 
 
 Usage::
 
-    python eval/bench_kernels.py --out bench_kernels.csv      # GPU, about 3-5 minutes on an H200
-    python eval/bench_kernels.py --smoke --out /tmp/smoke.csv # tiny sizes on CPU under TRITON_INTERPRET=1
+    python -m eval.benchmarks.bench_kernels --out bench_kernels.csv       # GPU (eval/gpu_check.sh runs it)
+    python -m eval.benchmarks.bench_kernels --smoke --out /tmp/smoke.csv  # tiny sizes on CPU, TRITON_INTERPRET=1
 """
 
 from __future__ import annotations
@@ -45,13 +46,13 @@ if "--smoke" in sys.argv:  # before anything imports triton
 import argparse  # noqa: E402
 import csv  # noqa: E402
 import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+import triton_ops  # noqa: E402
 from hf_cocktail import quant  # noqa: E402
-from hf_cocktail.attention import split_precision_attention_torch  # noqa: E402
+from hf_cocktail.split_attention import split_precision_attention_torch  # noqa: E402
 from hf_cocktail.store import FullPart, LayerStore, PackedSegment  # noqa: E402
 
 PEAK_BYTES_PER_S = 4.8e12  # H200 HBM3e
@@ -154,8 +155,95 @@ def timer(smoke: bool):
     return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def fused_attention(store: LayerStore):
+    """``f(q, scaling)``: the fused kernel over ``store``, its arguments prepared once (as the decode path does)."""
+    full = store.full
+    args = (full.keys, full.values, full.start_tensor(), [s.kernel_args() for s in store.segments])
+    kw = {"max_tokens": [s.max_sequence_tokens() for s in store.segments], "min_full_start": min(full.start)}
+    return lambda q, scaling: triton_ops.split_precision_attention(q, *args, scaling, **kw)
+
+
+@dataclass
+class Shape:
+    dev: str
+    H_q: int
+    H_kv: int
+    D: int
+    C: int
+    G: int
+    tail: int
+    contexts: list[int]
+    batches: list[int]
+    dtype: torch.dtype = torch.float16
+
+
+def shape_of(args) -> Shape:
+    if args.smoke:
+        return Shape("cpu", 8, 2, 64, 32, 32, 8, args.contexts or [256], args.batches or [1, 2])
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernels needs a CUDA GPU (or --smoke for the CPU check of the script)")
+    return Shape("cuda", 32, 8, 128, 32, 32, 32, args.contexts or [4096, 32768, 131072], args.batches or [1, 8])
+
+
+def bench_case(sh: Shape, T: int, B: int, bench, gen: torch.Generator, qcache_backend: str) -> list[tuple]:
+    """``(method, cache, ms, bytes, err)`` of every method at cache length ``T`` and batch ``B``."""
+    scaling = sh.D ** -0.5
+    dgen = torch.Generator(device=sh.dev).manual_seed(T * 16 + B)
+    k = torch.randn(B, sh.H_kv, T, sh.D, generator=dgen, device=sh.dev).to(sh.dtype)
+    v = torch.randn(B, sh.H_kv, T, sh.D, generator=dgen, device=sh.dev).to(sh.dtype)
+    q = torch.randn(B, sh.H_q, 1, sh.D, generator=dgen, device=sh.dev).to(sh.dtype)
+    res = [("fp16_sdpa", str(sh.dtype).replace("torch.", ""), bench(lambda: sdpa_decode(q, k, v, scaling)),
+            2 * k.numel() * k.element_size(), None)]
+    for bits in (4, 2):
+        qc = QCacheDecode(k, v, bits, qcache_backend)
+        res.append((f"qcache_int{bits}", qc.label, bench(lambda: qc(q, scaling)),
+                    qcache_nbytes(B, sh.H_kv, T, sh.D, bits), None))
+    for mix_name, mix in MIXES.items():
+        store = build_store(k, v, mix, sh.C, sh.G, sh.tail, gen, triton_ops.quantize_pack_keys,
+                            triton_ops.quantize_pack_values)
+        fused = fused_attention(store)
+        err = (fused(q, scaling).float() - split_precision_attention_torch(q.float(), store, scaling)).abs().max()
+        shares = " / ".join(f"{round(100 * f)}% {p}" for f, p in zip(mix, ("fp16", "int4", "int2")))
+        res.append((f"cocktail_{mix_name}", f"{shares} of chunks", bench(lambda: fused(q, scaling)), store.nbytes(),
+                    err.item()))
+    return res
+
+
+def table_rows(T: int, B: int, res: list[tuple], smoke: bool) -> list[dict]:
+    t_ref = {m: ms for m, _, ms, _, _ in res}
+    rows = []
+    for method, cache, ms, nbytes, err in res:
+        gbps = nbytes / (ms * 1e-3) / 1e9
+        rows.append(dict(context_tokens=T, batch=B, method=method, cache=cache, time_us=round(ms * 1e3, 2),
+                         cache_bytes=nbytes, GBps=round(gbps, 1),
+                         pct_peak="" if smoke else round(100 * gbps * 1e9 / PEAK_BYTES_PER_S, 1),
+                         speedup_vs_fp16_sdpa=round(t_ref["fp16_sdpa"] / ms, 3),
+                         speedup_vs_qcache_int4=round(t_ref["qcache_int4"] / ms, 3),
+                         speedup_vs_qcache_int2=round(t_ref["qcache_int2"] / ms, 3),
+                         max_abs_err="" if err is None else f"{err:.2e}"))
+    return rows
+
+
+def print_rows(T: int, B: int, rows: list[dict]) -> None:
+    print(f"\nT={T} B={B}")
+    print(f"{'method':18s} {'time_us':>10s} {'MB':>9s} {'GB/s':>8s} {'%peak':>6s} {'x fp16':>7s} "
+          f"{'x qc4':>6s} {'x qc2':>6s} {'max_err':>8s}  cache")
+    for r in rows:
+        print(f"{r['method']:18s} {r['time_us']:10.1f} {r['cache_bytes'] / 1e6:9.2f} {r['GBps']:8.1f} "
+              f"{str(r['pct_peak']):>6s} {r['speedup_vs_fp16_sdpa']:7.2f} {r['speedup_vs_qcache_int4']:6.2f} "
+              f"{r['speedup_vs_qcache_int2']:6.2f} {r['max_abs_err']:>8s}  {r['cache']}")
+
+
+def write_csv(path: str, rows: list[dict]) -> None:
+    """Rewritten after every case: a run stopped by a timeout keeps the cases it finished."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m eval.benchmarks.bench_kernels", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench_kernels.csv", help="CSV file to write")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU under TRITON_INTERPRET=1")
     ap.add_argument("--contexts", type=int, nargs="+", default=None, help="cache lengths T (default 4K 32K 128K)")
@@ -163,72 +251,23 @@ def main(argv=None):
     ap.add_argument("--qcache-backend", choices=["auto", "hqq", "quanto", "torch"], default="auto",
                     help="QuantizedCache baseline backend (auto: hqq, else quanto, else torch emulation)")
     args = ap.parse_args(argv)
-
-    import triton_ops
-
-    if args.smoke:
-        dev, H_q, H_kv, D, C, G, tail = "cpu", 8, 2, 64, 32, 32, 8
-        contexts, batches, dtype = args.contexts or [256], args.batches or [1, 2], torch.float16
-    else:
-        if not torch.cuda.is_available():
-            sys.exit("bench_kernels.py needs a CUDA GPU (or --smoke for the CPU check of the script)")
-        dev, H_q, H_kv, D, C, G, tail = "cuda", 32, 8, 128, 32, 32, 32
-        contexts, batches, dtype = args.contexts or [4096, 32768, 131072], args.batches or [1, 8], torch.float16
+    sh = shape_of(args)
     bench = timer(args.smoke)
-    scaling = D ** -0.5
     gen = torch.Generator().manual_seed(0)
     rows = []
-    print(f"device={torch.cuda.get_device_name() if dev == 'cuda' else 'cpu (TRITON_INTERPRET=1, smoke)'} "
-          f"H_q={H_q} H_kv={H_kv} D={D} C={C} G={G} dtype={dtype}")
-    for T in contexts:
-        for B in batches:
-            dgen = torch.Generator(device=dev).manual_seed(T * 16 + B)
-            k = torch.randn(B, H_kv, T, D, generator=dgen, device=dev).to(dtype)
-            v = torch.randn(B, H_kv, T, D, generator=dgen, device=dev).to(dtype)
-            q = torch.randn(B, H_q, 1, D, generator=dgen, device=dev).to(dtype)
-            res = []  # (method, cache, ms, bytes, err)
-            res.append(("fp16_sdpa", str(dtype).replace("torch.", ""), bench(lambda: sdpa_decode(q, k, v, scaling)),
-                        2 * k.numel() * k.element_size(), None))
-            for bits in (4, 2):
-                qc = QCacheDecode(k, v, bits, args.qcache_backend)
-                res.append((f"qcache_int{bits}", qc.label, bench(lambda: qc(q, scaling)),
-                            qcache_nbytes(B, H_kv, T, D, bits), None))
-                del qc
-            for mix_name, mix in MIXES.items():
-                store = build_store(k, v, mix, C, G, tail, gen, triton_ops.quantize_pack_keys,
-                                    triton_ops.quantize_pack_values)
-                out = triton_ops.split_precision_attention(q, store, scaling)
-                err = (out.float() - split_precision_attention_torch(q.float(), store, scaling)).abs().max().item()
-                ms = bench(lambda: triton_ops.split_precision_attention(q, store, scaling))
-                res.append((f"cocktail_{mix_name}", "%d%% fp16 / %d%% int4 / %d%% int2 of chunks"
-                            % tuple(round(100 * f) for f in mix), ms, store.nbytes(), err))
-                del store
-            del k, v
-            t_ref = {m: ms for m, _, ms, _, _ in res}
-            print(f"\nT={T} B={B}")
-            print(f"{'method':18s} {'time_us':>10s} {'MB':>9s} {'GB/s':>8s} {'%peak':>6s} {'x fp16':>7s} "
-                  f"{'x qc4':>6s} {'x qc2':>6s} {'max_err':>8s}  cache")
-            for method, cache, ms, nbytes, err in res:
-                gbps = nbytes / (ms * 1e-3) / 1e9
-                row = dict(context_tokens=T, batch=B, method=method, cache=cache, time_us=round(ms * 1e3, 2),
-                           cache_bytes=nbytes, GBps=round(gbps, 1),
-                           pct_peak="" if args.smoke else round(100 * gbps * 1e9 / PEAK_BYTES_PER_S, 1),
-                           speedup_vs_fp16_sdpa=round(t_ref["fp16_sdpa"] / ms, 3),
-                           speedup_vs_qcache_int4=round(t_ref["qcache_int4"] / ms, 3),
-                           speedup_vs_qcache_int2=round(t_ref["qcache_int2"] / ms, 3),
-                           max_abs_err="" if err is None else f"{err:.2e}")
-                rows.append(row)
-                print(f"{method:18s} {row['time_us']:10.1f} {nbytes / 1e6:9.2f} {gbps:8.1f} {str(row['pct_peak']):>6s} "
-                      f"{row['speedup_vs_fp16_sdpa']:7.2f} {row['speedup_vs_qcache_int4']:6.2f} "
-                      f"{row['speedup_vs_qcache_int2']:6.2f} {row['max_abs_err']:>8s}  {cache}")
-            if dev == "cuda":
+    print(f"device={torch.cuda.get_device_name() if sh.dev == 'cuda' else 'cpu (TRITON_INTERPRET=1, smoke)'} "
+          f"H_q={sh.H_q} H_kv={sh.H_kv} D={sh.D} C={sh.C} G={sh.G} dtype={sh.dtype}")
+    for T in sh.contexts:
+        for B in sh.batches:
+            case_rows = table_rows(T, B, bench_case(sh, T, B, bench, gen, args.qcache_backend), args.smoke)
+            print_rows(T, B, case_rows)
+            rows += case_rows
+            write_csv(args.out, rows)
+            if sh.dev == "cuda":
                 torch.cuda.empty_cache()
-    with open(args.out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
     print(f"\nwrote {len(rows)} rows to {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

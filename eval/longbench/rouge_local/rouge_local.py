@@ -4,7 +4,7 @@ the Hub). It wraps Google's ``rouge_score`` package the same way the Hub's ``rou
 Usage::
 
     import evaluate
-    rouge = evaluate.load("eval/metrics/rouge_local")
+    rouge = evaluate.load("eval/longbench/rouge_local")
     rouge.compute(predictions=["the cat sat"], references=["the cat sat on the mat"], use_aggregator=False)
     # {'rouge1': [...], 'rouge2': [...], 'rougeL': [...], 'rougeLsum': [...]}  (F-measures)
 """

@@ -1,0 +1,108 @@
+"""The SmolLM2 speed/memory benchmarks' shared parts: their command line, the prompt (a Paul Graham essay prefix and
+a question), one measured ``generate`` per (method, context length), the ratio tables and the result files."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from tqdm.auto import tqdm
+
+from ..cli import UsageError, parse_int_list
+from ..essays import essay_prefix
+from ..kv_bytes import cache_kv_bytes, fp16_kv_bytes
+from ..methods.kinds import Method, Request, cache_and_inputs
+from ..methods.registry import METHODS, parse_methods
+from ..models import DTYPES, load_model_and_tokenizer, model_input_device, set_threads
+from ..records import write_json
+from ..run_info import command_line, git_commit, hardware_info
+from .generate_timing import timed_generate
+
+QUESTION = "What is the main point of these essays?"
+
+
+def make_prompt(tok, context: str) -> tuple[str, dict]:
+    content = context + "\n\nQuestion: " + QUESTION
+    if getattr(tok, "chat_template", None):
+        return tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                       add_generation_prompt=True), {"add_special_tokens": False}
+    return content, {}
+
+
+def measure(method: Method, model, tok, context: str, new_tokens: int, encoder: str | None = None) -> dict:
+    """Run ``generate`` with ``method``'s cache over ``context`` for exactly ``new_tokens`` tokens."""
+    prompt, kw = make_prompt(tok, context)
+    cache, inputs = cache_and_inputs(method, model, tok, Request(prompt, context, QUESTION, "bench", kw), encoder)
+    inputs = inputs.to(model_input_device(model))
+    timing = timed_generate(model, cache, inputs, new_tokens, tok.eos_token_id)
+    seq = int(cache.get_seq_length())
+    res = {"method": method.name, "context_tokens": timing["context_tokens"], "new_tokens": timing["new_tokens"],
+           "prefill_s": timing["prefill_s"], "decode_ms_per_token": timing["decode_ms_per_token"],
+           "kv_bytes": cache_kv_bytes(cache), "kv_bytes_in_memory": cache_kv_bytes(cache, deployed=False),
+           "fp16_kv_bytes": fp16_kv_bytes(model.config, seq), "peak_prefill_bytes": timing["peak_prefill_bytes"],
+           "peak_decode_bytes": timing["peak_decode_bytes"]}
+    res["kv_ratio"] = res["kv_bytes"] / res["fp16_kv_bytes"]
+    if hasattr(cache, "memory_report"):
+        res["chunks"] = cache.memory_report()["chunks"]
+    return res
+
+
+def parse_args(argv=None, module: str = "", description: str = "",
+               default_methods: str = "fp16,cocktail,int4,int2,kivi2") -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=description,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--contexts", default=None, help="context lengths in tokens (default 1024,2048,4096,8192)")
+    p.add_argument("--methods", default=None, help=f"methods (default {default_methods})")
+    p.add_argument("--new-tokens", type=int, default=None, help="new tokens per run (default 32)")
+    p.add_argument("--quick", action="store_true",
+                   help="defaults become: contexts 1024,2048, 8 new tokens, methods fp16,cocktail,int2")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--device-map", default=None)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--essay-dir", default=None)
+    p.add_argument("--out", default=None, help="also write the results to this JSON file (and a .md next to it)")
+    args = p.parse_args(argv)
+    quick = {"contexts": "1024,2048", "new_tokens": 8, "methods": "fp16,cocktail,int2"}
+    full = {"contexts": "1024,2048,4096,8192", "new_tokens": 32, "methods": default_methods}
+    for k in quick:
+        if getattr(args, k) is None:
+            setattr(args, k, (quick if args.quick else full)[k])
+    args.context_list = parse_int_list(args.contexts, "--contexts")
+    if any(c < 64 for c in args.context_list):
+        raise UsageError(f"--contexts must be >= 64 tokens, got {args.context_list}")
+    if args.new_tokens < 2:
+        raise UsageError("--new-tokens must be >= 2 (decode time needs at least one decode step)")
+    methods = parse_methods(args.methods)
+    args.method_list = [METHODS["fp16"]] + [m for m in methods if m.name != "fp16"]  # fp16 first: the reference
+    return args
+
+
+def run(args) -> tuple[list[dict], object, object]:
+    """Every (context, method) measurement, after one untimed warm-up of every method; returns them, the model and
+    the tokenizer."""
+    set_threads(1, args.threads)
+    model, tok = load_model_and_tokenizer(args.model, args.dtype, "cocktail", args.device_map)
+    # warm-up of every method (first-call overheads, lazy encoder loading would otherwise land in the measurements)
+    for m in args.method_list:
+        measure(m, model, tok, essay_prefix(tok, 64, args.essay_dir), 2)
+    results = []
+    jobs = [(c, m) for c in args.context_list for m in args.method_list]
+    for c, m in tqdm(jobs, desc="bench", dynamic_ncols=True):
+        results.append(measure(m, model, tok, essay_prefix(tok, c, args.essay_dir), args.new_tokens))
+    return results, model, tok
+
+
+def ratio(a, b) -> float:
+    return a / b if b else float("nan")
+
+
+def save(args, module: str, results: list[dict], table: str, title: str) -> None:
+    """``--out``: the results as JSON (with command, commit, hardware) and the table as markdown next to it."""
+    if not args.out:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
+    write_json(args.out, {"command": command_line(module), "commit": git_commit(exclude=args.out),
+                          "hardware": hardware_info(), "results": results})
+    with open(os.path.splitext(args.out)[0] + ".md", "w", encoding="utf-8") as f:
+        f.write(f"# {title}\n\n`{command_line(module)}`\n\n{table}\n")

@@ -1,0 +1,91 @@
+"""KV-byte accounting: what a cache would take in an FP16 deployment, and the FP16 ``DynamicCache`` baseline.
+
+The model runs in float32 on CPU, so every floating-point tensor of a cache (full-precision part, residual windows,
+scales and zeros) is counted at 2 bytes per element, as in an FP16 deployment; packed integer codes count their real
+size. ``deployed=False`` gives the bytes really held here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from hf_cocktail import CocktailCache
+
+
+def fp16_kv_bytes(model_config, num_tokens: int, batch: int = 1) -> int:
+    """Bytes of an FP16 ``DynamicCache`` holding ``num_tokens`` tokens (2 bytes per key/value element)."""
+    cfg = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") else model_config
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return int(cfg.num_hidden_layers * 2 * batch * heads * num_tokens * head_dim * 2)
+
+
+def deployed_tensor_bytes(t, deployed: bool = True) -> int:
+    """Bytes of a tensor in an FP16 deployment: floating-point tensors count 2 bytes per element whatever their dtype
+    here, integer/packed tensors their real size. ``deployed=False``: the bytes really held here."""
+    if t is None or not isinstance(t, torch.Tensor) or t.numel() == 0:
+        return 0
+    inner = _quanto_inner_tensors(t)
+    if inner is not None:
+        return sum(deployed_tensor_bytes(x, deployed) for x in inner)
+    if t.is_floating_point() and deployed:
+        return t.numel() * 2
+    return t.numel() * t.element_size()
+
+
+def _quanto_inner_tensors(t) -> list | None:
+    """optimum-quanto QTensors are tensor subclasses; their storage is in inner tensors (codes, scale, shift)."""
+    names = getattr(t, "__tensor_flatten__", None)
+    if names is None or type(t).__module__.split(".")[0] not in ("optimum",):
+        return None
+    inner_names, _ = t.__tensor_flatten__()
+    out = []
+    for n in inner_names:
+        x = getattr(t, n)
+        sub = _quanto_inner_tensors(x)
+        out.extend(sub if sub is not None else [x])
+    return out
+
+
+def _walk_tensors(obj, seen: set) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        if id(obj) not in seen:
+            seen.add(id(obj))
+            yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _walk_tensors(v, seen)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _walk_tensors(v, seen)
+
+
+def cocktail_fp16_deployed_bytes(cache: CocktailCache) -> int:
+    """A CocktailCache's bytes in an FP16 deployment, from its public ``memory_report``: packed codes, scales/zeros
+    and the full-precision part at 2 bytes per element (``ratio_to_fp16`` x ``fp16_equivalent_bytes``; the
+    evaluation runs one sequence with FP16 scales, where this is exact)."""
+    rep = cache.memory_report()
+    if not rep["fp16_equivalent_bytes"]:
+        return 0
+    return round(rep["ratio_to_fp16"] * rep["fp16_equivalent_bytes"])
+
+
+def cache_kv_bytes(cache, deployed: bool = True) -> int:
+    """Bytes of every key/value tensor a cache holds: in an FP16 deployment (``deployed=True``, see
+    :func:`deployed_tensor_bytes`) or as really held here.
+
+    Knows ``DynamicCache``, ``QuantizedCache`` (quanto, hqq), ``CocktailCache`` and any cache with a
+    ``kv_nbytes(deployed)`` method (the KIVI-like cache of ``eval.methods.kivi``)."""
+    if isinstance(cache, CocktailCache):
+        return cocktail_fp16_deployed_bytes(cache) if deployed else cache.nbytes()
+    if hasattr(cache, "kv_nbytes"):
+        return cache.kv_nbytes(deployed)
+    total = 0
+    seen: set = set()
+    for layer in cache.layers:
+        for attr in ("keys", "values", "_quantized_keys", "_quantized_values"):
+            for t in _walk_tensors(getattr(layer, attr, None), seen):
+                total += deployed_tensor_bytes(t, deployed)
+    return total

@@ -1,0 +1,72 @@
+"""The named methods of the evaluation (``--methods``), and the ``preset`` method made from a saved config."""
+
+from __future__ import annotations
+
+from hf_cocktail import CocktailConfig
+
+from ..cli import UsageError
+from .kinds import (
+    BudgetMatchedMethod,
+    CocktailMethod,
+    DynamicMethod,
+    KiviMethod,
+    Method,
+    QuantizedCacheMethod,
+    ShuffledPlanMethod,
+)
+
+METHODS: dict[str, Method] = {m.name: m for m in [
+    DynamicMethod("fp16", "DynamicCache, full precision (bytes counted at FP16)"),
+    CocktailMethod("cocktail", "Cocktail: chunk search, FP16/INT4/INT2 context chunks (alpha .6, beta .1)"),
+    CocktailMethod("int4", "every context chunk INT4 (CocktailCache uniform_bits=4)", {"uniform_bits": 4}),
+    CocktailMethod("int2", "every context chunk INT2 (CocktailCache uniform_bits=2)", {"uniform_bits": 2}),
+    ShuffledPlanMethod("nosearch", "ablation: Cocktail's precision counts, random chunk assignment"),
+    # beyond the paper (issue 7): same retrieval encoder unless said otherwise
+    BudgetMatchedMethod("int4first", "budget mode at paper-Cocktail's bits for the example, INT4 first (no FP16 "
+                        "unless all INT4 fits): target_bits=paper's, beta=0", {"beta": 0.0}),
+    CocktailMethod("bm25", "paper thresholds, chunks scored by BM25 (no encoder)", {"scorer": "bm25"}),
+    BudgetMatchedMethod("bm25_int4first", "BM25 scores, budget at paper-Cocktail's bits, INT4 first",
+                        {"beta": 0.0, "scorer": "bm25"}),
+    CocktailMethod("cocktail_nb1", "paper Cocktail + the chunks next to each FP16 chunk at FP16 (neighbors=1)",
+                   {"neighbors": 1}),
+    CocktailMethod("cocktail_a02", "paper search with alpha=0.2 (more INT4; more bytes)", {"alpha": 0.2}),
+    CocktailMethod("int2_nosink", "every context chunk INT2, no attention-sink protection (sink_tokens=0)",
+                   {"uniform_bits": 2, "sink_tokens": 0}),
+    CocktailMethod("cocktail_nosink", "paper Cocktail without attention-sink protection (sink_tokens=0)",
+                   {"sink_tokens": 0}),
+    KiviMethod("kivi2", "KIVI-like 2-bit, K per-channel / V per-token, FP residual R=128", bits=2, residual=128),
+    KiviMethod("kivi4", "KIVI-like 4-bit, K per-channel / V per-token, FP residual R=128", bits=4, residual=128),
+    KiviMethod("kivi2_r32", "KIVI-like 2-bit, FP residual R=32", bits=2, residual=32),
+    KiviMethod("kivi4_r32", "KIVI-like 4-bit, FP residual R=32", bits=4, residual=32),
+    QuantizedCacheMethod("hqq2", "transformers QuantizedCache, hqq backend, 2 bits", bits=2, backend="hqq"),
+    QuantizedCacheMethod("hqq4", "transformers QuantizedCache, hqq backend, 4 bits", bits=4, backend="hqq"),
+    QuantizedCacheMethod("quanto2", "transformers QuantizedCache, quanto backend, 2 bits", bits=2, backend="quanto"),
+    QuantizedCacheMethod("quanto4", "transformers QuantizedCache, quanto backend, 4 bits", bits=4, backend="quanto"),
+]}
+
+
+def register_preset(name_or_path: str) -> Method:
+    """Add the method ``preset``: a CocktailCache with ``CocktailConfig.from_pretrained(name_or_path)`` (its encoder
+    is replaced by the evaluation's)."""
+    try:
+        cfg = CocktailConfig.from_pretrained(name_or_path)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--preset {name_or_path!r}: {e}") from e
+    fields = cfg.to_dict()
+    fields.pop("format_version", None)
+    fields.pop("encoder", None)  # the evaluation's encoder (offline MiniLM unless --encoder)
+    METHODS["preset"] = CocktailMethod("preset", f"CocktailConfig.from_pretrained({name_or_path!r})", fields)
+    return METHODS["preset"]
+
+
+def parse_methods(spec: str) -> list[Method]:
+    """``--methods``: comma-separated names from :data:`METHODS`, each once."""
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    if not names:
+        raise UsageError("--methods is empty")
+    bad = [n for n in names if n not in METHODS]
+    if bad:
+        raise UsageError(f"unknown method(s) {bad}; known: {sorted(METHODS)}")
+    if len(set(names)) != len(names):
+        raise UsageError(f"--methods lists a method twice: {names}")
+    return [METHODS[n] for n in names]

@@ -1,0 +1,71 @@
+"""The needle cases: a needle sentence with a random 7-digit passcode inserted at a sentence boundary at a depth of a
+haystack cut from the essays, the prompt that asks for it, and which chunk(s) the needle landed in."""
+
+from __future__ import annotations
+
+import random
+
+from hf_cocktail import CocktailCache
+
+from ..cli import UsageError
+
+NEEDLE = "The secret passcode for the vault is {code}."
+QUESTION = "What is the secret passcode for the vault?"
+INSTRUCTION = "Read the essays below and answer the question that follows them.\n\n"
+ASK = "\n\nQuestion: {question} Answer with the passcode only.\nAnswer:"
+
+
+def case_key(length, depth, sample) -> str:
+    return f"L{length}-d{depth:g}-s{sample}"
+
+
+def make_case(tok, essays: list[str], length: int, depth: float, sample: int, seed: int = 0) -> dict:
+    """Haystack of ``length`` tokens (needle included) starting at essay ``sample*7 % n``, needle at ``depth``."""
+    rng = random.Random(f"{seed}-{length}-{depth}-{sample}")
+    code = str(rng.randint(1_000_000, 9_999_999))
+    needle = NEEDLE.format(code=code)
+    k = (sample * 7) % len(essays)
+    text = "\n\n".join(essays[k:] + essays[:k])
+    n_needle = len(tok(" " + needle, add_special_tokens=False)["input_ids"])
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < length:
+        raise UsageError(f"the haystack has only {len(ids)} tokens, fewer than --lengths {length}")
+    hay = tok.decode(ids[:max(1, length - n_needle)])
+    pos = len(tok.decode(ids[:int(round(depth * max(0, length - n_needle)))]))
+    if pos >= len(hay):
+        cut = len(hay)
+    else:  # back off to the end of the previous sentence
+        cut = max(hay.rfind(". ", 0, pos), hay.rfind(".\n", 0, pos))
+        cut = 0 if cut < 0 else cut + 1
+    context = (hay[:cut].rstrip() + " " + needle + " " + hay[cut:].lstrip()).strip()
+    return {"length": length, "depth": depth, "sample": sample, "code": code, "context": context,
+            "needle_char": cut}
+
+
+def build_prompt(tok, context: str, raw: bool = False) -> tuple[str, dict]:
+    """The chat prompt; ``raw``: the haystack at the very start of a plain prompt (no instruction, no template, no
+    special tokens), so that the prompt's first tokens (the attention sinks) belong to the context."""
+    if raw:
+        return context + ASK.format(question=QUESTION), {"add_special_tokens": False}
+    content = INSTRUCTION + context + ASK.format(question=QUESTION)
+    if getattr(tok, "chat_template", None):
+        return tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                       add_generation_prompt=True), {"add_special_tokens": False}
+    return content, {}
+
+
+def needle_chunk_bits(tok, prompt: str, tokenizer_kwargs: dict, case: dict, cache) -> list[int] | None:
+    """Precision given to the chunk(s) holding the needle sentence (``cache``: a CocktailCache holding the case;
+    other caches: None), to see whether the search found it."""
+    if not isinstance(cache, CocktailCache):
+        return None
+    plan = cache.plans[0]
+    needle = NEEDLE.format(code=case["code"])
+    c0 = prompt.find(needle)
+    if c0 < 0:
+        return None
+    enc = tok(prompt, return_offsets_mapping=True, **tokenizer_kwargs)
+    toks = [t for t, (a, b) in enumerate(enc["offset_mapping"]) if b > a and a < c0 + len(needle) and b > c0]
+    C = cache.config.chunk_size
+    chunks = sorted({(t - plan.ctx_start) // C for t in toks if plan.ctx_start <= t < plan.ctx_end})
+    return [plan.bits[i] for i in chunks]

@@ -1,0 +1,159 @@
+"""Needle in a haystack over the Paul Graham essays, for several KV-cache methods side by side.
+
+A needle sentence holding a random 7-digit passcode is inserted at a sentence boundary at a given depth (0 = start,
+1 = end) of a haystack of ``length`` tokens cut from the essays; the model is asked for the passcode (chat template,
+greedy, 16 new tokens). A case is correct when the passcode appears in the answer. Like LongBench, each case is
+prefilled once at full precision and branched into every method's cache (``eval/methods/branching.py``).
+
+Two uses (see eval/README.md)::
+
+    # grid: one heatmap PNG per method (lengths x depths) + a CSV
+    python -m eval.needle --out-dir eval/results/needle_grid --lengths 1000,2000,4000 --depths 0,0.25,0.5,0.75,1 \
+        --methods fp16,cocktail,int2
+    # fixed length: >= 20 cases at ~3000 tokens, accuracy table with each method's kv_ratio
+    python -m eval.needle --out-dir eval/results/needle_3000 --lengths 3000 \
+        --depths 0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1 --samples 2 --methods fp16,cocktail,int4,int2
+
+Resumable: finished (case, method) results in ``records.jsonl`` are never recomputed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from tqdm.auto import tqdm
+
+from hf_cocktail import offline_encoder_path
+
+from ..cli import UsageError, parse_float_list, parse_int_list
+from ..essays import load_essays
+from ..methods.kinds import Request
+from ..methods.registry import parse_methods
+from ..models import DTYPES, load_model_and_tokenizer, set_threads
+from ..paths import ESSAY_DIR
+from ..records import append_jsonl, check_settings, iter_jsonl, lock_out_dir
+from ..run_info import command_line, git_commit, now, update_run_info
+from ..runner import CaseRunner, Outcome
+from .cases import NEEDLE, QUESTION, build_prompt, case_key, make_case, needle_chunk_bits
+from .report import write_reports
+
+MODULE = "eval.needle"
+SETTINGS_KEYS = ("model", "dtype", "max_new_tokens", "encoder", "seed", "raw_prompt")  # must match to resume
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m {MODULE}",
+                                description="Needle in a haystack (Paul Graham essays) per KV-cache method",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--device-map", default=None)
+    p.add_argument("--essay-dir", default=ESSAY_DIR)
+    p.add_argument("--lengths", default="1000,2000,4000", help="haystack lengths in tokens, comma-separated")
+    p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths in [0, 1], comma-separated")
+    p.add_argument("--samples", type=int, default=1, help="cases per (length, depth): other haystack / passcode")
+    p.add_argument("--methods", default="fp16,cocktail,int4,int2")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--encoder", default=None)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--raw-prompt", action="store_true",
+                   help="haystack first, no instruction or chat template (the attention-sink study)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    args = _parser().parse_args(argv)
+    args.length_list = parse_int_list(args.lengths, "--lengths")
+    args.depth_list = parse_float_list(args.depths, "--depths")
+    if any(x < 64 for x in args.length_list):
+        raise UsageError(f"--lengths must be >= 64 tokens, got {args.length_list}")
+    if any(not 0 <= d <= 1 for d in args.depth_list):
+        raise UsageError(f"--depths must lie in [0, 1], got {args.depth_list}")
+    if args.samples < 1:
+        raise UsageError(f"--samples must be >= 1, got {args.samples}")
+    if args.max_new_tokens < 1:
+        raise UsageError("--max-new-tokens must be >= 1")
+    return args
+
+
+def check_resume_settings(args) -> None:
+    """Refuse to resume into ``--out-dir`` with settings that change what a finished case means; folders written
+    before settings.json existed are compared with their run_info's args."""
+    fallback = None
+    info = os.path.join(args.out_dir, "run_info.json")
+    if os.path.isfile(info):
+        with open(info, encoding="utf-8") as f:
+            old_args = json.load(f).get("config", {}).get("args", {})
+        defaults = vars(parse_args(["--out-dir", args.out_dir]))
+        fallback = {k: old_args.get(k, defaults[k]) for k in SETTINGS_KEYS}
+    check_settings(args.out_dir, {k: getattr(args, k) for k in SETTINGS_KEYS}, SETTINGS_KEYS, fallback)
+
+
+def read_done(path: str) -> dict[tuple[str, str], dict]:
+    """Finished records by (case key, method)."""
+    return {(r["case"], r["method"]): r for r in iter_jsonl(path)} if os.path.isfile(path) else {}
+
+
+def case_record(case: dict, prompt: str, kw: dict, out: Outcome, tok) -> dict:
+    """The record of one method on one case."""
+    L, d, s = case["length"], case["depth"], case["sample"]
+    return {"case": case_key(L, d, s), "length": L, "depth": d, "sample": s, "method": out.method.name,
+            "code": case["code"], "pred": out.text, "correct": int(case["code"] in out.text),
+            "prompt_tokens": out.prompt_tokens, "kv_bytes": out.kv_bytes, "fp16_kv_bytes": out.fp16_kv_bytes,
+            "kv_ratio": out.kv_ratio, "prefill_s": out.prefill_s, "decode_s": out.decode_s,
+            "precision_counts": out.branch.precision_counts,
+            "needle_chunk_bits": needle_chunk_bits(tok, prompt, kw, case, out.branch.cache)}
+
+
+def run_cases(args, todo: list, essays: list[str], encoder: str, rec_path: str, done: dict) -> None:
+    model, tok = load_model_and_tokenizer(args.model, args.dtype, "cocktail", args.device_map)
+    runner = CaseRunner(model, tok, encoder)
+    for (L, d, s), methods in tqdm(todo, desc="needle", disable=args.no_progress, dynamic_ncols=True):
+        case = make_case(tok, essays, L, d, s, args.seed)
+        prompt, kw = build_prompt(tok, case["context"], raw=args.raw_prompt)
+        request = Request(prompt, case["context"], QUESTION, case_key(L, d, s), kw)
+        for out in runner.run(request, methods, args.max_new_tokens):
+            rec = case_record(case, prompt, kw, out, tok)
+            append_jsonl(rec_path, rec)
+            done[(rec["case"], rec["method"])] = rec
+
+
+def run_config(args, methods, encoder: str) -> dict:
+    return {"methods": {m.name: m.config_dict(encoder) for m in methods}, "args": dict(vars(args)),
+            "needle": NEEDLE, "question": QUESTION}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t_start = time.time()
+    commit = git_commit(exclude=args.out_dir)  # the code that runs (read now: a commit made mid-run is not it)
+    started_at = now()
+    methods = parse_methods(args.methods)
+    essays = load_essays(args.essay_dir)
+    set_threads(1, args.threads)
+    encoder = args.encoder or offline_encoder_path()
+    check_resume_settings(args)
+    lock = lock_out_dir(args.out_dir)  # noqa: F841 (held until the process exits)
+    update_run_info(args.out_dir, started_at, {"command": command_line(MODULE), "commit": commit,
+                                               "status": "running"})
+    rec_path = os.path.join(args.out_dir, "records.jsonl")
+    done = read_done(rec_path)
+    cases = [(L, d, s) for L in args.length_list for d in args.depth_list for s in range(args.samples)]
+    todo = [(c, [m for m in methods if (case_key(*c), m.name) not in done]) for c in cases]
+    todo = [(c, ms) for c, ms in todo if ms]
+    if todo:
+        run_cases(args, todo, essays, encoder, rec_path, done)
+    keys = [case_key(*c) for c in cases]
+    rows = [done[(k, m.name)] for k in keys for m in methods if (k, m.name) in done]
+    print(write_reports(args.out_dir, rows, [m.name for m in methods], args.length_list, args.depth_list,
+                        args.samples))
+    update_run_info(args.out_dir, started_at, {"runtime_s": round(time.time() - t_start, 1),
+                                               "cases_processed": len(todo), "finished_at": now(),
+                                               "status": "finished"}, run_config(args, methods, encoder))
+    return 0

