@@ -10,7 +10,7 @@
 # It uses the machine's python3 as it is (torch, transformers, triton, accelerate, pytest are there): no venv, no
 # download, the project on PYTHONPATH=., the few missing packages installed from eval/gpu_wheels/ (filled here by
 # `bash eval/fetch_gpu_wheels.sh`) into a folder under /tmp with `pip install --no-index --no-deps --target`.
-# Steps, each under its own timeout and all inside one overall budget (GPU_CHECK_BUDGET_S, default 540 s); a failing
+# Steps, each under its own timeout and all inside one overall budget (GPU_CHECK_BUDGET_S, default 480 s); a failing
 # step does not stop the later ones:
 #   1. machine: GPU, driver, versions        3. gpu tests: python3 -m pytest -m gpu tests
 #   2. wheels: install the shipped wheels    4. bench_kernels: fused kernel vs FP16 SDPA vs dequantize+SDPA, 4K/32K/128K,
@@ -31,7 +31,7 @@ mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
 PY=${GPU_PYTHON:-python3}
 SITE=${GPU_CHECK_SITE:-/tmp/gpu_check_site}
-DEADLINE=$((SECONDS + ${GPU_CHECK_BUDGET_S:-540}))
+DEADLINE=$((SECONDS + ${GPU_CHECK_BUDGET_S:-480}))
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=".:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 echo "step,exit_code,seconds" > "$OUT/steps.csv"
 
@@ -64,9 +64,9 @@ install_wheels() {
 export PY SITE
 export -f machine_info install_wheels
 step machine 30 bash -c machine_info
-step wheels 60 bash -c install_wheels
-step gpu_tests 120 "$PY" -m pytest -q -ra -m gpu tests -p no:cacheprovider --junitxml "$OUT/gpu_tests.xml"
-step bench_kernels 210 "$PY" -m eval.benchmarks.bench_kernels --out "$OUT/bench_kernels.csv"
+step wheels 45 bash -c install_wheels
+step gpu_tests 100 "$PY" -m pytest -q -ra -m gpu tests -p no:cacheprovider --junitxml "$OUT/gpu_tests.xml"
+step bench_kernels 180 "$PY" -m eval.benchmarks.bench_kernels --out "$OUT/bench_kernels.csv"
 step bench_decode_random 150 "$PY" -m eval.benchmarks.bench_decode_random --out "$OUT/bench_decode_random.csv" \
   --time-budget-s 100
 echo "=== done in $SECONDS s; outputs: $(ls "$OUT" | tr '\n' ' ')" | tee -a "$LOG"
