@@ -1,0 +1,225 @@
+// Fused split-precision decode attention over a full-precision part and packed INT4 / INT2 segments, on CPU.
+//
+// Q.K and P.V are computed straight from the packed codes, block by block (one pass per segment, online softmax in
+// base 2); no dequantized copy of the cache is formed, only a (32 tokens x D) tile per block that stays in L1:
+//   keys (per channel within a chunk C): q . k_t = sum_d (q_d * s_cd) * code_td + sum_d q_d * z_cd, so the scales
+//     multiply the query once per chunk and the key tile holds the bare codes;
+//   values (per token, groups of G): the tile holds code * vs + vz (one FMA per 8 channels and token, shared by all
+//     n_rep * L_q query rows), then P.V.
+// Work items are token ranges of one (sequence, kv head, source); they run on ATen's (OpenMP) thread pool and their
+// partial (max, sum, output) are merged by log-sum-exp, like flash decoding. The Python launcher
+// (cpu_ops/attention.py) checks shapes and dtypes; this file only checks the offsets it will index with.
+//
+// (not <torch/extension.h>: these few headers halve the first-use compile time)
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#if defined(__has_builtin) && __has_builtin(__builtin_shufflevector)
+#define SHUFFLE8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE8(a, b, ...) __builtin_shuffle(a, b, v8i{__VA_ARGS__})
+#endif
+
+namespace {
+
+constexpr int kBlock = 32;                   // tokens per inner block
+constexpr int64_t kMinTokensPerWorker = 2048;  // (token, kv head) pairs per thread worth a parallel region
+
+enum class DType { F32, BF16, F16 };
+
+DType dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::F32;
+    case at::kBFloat16: return DType::BF16;
+    case at::kHalf: return DType::F16;
+    default: TORCH_CHECK_VALUE(false, "cpu_ops: unsupported dtype ", t.scalar_type());
+  }
+  return DType::F32;
+}
+
+struct Segment {  // one packed segment; shapes as in cpu_ops.split_precision_attention's docstring
+  int bits, C, G;
+  int64_t N, M;  // tokens and chunks (per kv head)
+  const uint8_t *k_codes, *v_codes;
+  const void *k_scale, *k_zero, *v_scale, *v_zero;
+  DType s_dtype;
+  const int32_t *tok_off, *chunk_off;
+};
+
+struct Problem {
+  int B, H_kv, n_rep, L_q, D, rows;  // rows = n_rep * L_q query rows per kv head
+  const float* q;                    // (B, H_kv, rows, D), pre-scaled by scaling * log2(e)
+  const void *fk, *fv;               // full part (B, H_kv, R, D), element strides below
+  DType f_dtype;
+  int64_t R, f_sb, f_sh, f_st;
+  const int32_t* f_start;
+  int n_seg;
+  Segment seg[2];
+};
+
+struct WorkItem {
+  int b, h, src;  // src 0: full part, 1 + i: segment i
+  int64_t lo, hi;  // token range: absolute indices into the full part's dim 2, or into the segment's token axis
+};
+
+}  // namespace
+
+// The same computation compiled twice: for the baseline target and for AVX2 + FMA + F16C, chosen at run time, so a
+// build runs on any x86-64 CPU (and on other architectures, or with clang, as the baseline build alone).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#define CPU_OPS_AVX2 1
+namespace avx2 {
+#include "kernel.h"
+}  // namespace avx2
+#undef CPU_OPS_AVX2
+#pragma GCC pop_options
+#define HAVE_AVX2_PATH 1
+#endif
+namespace base {
+#include "kernel.h"
+}  // namespace base
+
+namespace {
+
+struct Kernel {  // the build of kernel.h this CPU runs
+  const char* target;
+  void (*to_float)(const void*, DType, int64_t, int64_t, float*);
+  void (*run_all)(const Problem&, const std::vector<WorkItem>&, const std::vector<int64_t>&, int64_t, void*, DType);
+};
+
+const Kernel& kernel(bool baseline = false) {
+  static const Kernel base_k{"baseline", base::to_float, base::run_all};
+#ifdef HAVE_AVX2_PATH
+  static const Kernel avx2_k{"avx2+fma+f16c", avx2::to_float, avx2::run_all};
+  static const bool has_avx2 =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (has_avx2 && !baseline) return avx2_k;
+#endif
+  return base_k;
+}
+
+// Offsets are read here once; anything that would index out of bounds is refused (ValueError).
+void check_offsets(const at::Tensor& off, int B, int64_t limit, const char* what, int i) {
+  const int32_t* o = off.data_ptr<int32_t>();
+  TORCH_CHECK_VALUE(o[0] >= 0, "segments[", i, "]: ", what, "[0] must be >= 0, got ", o[0]);
+  for (int b = 0; b < B; ++b)
+    TORCH_CHECK_VALUE(o[b + 1] >= o[b], "segments[", i, "]: ", what, " must be non-decreasing, got ", o[b], " then ",
+                      o[b + 1], " at b=", b);
+  TORCH_CHECK_VALUE(o[B] <= limit, "segments[", i, "]: ", what, "[B]=", o[B], " exceeds the segment's size ", limit);
+}
+
+}  // namespace
+
+// query (B, H_q, L_q, D) and full_keys / full_values (B, H_kv, R, D), unit last strides; full_start int32 (B,);
+// seg_tensors: per segment k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, tok_off, chunk_off (contiguous);
+// seg_ints: per segment bits, chunk_size, group_size; baseline: run the baseline build even where AVX2 is there.
+// Returns (B, H_q, L_q, D) in query's dtype.
+at::Tensor split_attention(const at::Tensor& query, const at::Tensor& full_keys, const at::Tensor& full_values,
+                           const at::Tensor& full_start, const std::vector<at::Tensor>& seg_tensors,
+                           const std::vector<int64_t>& seg_ints, double scaling, int64_t tokens_per_item,
+                           bool baseline) {
+  const Kernel& K = kernel(baseline);
+  Problem P{};
+  P.B = static_cast<int>(query.size(0));
+  P.H_kv = static_cast<int>(full_keys.size(1));
+  P.n_rep = static_cast<int>(query.size(1) / P.H_kv);
+  P.L_q = static_cast<int>(query.size(2));
+  P.D = static_cast<int>(query.size(3));
+  P.rows = P.n_rep * P.L_q;
+  // the queries, pre-scaled by scaling * log2(e) (the softmax runs in base 2), as (B, H_kv, rows, D) fp32
+  std::vector<float> q(static_cast<size_t>(P.B) * P.H_kv * P.rows * P.D);
+  const DType q_dtype = dtype_of(query);
+  const float qscale = static_cast<float>(scaling * 1.4426950408889634);
+  for (int64_t b = 0, row = 0; b < P.B; ++b)
+    for (int64_t hq = 0; hq < query.size(1); ++hq)
+      for (int64_t i = 0; i < P.L_q; ++i, ++row) {
+        float* dst = q.data() + row * P.D;
+        K.to_float(query.data_ptr(), q_dtype, b * query.stride(0) + hq * query.stride(1) + i * query.stride(2), P.D,
+                   dst);
+        for (int d = 0; d < P.D; ++d) dst[d] *= qscale;
+      }
+  P.q = q.data();
+  P.fk = full_keys.data_ptr();
+  P.fv = full_values.data_ptr();
+  P.f_dtype = dtype_of(full_keys);
+  P.R = full_keys.size(2);
+  P.f_sb = full_keys.stride(0), P.f_sh = full_keys.stride(1), P.f_st = full_keys.stride(2);
+  TORCH_CHECK_VALUE(full_values.strides() == full_keys.strides(),
+                    "full_values must have the strides of full_keys, got ", full_values.strides(), " and ",
+                    full_keys.strides());
+  P.f_start = full_start.data_ptr<int32_t>();
+  for (int b = 0; b < P.B; ++b)
+    TORCH_CHECK_VALUE(P.f_start[b] >= 0 && P.f_start[b] <= P.R, "full_start[", b, "] must be in [0, R=", P.R,
+                      "], got ", P.f_start[b]);
+  P.n_seg = static_cast<int>(seg_ints.size() / 3);
+  for (int i = 0; i < P.n_seg; ++i) {
+    const at::Tensor* t = seg_tensors.data() + 8 * i;
+    Segment& g = P.seg[i];
+    g.bits = static_cast<int>(seg_ints[3 * i]);
+    g.C = static_cast<int>(seg_ints[3 * i + 1]);
+    g.G = static_cast<int>(seg_ints[3 * i + 2]);
+    g.N = t[0].size(1), g.M = t[1].size(1);
+    g.k_codes = t[0].data_ptr<uint8_t>(), g.v_codes = t[3].data_ptr<uint8_t>();
+    g.k_scale = t[1].data_ptr(), g.k_zero = t[2].data_ptr(), g.v_scale = t[4].data_ptr(), g.v_zero = t[5].data_ptr();
+    g.s_dtype = dtype_of(t[1]);
+    g.tok_off = t[6].data_ptr<int32_t>(), g.chunk_off = t[7].data_ptr<int32_t>();
+    check_offsets(t[6], P.B, g.N, "tok_off", i);
+    check_offsets(t[7], P.B, g.M, "chunk_off", i);
+    for (int b = 0; b < P.B; ++b) {
+      const int64_t n = g.tok_off[b + 1] - g.tok_off[b], need = (n + g.C - 1) / g.C;
+      TORCH_CHECK_VALUE(g.chunk_off[b + 1] - g.chunk_off[b] >= need, "segments[", i, "]: sequence ", b, " owns ", n,
+                        " tokens (", need, " chunks of ", g.C, ") but only ", g.chunk_off[b + 1] - g.chunk_off[b],
+                        " chunks in chunk_off");
+    }
+  }
+
+  // work items: every (sequence, kv head, source) cut into ranges of at most tokens_per_item tokens
+  std::vector<WorkItem> items;
+  std::vector<int64_t> first_item;
+  for (int b = 0; b < P.B; ++b)
+    for (int h = 0; h < P.H_kv; ++h) {
+      first_item.push_back(static_cast<int64_t>(items.size()));
+      for (int src = 0; src <= P.n_seg; ++src) {
+        const int64_t lo = src == 0 ? P.f_start[b] : P.seg[src - 1].tok_off[b];
+        const int64_t hi = src == 0 ? P.R : P.seg[src - 1].tok_off[b + 1];
+        for (int64_t a = lo; a < hi; a += tokens_per_item)
+          items.push_back({b, h, src, a, std::min(hi, a + tokens_per_item)});
+      }
+    }
+  first_item.push_back(static_cast<int64_t>(items.size()));
+
+  // workers: enough threads that each gets >= kMinTokensPerWorker tokens (small problems run inline, no parallel
+  // region), at most one per item
+  int64_t tokens = 0;
+  for (const WorkItem& w : items) tokens += w.hi - w.lo;
+  const int64_t workers = std::max<int64_t>(
+      1, std::min<int64_t>({at::get_num_threads(), static_cast<int64_t>(items.size()), tokens / kMinTokensPerWorker}));
+  at::Tensor out = at::empty({P.B, P.H_kv * P.n_rep, P.L_q, P.D}, query.options());
+  K.run_all(P, items, first_item, workers, out.data_ptr(), q_dtype);
+  return out;
+}
+
+std::string kernel_target() { return kernel().target; }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("split_attention", &split_attention, "fused split-precision decode attention (see cpu_ops/attention.py)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("kernel_target", &kernel_target, "instruction set the kernel runs with on this CPU");
+}
