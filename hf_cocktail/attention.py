@@ -22,9 +22,10 @@ def _refuse_unsupported(module: torch.nn.Module, layer: CocktailLayer, kwargs: d
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     if window is not None:
         raise ValueError(
-            f"CocktailCache with attn_implementation='cocktail' does not support sliding-window attention layers "
-            f"(layer {getattr(module, 'layer_idx', '?')} has sliding_window={window}); load the model "
-            "with attn_implementation='sdpa' (correct, dequantizing) or use a full-attention model"
+            f"layer {getattr(module, 'layer_idx', '?')} uses sliding-window attention (window {window}) but its cache "
+            "layer is a Cocktail layer: the cache did not know the model's layer types. Pass "
+            "model_config=model.config to CocktailCache (or call prepare_inputs before generate), so that sliding "
+            "layers are the model's own"
         )
     for name in ("softcap", "s_aux"):
         if kwargs.get(name) is not None:

@@ -10,14 +10,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache
 
-from . import planning, reports
+from . import layout, planning, reports
 from .config import CocktailConfig
+from .inputs import prepare_plans
 from .layer import CocktailLayer, LayerState
 from .planning import PlanView, SequencePlan
 from .prefill_watch import PrefillWatch
@@ -43,9 +43,15 @@ class CocktailCache(Cache):
     Args:
         config: the :class:`CocktailConfig` (default: paper settings).
         encoder: optional object with ``encode(list[str]) -> Tensor (n, E)`` used instead of ``config.encoder``.
+        model_config: the model's config, for models with several layer kinds (sliding-window, hybrid): only
+            full-attention layers become Cocktail layers, the others are the model's default cache layers (see
+            :mod:`hf_cocktail.layout`). Optional: the cache also reads it from the model at the first prefill after
+            ``prepare_inputs``.
     """
 
-    def __init__(self, config: CocktailConfig | None = None, encoder: TextEncoder | None = None):
+    def __init__(
+        self, config: CocktailConfig | None = None, encoder: TextEncoder | None = None, model_config: Any = None
+    ):
         super().__init__(layers=[])
         self.config = config if config is not None else CocktailConfig()
         if not isinstance(self.config, CocktailConfig):
@@ -63,6 +69,7 @@ class CocktailCache(Cache):
         # precision, until the prepared prompt is complete
         self._partial: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._watch = PrefillWatch()  # what the prefill really embeds (armed from prepare_inputs to the prefill)
+        self._model_config = model_config  # else the config the watch sees at the first prefill (layout.py)
 
     # ----------------------------------------------------------------- inputs
     def prepare_inputs(self, tokenizer, prompts, contexts=None, queries=None, device=None, **tokenizer_kwargs):
@@ -79,42 +86,13 @@ class CocktailCache(Cache):
         Returns:
             the tokenizer's ``BatchEncoding`` (``input_ids``, ``attention_mask``) to pass to ``generate``.
         """
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        if not prompts or not all(isinstance(p, str) for p in prompts):
-            raise TypeError(
-                f"prompts must be a non-empty str or list of str, got "
-                f"{[type(p).__name__ for p in prompts] or 'an empty list'}"
-            )
-        B = len(prompts)
-        contexts = _per_sequence("contexts", contexts, B)
-        queries = _per_sequence("queries", queries, B)
-        if self.config.uniform_bits is None:
-            for b, (c, q) in enumerate(zip(contexts, queries)):
-                if c and q is None:
-                    raise ValueError(f"queries[{b}] is None but the search needs a query (or set uniform_bits)")
-        enc = _tokenize(tokenizer, prompts, tokenizer_kwargs)
-        offsets = enc.pop("offset_mapping")
-        plans = [self._plan_row(tokenizer, enc, offsets, b, prompts[b], contexts[b], queries[b]) for b in range(B)]
+        enc, plans = prepare_plans(tokenizer, prompts, contexts, queries, self.config, tokenizer_kwargs)
         self.reset()
         self._plans = plans
         self._input_ids = enc["input_ids"].clone()
         self.prompt_len = enc["input_ids"].shape[1]
         self._watch.arm()
         return enc.to(device) if device is not None else enc
-
-    def _plan_row(
-        self, tokenizer, enc, offsets, b: int, prompt: str, context: str | None, query: str | None
-    ) -> SequencePlan:
-        cfg = self.config
-        ids, mask = enc["input_ids"][b], enc["attention_mask"][b]
-        L = ids.shape[0]
-        pad = int(L - mask.sum())
-        cs, ce = planning.context_span(prompt, context, offsets[b], mask, pad, cfg.sink_tokens, cfg.recent_tokens, b)
-        texts = planning.chunk_texts(prompt, offsets[b], cs, ce, cfg.chunk_size)
-        plan = SequencePlan(pad, cs, ce, texts, query, origin=b)
-        if cfg.scorer == "attention" and cfg.uniform_bits is None and ce > cs:
-            plan.query_span = planning.query_span(prompt, query or "", offsets[b], mask, pad, ce, f"queries[{b}]")
-        return plan
 
     @property
     def plans(self) -> tuple[PlanView, ...]:
@@ -244,17 +222,20 @@ class CocktailCache(Cache):
         dequantizing path."""
         self.layers: list = []
         self._partial = {}
-        pairs = (
-            [(layer.keys, layer.values) for layer in past_key_values.layers]
-            if hasattr(past_key_values, "layers")
-            else list(past_key_values)
-        )
+        source = list(past_key_values.layers) if hasattr(past_key_values, "layers") else list(past_key_values)
+        pairs = [(layer.keys, layer.values) if hasattr(layer, "keys") else tuple(layer[:2]) for layer in source]
         for k, v in pairs:
-            _check_head_dims(k, v, None)
+            if k is not None:
+                _check_head_dims(k, v, None)
         self._check_layer_count(len(pairs))
-        for i, (k, v) in enumerate(pairs):
-            self._layer(i).update(k.detach(), v.detach())  # aliases: the caller's tensors are not tagged
-            self.layers[i].after_load_prefill(split_attention)
+        for i, (src, (k, v)) in enumerate(zip(source, pairs)):
+            if hasattr(src, "keys") and not layout.is_full_attention(src):  # sliding / hybrid / shared: as it is
+                self.layers.append(copy.deepcopy(src))
+                continue
+            layer = CocktailLayer(self, i)
+            self.layers.append(layer)
+            layer.update(k.detach(), v.detach())  # aliases: the caller's tensors are not tagged
+            layer.after_load_prefill(split_attention)
 
     def requery(self, tokenizer, prompt: str, query: str, device=None):
         """Answer a new question about the same document without a new prefill (needs ``keep_context_copy``).
@@ -271,7 +252,7 @@ class CocktailCache(Cache):
         plan = self._plans[0]
         enc = tokenizer(prompt, return_tensors="pt")
         ids = enc["input_ids"]
-        end = self.layers[0].context_copy[0].shape[2]
+        end = self._cocktail_layers()[0].context_copy[0].shape[2]
         old = self._input_ids[0, plan.pad : end]
         if ids.shape[1] <= old.shape[0] or not torch.equal(ids[0, : old.shape[0]], old):
             raise ValueError(
@@ -284,7 +265,7 @@ class CocktailCache(Cache):
         self.run_search()
         self._input_ids = ids.clone()
         self.prompt_len = ids.shape[1]
-        for layer in self.layers:
+        for layer in self._cocktail_layers():
             layer.prepare_requery(end)
         self._watch.arm()
         return enc.to(device) if device is not None else enc
@@ -292,6 +273,12 @@ class CocktailCache(Cache):
     def _check_requery(self, query: str) -> None:
         if not self.config.keep_context_copy:
             raise RuntimeError("requery() needs CocktailConfig(keep_context_copy=True) when the document is prefilled")
+        if any(not isinstance(layer, CocktailLayer) for layer in self.layers):
+            raise ValueError(
+                "requery() needs every attention layer to be a Cocktail layer; this model also has sliding-window, "
+                "linear-attention or shared layers, whose state cannot be rewound to the end of the document (use a "
+                "new prepare_inputs instead)"
+            )
         if not self.layers or any(layer.context_copy is None for layer in self.layers):
             raise RuntimeError("requery() needs a finished generate on the document first")
         if self._plans is None or len(self._plans) != 1:
@@ -307,20 +294,39 @@ class CocktailCache(Cache):
     # ----------------------------------------------------------------- Cache API
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         _check_head_dims(key_states, value_states, self._watch.model_type)
-        if layer_idx == 0:
+        layer = self._layer(layer_idx)
+        if not isinstance(layer, CocktailLayer):  # sliding-window / hybrid layers: the model's own cache layer
+            return layer.update(key_states, value_states, *args, **kwargs)
+        if layer_idx == self._first_cocktail_idx():
             if self._watch.armed:
                 self._check_forward(key_states)
             elif self.layers and self._watch.num_layers is None:  # no model config seen: count the layers filled
                 self._check_layer_count(len(self.layers))
-        layer = self._layer(layer_idx)
         if self._is_prefill_chunk(layer, key_states):
             return self._prefill_chunk(layer, key_states, value_states)
         return layer.update(key_states, value_states, *args, **kwargs)
 
-    def _layer(self, layer_idx: int) -> CocktailLayer:
+    def _layer(self, layer_idx: int) -> Any:
+        """The cache layer of model layer ``layer_idx`` (the per-layer-type layout is built on first use when the
+        model's config is known; otherwise Cocktail layers are added as layers appear)."""
+        if not self.layers:
+            model_config = self._model_config or self._watch.model_config
+            if model_config is not None:
+                self.layers = layout.model_layers(self, model_config)
+                if self.layers and not self._cocktail_layers():
+                    logger.warning(
+                        "CocktailCache: this model has no full-attention layer (every layer is sliding-window, "
+                        "linear or shared), so nothing is quantized: the cache holds what the model's own cache holds"
+                    )
         while len(self.layers) <= layer_idx:
             self.layers.append(CocktailLayer(self, len(self.layers)))
         return self.layers[layer_idx]
+
+    def _cocktail_layers(self) -> list[CocktailLayer]:
+        return [layer for layer in self.layers if isinstance(layer, CocktailLayer)]
+
+    def _first_cocktail_idx(self) -> int:
+        return next((i for i, layer in enumerate(self.layers) if isinstance(layer, CocktailLayer)), 0)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if layer_idx in self._partial:
@@ -351,7 +357,7 @@ class CocktailCache(Cache):
                 f"CocktailCache was prepared for {n} prompt(s) but the model's prefill has batch {B}; pass the "
                 "output of prepare_inputs to generate unchanged"
             )
-        past = self.get_seq_length(0)
+        past = self.get_seq_length(self._first_cocktail_idx())
         if past >= self.prompt_len:
             watch.disarm()
             return
@@ -405,17 +411,31 @@ class CocktailCache(Cache):
             return k, v
         return layer.update(k, v)
 
-    def _refuse_linear(self, *args: Any, **kwargs: Any) -> NoReturn:
-        raise ValueError(
-            "CocktailCache stores attention keys and values only: this model has linear-attention, "
-            "convolution or state-space layers (a hybrid model), which it does not support; use the "
-            "model's own cache (e.g. DynamicCache(config=model.config))"
-        )
+    def _linear_state(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Conv / recurrent states of hybrid models live in the model's own layers (see :mod:`.layout`)."""
+        self._layer(0)
+        if not any(layout.holds_states(layer) for layer in self.layers):
+            raise ValueError(
+                "CocktailCache got a linear-attention / convolution state but has no layer for it: pass "
+                "model_config=model.config to CocktailCache (or call prepare_inputs before generate) so that the "
+                "model's own layers hold those states"
+            )
+        return getattr(super(), name)(*args, **kwargs)
 
-    update_conv_state = update_recurrent_state = get_conv_state = get_recurrent_state = _refuse_linear
+    def update_conv_state(self, *args: Any, **kwargs: Any) -> Any:
+        return self._linear_state("update_conv_state", *args, **kwargs)
 
-    def has_previous_state(self, layer_idx=None, state_idx=None) -> bool:
-        self._refuse_linear()
+    def update_recurrent_state(self, *args: Any, **kwargs: Any) -> Any:
+        return self._linear_state("update_recurrent_state", *args, **kwargs)
+
+    def get_conv_state(self, *args: Any, **kwargs: Any) -> Any:
+        return self._linear_state("get_conv_state", *args, **kwargs)
+
+    def get_recurrent_state(self, *args: Any, **kwargs: Any) -> Any:
+        return self._linear_state("get_recurrent_state", *args, **kwargs)
+
+    def has_previous_state(self, *args: Any, **kwargs: Any) -> bool:
+        return self._linear_state("has_previous_state", *args, **kwargs)
 
     def reset(self):
         """Empty the cache and forget the prepared prompts (the next ``generate`` needs a new ``prepare_inputs``)."""
@@ -445,7 +465,10 @@ class CocktailCache(Cache):
             plans[j] is plans[i] or plans[j].origin == plans[i].origin for i, j in enumerate(indices)
         )
         for layer in self.layers:
-            layer.select_sequences(indices, same_packed=same)
+            if isinstance(layer, CocktailLayer):
+                layer.select_sequences(indices, same_packed=same)
+            else:
+                layer.reorder_cache(torch.tensor(indices, dtype=torch.long))
         if self._plans is not None:
             self._plans = [self._plans[i] for i in indices]
 
@@ -502,23 +525,32 @@ class CocktailCache(Cache):
         return [p.scores for p in self._plans]
 
     def _flush_deferred(self) -> None:
-        for layer in self.layers:
+        for layer in self._cocktail_layers():
             layer.flush_deferred()
 
     def _stores(self):
         self._flush_deferred()
-        return [layer.store for layer in self.layers if layer.store is not None]
+        return [layer.store for layer in self._cocktail_layers() if layer.store is not None]
 
     def nbytes(self) -> int:
-        """Bytes really held by the cache's working tensors (codes, scales/zeros and full-precision part; the
-        optional CPU context copy of ``keep_context_copy`` is reported apart by :meth:`memory_report`)."""
-        return sum(st.nbytes() for st in self._stores())
+        """Bytes really held by the cache's working tensors (codes, scales/zeros and full-precision part, plus the
+        keys/values of the model's own sliding-window layers; the optional CPU context copy of
+        ``keep_context_copy`` is reported apart by :meth:`memory_report`)."""
+        native = sum(layout.native_nbytes(layer) for layer in self.layers if not isinstance(layer, CocktailLayer))
+        return sum(st.nbytes() for st in self._stores()) + native
 
     def memory_report(self) -> dict[str, Any]:
         """Breakdown of :meth:`nbytes` plus what the same tokens would take in a FP16 cache (see
         :func:`hf_cocktail.reports.memory_report`)."""
-        copies = [layer.context_copy for layer in self.layers if layer.context_copy is not None]
-        return reports.memory_report(self._stores(), copies, [p.bits for p in self._plans or []])
+        copies = [layer.context_copy for layer in self._cocktail_layers() if layer.context_copy is not None]
+        native = [layer for layer in self.layers if not isinstance(layer, CocktailLayer)]
+        return reports.memory_report(
+            self._stores(),
+            copies,
+            [p.bits for p in self._plans or []],
+            native_bytes=sum(layout.native_nbytes(layer) for layer in native),
+            native_fp16_bytes=sum(layout.native_nbytes(layer, fp16=True) for layer in native),
+        )
 
 
 def _check_head_dims(k: torch.Tensor, v: torch.Tensor, model_type: str | None) -> None:
@@ -531,39 +563,3 @@ def _check_head_dims(k: torch.Tensor, v: torch.Tensor, model_type: str | None) -
             f"V {v.shape[-1]} (multi-head latent attention, as in DeepSeek-V2/V3 or MiniCPM3, caches a compressed "
             "latent rather than per-head keys and values); use the model's own cache, e.g. DynamicCache()"
         )
-
-
-def _per_sequence(name: str, value: Any, B: int) -> list:
-    if value is None or isinstance(value, str):
-        return [value] * B
-    value = list(value)
-    if len(value) != B:
-        raise ValueError(f"{name} must be a str or a list of {B} (one per prompt), got a list of {len(value)}")
-    for v in value:
-        if v is not None and not isinstance(v, str):
-            raise TypeError(f"{name} must hold str or None, got {type(v).__name__}")
-    return value
-
-
-def _tokenize(tokenizer, prompts: Sequence[str], tokenizer_kwargs: dict):
-    """Left-padded fast tokenization with offsets (a pad token borrowed from EOS for a batch if none is set)."""
-    if not getattr(tokenizer, "is_fast", False):
-        raise ValueError(
-            "prepare_inputs needs a fast tokenizer (offset mapping), got a slow one: "
-            "load it with AutoTokenizer.from_pretrained(..., use_fast=True)"
-        )
-    B = len(prompts)
-    old_side, old_pad = tokenizer.padding_side, tokenizer.pad_token
-    tokenizer.padding_side = "left"
-    if B > 1 and old_pad is None:  # left padding is masked and never stored: any token id will do
-        if tokenizer.eos_token is None:
-            raise ValueError("a batch of prompts needs padding: set tokenizer.pad_token")
-        tokenizer.pad_token = tokenizer.eos_token
-    try:
-        return tokenizer(
-            list(prompts), return_tensors="pt", padding=B > 1, return_offsets_mapping=True, **tokenizer_kwargs
-        )
-    finally:
-        tokenizer.padding_side = old_side
-        if B > 1 and old_pad is None:
-            tokenizer.pad_token = old_pad

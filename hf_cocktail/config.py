@@ -17,7 +17,7 @@ from .rotation import ROTATIONS
 
 FORMAT_VERSION = 1
 DEFAULT_ENCODER = "facebook/contriever"
-_BACKENDS = ("auto", "torch", "triton")
+_BACKENDS = ("auto", "torch", "triton", "cpu")
 _UNIFORM_BITS = (None, 16, 4, 2)
 _SCALE_DTYPES = ("float16", "bfloat16", "float32", "model")
 _SCORERS = ("encoder", "bm25", "attention")
@@ -50,8 +50,9 @@ class CocktailConfig:
         group_size: values are quantized per token in groups of ``group_size`` channels (G); must divide the head dim.
         uniform_bits: ``None`` for the Cocktail search, or 16 / 4 / 2 to force every context chunk to one precision
             (the uniform baselines).
-        backend: decode attention backend: ``"auto"`` (Triton on CUDA when installed, else PyTorch), ``"torch"``,
-            ``"triton"``.
+        backend: decode attention backend: ``"auto"`` (Triton on CUDA when installed; on CPU the fused C++ kernel of
+            ``cpu_ops``, compiled on first use, or PyTorch with one warning where it cannot be built), ``"torch"``
+            (the plain PyTorch reference), ``"triton"``, ``"cpu"`` (the fused CPU kernel, an error if unavailable).
         scale_dtype: dtype of quantization scales and zeros: ``"float16"`` (default, as KIVI), ``"bfloat16"``,
             ``"float32"`` or ``"model"`` (the model's dtype). A scale that overflows it raises an error.
         encoder_batch_size: chunks embedded per encoder forward.
@@ -183,6 +184,13 @@ class CocktailConfig:
         except Exception:
             object.__setattr__(self, name, old)
             raise
+
+    @classmethod
+    def recommended(cls, **overrides: Any) -> CocktailConfig:
+        """The recommended setting: the best one measured at <= 0.25x the FP16 KV bytes on SmolLM2 (``eval/results/
+        kld``): rotated storage plus a bits budget, INT4 for the best-ranked chunks. ``CocktailConfig()`` stays the
+        paper's setting. ``overrides`` replace fields (e.g. ``encoder=``)."""
+        return cls(**{**RECOMMENDED, **overrides})
 
     def packed_bits_per_element(self, bits: int) -> float:
         """Storage bits per K/V element of a ``bits``-bit chunk, scales and zeros included (K: 2 per C tokens per
@@ -338,6 +346,7 @@ class CocktailConfig:
 
 
 _COMMIT_MESSAGE = "Upload Cocktail KV-cache config"
+RECOMMENDED: dict[str, Any] = {"rotation": "hadamard", "target_bits": 3.6}
 
 
 def _looks_like_local_path(name: str) -> bool:

@@ -18,7 +18,7 @@ from . import quant
 from .split_attention import attend_in_store_basis, split_precision_attention_torch, with_rotation
 from .store import LayerStore
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "cpu")
 TRITON_INSTALL_HINT = "pip install 'hf-cocktail[triton]' (or: pip install triton)"
 _warned: set[str] = set()
 
@@ -36,15 +36,42 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """``"auto"`` -> ``"triton"`` on CUDA tensors when triton is installed, else ``"torch"``.
+def cpu_kernel_available() -> bool:
+    """True when the fused CPU kernel (``cpu_ops``, compiled on first use) can run here; else one warning saying
+    why (the PyTorch path is used instead)."""
+    import cpu_ops
 
-    ``"triton"`` is honoured on CUDA, or on CPU under ``TRITON_INTERPRET=1``; otherwise it raises.
+    if cpu_ops.available():
+        return True
+    _warn_once(
+        "cpu-ops",
+        f"the fused CPU attention kernel is unavailable ({cpu_ops.unavailable_reason()}): using "
+        "the slower PyTorch path",
+    )
+    return False
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``"auto"`` -> ``"triton"`` on CUDA tensors when triton is installed; on CPU ``"cpu"`` (the fused kernel)
+    when it can be built, else ``"torch"`` (one warning).
+
+    ``"triton"`` is honoured on CUDA, or on CPU under ``TRITON_INTERPRET=1``; ``"cpu"`` needs CPU tensors and the
+    built kernel; otherwise they raise. ``"torch"`` is the plain PyTorch reference everywhere.
     """
     if backend == "torch":
         return "torch"
     if backend == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
+        if device.type == "cuda":
+            return "triton" if triton_available() else "torch"
+        return "cpu" if device.type == "cpu" and cpu_kernel_available() else "torch"
+    if backend == "cpu":
+        import cpu_ops
+
+        if device.type != "cpu":
+            raise RuntimeError(f"backend='cpu' needs CPU tensors, got device {device}; use backend='auto'")
+        if not cpu_ops.available():
+            raise ImportError(f"backend='cpu': the fused CPU kernel cannot be built: {cpu_ops.unavailable_reason()}")
+        return "cpu"
     if backend == "triton":
         require_triton()
         if device.type != "cuda" and not triton_interpreting():
@@ -95,8 +122,21 @@ def _triton_attention(query: torch.Tensor, store: LayerStore, scaling: float, ou
     ).to(out_dtype)
 
 
+def _cpu_attention(query: torch.Tensor, store: LayerStore, scaling: float, out_dtype: torch.dtype) -> torch.Tensor:
+    import cpu_ops
+
+    full = store.full
+    segments = [s.kernel_args() for s in store.segments]
+    return cpu_ops.split_precision_attention(query, full.keys, full.values, full.start_tensor(), segments, scaling).to(
+        out_dtype
+    )
+
+
 def split_precision_attention(query: torch.Tensor, store: LayerStore, scaling: float, backend: str) -> torch.Tensor:
     """Decode attention of ``query (B, H_q, L_q, D)`` over ``store`` with the chosen backend; ``(B, H_q, L_q, D)``."""
-    if resolve_backend(backend, query.device) == "triton":
+    chosen = resolve_backend(backend, query.device)
+    if chosen == "triton":
         return with_rotation(_triton_attention, query, store, scaling)
+    if chosen == "cpu":
+        return with_rotation(_cpu_attention, query, store, scaling)
     return split_precision_attention_torch(query, store, scaling)

@@ -59,6 +59,7 @@ class PrefillWatch:
         self.ids: collections.deque[torch.Tensor] = collections.deque(maxlen=_KEEP_IDS)
         self.model_type: str | None = None
         self.num_layers: int | None = None
+        self.model_config: Any = None  # the transformers config of the model seen (for the per-layer-type layout)
 
     @property
     def armed(self) -> bool:
@@ -78,6 +79,8 @@ class PrefillWatch:
         _remove_hook()
 
     def note_config(self, config: Any) -> None:
+        if self.model_config is None:
+            self.model_config = config  # the outermost module's (seen first): the one DynamicCache(config=) takes
         try:
             text = config.get_text_config(decoder=True)
         except Exception:  # any config object: keep what can be read
@@ -102,7 +105,7 @@ class PrefillWatch:
 
     def __deepcopy__(self, memo: dict) -> PrefillWatch:
         new = PrefillWatch()
-        new.model_type, new.num_layers = self.model_type, self.num_layers
+        new.model_type, new.num_layers, new.model_config = self.model_type, self.num_layers, self.model_config
         if self.armed:
             new.arm()
         new.ids.extend(self.ids)  # never modified in place: shared

@@ -14,9 +14,13 @@ def memory_report(
     stores: Sequence[LayerStore],
     context_copies: Iterable[tuple[torch.Tensor, ...]],
     plan_bits: Iterable[Sequence[int] | None],
+    native_bytes: int = 0,
+    native_fp16_bytes: int = 0,
 ) -> dict[str, Any]:
-    """Breakdown of the stores' bytes plus what the same tokens would take in a FP16 cache. ``ratio_to_fp16``
-    counts the full-precision part at 2 bytes per element (an FP16 deployment) even for fp32 models."""
+    """Breakdown of the stores' bytes plus what the model's default cache would hold in FP16 for the same tokens.
+    ``ratio_to_fp16`` counts full-precision tensors at 2 bytes per element (an FP16 deployment) even for fp32
+    models. ``native_bytes`` / ``native_fp16_bytes``: the keys/values of the model's own (sliding-window) layers,
+    held as they are: in ``total_bytes`` and, at 2 bytes per element, on both sides of the ratio."""
     rep: dict[str, Any] = {"codes_bytes": 0, "scales_zeros_bytes": 0, "full_precision_bytes": 0, "layers": len(stores)}
     fp16_equiv = full_elements = 0
     for st in stores:
@@ -27,11 +31,13 @@ def memory_report(
         rep["scales_zeros_bytes"] += sum(s.nbytes_params() for s in st.segments)
         tokens = st.full.valid_tokens() + sum(s.num_tokens for s in st.segments)
         fp16_equiv += tokens * H * D * 2 * 2
-    rep["total_bytes"] = rep["codes_bytes"] + rep["scales_zeros_bytes"] + rep["full_precision_bytes"]
+    rep["native_layers_bytes"] = native_bytes
+    rep["total_bytes"] = rep["codes_bytes"] + rep["scales_zeros_bytes"] + rep["full_precision_bytes"] + native_bytes
     # keep_context_copy: the CPU copy for requery() is reported apart (it is not part of the working cache)
     rep["context_copy_bytes"] = sum(sum(t.numel() * t.element_size() for t in copy) for copy in context_copies)
+    fp16_equiv += native_fp16_bytes
     rep["fp16_equivalent_bytes"] = fp16_equiv
-    fp16_total = rep["codes_bytes"] + rep["scales_zeros_bytes"] + 2 * full_elements
+    fp16_total = rep["codes_bytes"] + rep["scales_zeros_bytes"] + 2 * full_elements + native_fp16_bytes
     rep["ratio_to_fp16"] = fp16_total / fp16_equiv if fp16_equiv else float("nan")
     counts = {16: 0, 4: 0, 2: 0}
     for bits in plan_bits:

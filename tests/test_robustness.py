@@ -134,21 +134,23 @@ def test_chunk_size_not_dividing_context_keeps_every_token(tiny_llama, tiny_toke
     assert seg4.num_tokens == 45 and seg4.k_scale.shape[1] == 6
 
 
-def test_sliding_window_models_are_refused_under_cocktail_attention(tiny_tokenizer):
-    from transformers import MistralConfig, MistralForCausalLM
+def test_sliding_window_models_get_the_models_own_sliding_layers(tiny_tokenizer):
+    """Formerly refused under "cocktail": the sliding layers are now the model's own (window only), under both
+    attention implementations, with the same tokens as the model's default cache (more in test_architectures)."""
+    from transformers import DynamicCache, MistralConfig, MistralForCausalLM
 
     conf = MistralConfig(vocab_size=200, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=16,
                          pad_token_id=0, attn_implementation="cocktail")
     model = MistralForCausalLM(conf).eval()
     prompt, ctx, q = make_prompt(40)
-    with pytest.raises(ValueError, match="does not support sliding-window attention"):
-        run(model, tiny_tokenizer, prompt, ctx, q, cfg(uniform_bits=16))
-    # under sdpa the dequantizing fallback honours the sliding-window mask: same tokens as DynamicCache
-    model.config._attn_implementation = "sdpa"
-    out, _, _ = run(model, tiny_tokenizer, prompt, ctx, q, cfg(uniform_bits=16))
-    ref = model.generate(**tiny_tokenizer(prompt, return_tensors="pt"), **GEN)
-    assert torch.equal(out.sequences, ref.sequences)
+    ref = model.generate(**tiny_tokenizer(prompt, return_tensors="pt"),
+                         **cache_kwargs(model, DynamicCache(config=model.config)), **GEN)
+    for attn in ("cocktail", "sdpa"):
+        model.config._attn_implementation = attn
+        out, cache, _ = run(model, tiny_tokenizer, prompt, ctx, q, cfg(uniform_bits=16))
+        assert torch.equal(out.sequences, ref.sequences)
+        assert type(cache.layers[0]).__name__ == "DynamicSlidingWindowLayer" and cache.layers[0].keys.shape[2] <= 16
 
 
 # ----------------------------------------------------------------------------- beyond-the-paper options
@@ -344,7 +346,9 @@ def test_attention_scorer_refusals(tiny_llama, tiny_tokenizer):
                             **cache_kwargs(tiny_llama, cache), max_new_tokens=2, prefill_chunk_size=16)
 
 
-def test_hybrid_models_are_refused_clearly(tiny_tokenizer):
+def test_hybrid_models_keep_their_states_in_the_models_own_layers(tiny_tokenizer):
+    """Formerly refused: a hybrid model's conv layers are the model's own cache layers; a state update on a cache
+    that cannot know the model's layers is refused naming model_config."""
     from transformers import Lfm2Config, Lfm2ForCausalLM
 
     conf = Lfm2Config(vocab_size=200, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
@@ -352,8 +356,10 @@ def test_hybrid_models_are_refused_clearly(tiny_tokenizer):
                       pad_token_id=0, attn_implementation="cocktail")
     model = Lfm2ForCausalLM(conf).eval()
     prompt, ctx, q = make_prompt(40)
-    with pytest.raises(ValueError, match="hybrid model"):
-        run(model, tiny_tokenizer, prompt, ctx, q, cfg(uniform_bits=2))
+    _, cache, _ = run(model, tiny_tokenizer, prompt, ctx, q, cfg(uniform_bits=2))
+    assert [type(layer).__name__ for layer in cache.layers] == ["LinearAttentionLayer", "CocktailLayer"]
+    with pytest.raises(ValueError, match="model_config=model.config"):
+        CocktailCache(cfg(uniform_bits=2)).update_conv_state(torch.zeros(1, 64, 3), 0)
 
 
 def test_batch_select_indices_keeps_the_selected_rows(tiny_llama, tiny_tokenizer):
