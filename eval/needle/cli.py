@@ -14,6 +14,11 @@ Two uses (see eval/README.md)::
     python -m eval.needle --out-dir eval/results/needle_3000 --lengths 3000 \
         --depths 0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1 --samples 2 --methods fp16,cocktail,int4,int2
 
+RULER-style needles (``--variant single,multikey,multivalue,multiquery``, see ``eval/needle/ruler.py``)::
+
+    python -m eval.needle --out-dir eval/results/ruler --variant single,multikey,multivalue,multiquery \
+        --lengths 2000,4000 --samples 4 --methods fp16,cocktail,int4,int2
+
 Resumable: finished (case, method) results in ``records.jsonl`` are never recomputed.
 """
 
@@ -26,22 +31,26 @@ import time
 
 from tqdm.auto import tqdm
 
-from hf_cocktail import offline_encoder_path
+from hf_cocktail import CocktailCache, offline_encoder_path
 
 from ..cli import UsageError, parse_float_list, parse_int_list
 from ..essays import load_essays
 from ..methods.kinds import Request
 from ..methods.registry import parse_methods
-from ..models import DTYPES, load_model_and_tokenizer, set_threads
+from ..models import DTYPES, load_model_and_tokenizer, resolve_model_path, set_threads
 from ..paths import ESSAY_DIR
 from ..records import append_jsonl, check_settings, iter_jsonl, lock_out_dir
 from ..run_info import command_line, git_commit, now, update_run_info
 from ..runner import CaseRunner, Outcome
+from . import ruler
 from .cases import NEEDLE, QUESTION, build_prompt, case_key, make_case, needle_chunk_bits
 from .report import write_reports
+from .ruler_report import write_reports as write_ruler_reports
 
 MODULE = "eval.needle"
-SETTINGS_KEYS = ("model", "dtype", "max_new_tokens", "encoder", "seed", "raw_prompt")  # must match to resume
+SETTINGS_KEYS = ("model", "dtype", "max_new_tokens", "encoder", "seed", "raw_prompt", "task")  # must match to resume
+CLASSIC_DEPTHS = "0,0.25,0.5,0.75,1"
+RULER_TASK = "ruler-niah"  # settings "task" of a RULER-style folder (None: the classic passcode needle)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -53,11 +62,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--device-map", default=None)
     p.add_argument("--essay-dir", default=ESSAY_DIR)
-    p.add_argument("--lengths", default="1000,2000,4000", help="haystack lengths in tokens, comma-separated")
-    p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths in [0, 1], comma-separated")
-    p.add_argument("--samples", type=int, default=1, help="cases per (length, depth): other haystack / passcode")
+    p.add_argument("--variant", default=None,
+                   help="RULER-style needles instead of the passcode needle: comma-separated from "
+                        f"{', '.join(ruler.VARIANTS)} (RULER's " +
+                        ", ".join(v.ruler_task for v in ruler.VARIANTS.values()) + ")")
+    p.add_argument("--lengths", default="1000,2000,4000",
+                   help="haystack lengths in tokens, comma-separated; with --variant RULER's max_seq_length "
+                        f"(prompt + {ruler.TOKENS_TO_GENERATE} tokens to generate)")
+    p.add_argument("--depths", default=None,
+                   help=f"needle depths in [0, 1], comma-separated (default {CLASSIC_DEPTHS}); not with --variant "
+                        "(each needle's depth is drawn from RULER's 40 depths)")
+    p.add_argument("--samples", type=int, default=1,
+                   help="cases per (length, depth), or per (variant, length): other haystack / needles")
     p.add_argument("--methods", default="fp16,cocktail,int4,int2")
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"default 16, with --variant {ruler.TOKENS_TO_GENERATE} (RULER's)")
     p.add_argument("--encoder", default=None)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -70,7 +89,20 @@ def _parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     args = _parser().parse_args(argv)
     args.length_list = parse_int_list(args.lengths, "--lengths")
-    args.depth_list = parse_float_list(args.depths, "--depths")
+    args.variant_list = ruler.parse_variants(args.variant) if args.variant is not None else []
+    args.task = RULER_TASK if args.variant_list else None
+    if args.variant_list:
+        if args.depths is not None:
+            raise UsageError("--depths is for the passcode needle; with --variant each needle's depth is drawn from "
+                             "RULER's 40 depths (seeded by --seed)")
+        if args.raw_prompt:
+            raise UsageError("--raw-prompt is for the passcode needle, not with --variant")
+        ruler.check_lengths(args.length_list)
+    else:
+        args.depths = CLASSIC_DEPTHS if args.depths is None else args.depths
+    if args.max_new_tokens is None:
+        args.max_new_tokens = ruler.TOKENS_TO_GENERATE if args.variant_list else 16
+    args.depth_list = parse_float_list(args.depths, "--depths") if args.depths is not None else []
     if any(x < 64 for x in args.length_list):
         raise UsageError(f"--lengths must be >= 64 tokens, got {args.length_list}")
     if any(not 0 <= d <= 1 for d in args.depth_list):
@@ -124,9 +156,55 @@ def run_cases(args, todo: list, essays: list[str], encoder: str, rec_path: str, 
             done[(rec["case"], rec["method"])] = rec
 
 
+def ruler_record(case: dict, out: Outcome, tok) -> dict:
+    """The record of one method on one RULER-style case; ``score`` is RULER's string_match_all."""
+    prompt, kw, cache = case["prompt"], case["tokenizer_kwargs"], out.branch.cache
+    asked = {ruler.NEEDLE.format(key=k, value=v) for k, vs in zip(case["keys"], case["values"])
+             if k in case["queries"] for v in vs}
+    needles = [{**n, "asked": n["text"] in asked,
+                "chunk_bits": ruler.span_chunk_bits(tok, prompt, kw, n["text"], cache)} for n in case["needles"]]
+    return {"case": ruler.case_key(case["variant"], case["length"], case["sample"]), "variant": case["variant"],
+            "ruler_task": case["ruler_task"], "length": case["length"], "sample": case["sample"],
+            "method": out.method.name, "queries": case["queries"], "expected": case["expected"], "pred": out.text,
+            "score": ruler.string_match_all(out.text, case["expected"]), "needles": needles,
+            "asked_needle_bits": ([n["chunk_bits"] for n in needles if n["asked"]]
+                                  if isinstance(cache, CocktailCache) else None),
+            "prompt_tokens": out.prompt_tokens, "new_tokens": out.num_new, "kv_bytes": out.kv_bytes,
+            "fp16_kv_bytes": out.fp16_kv_bytes, "kv_ratio": out.kv_ratio, "prefill_s": out.prefill_s,
+            "decode_s": out.decode_s, "precision_counts": out.branch.precision_counts}
+
+
+def run_ruler_cases(args, todo: list, essays: list[str], encoder: str, rec_path: str, done: dict) -> None:
+    model, tok = load_model_and_tokenizer(args.model, args.dtype, "cocktail", args.device_map)
+    runner = CaseRunner(model, tok, encoder)
+    for (v, L, s), methods in tqdm(todo, desc="ruler", disable=args.no_progress, dynamic_ncols=True):
+        case = ruler.make_case(tok, essays, v, L, s, args.seed)
+        request = Request(case["prompt"], case["context"], case["question"], ruler.case_key(v, L, s),
+                          case["tokenizer_kwargs"])
+        for out in runner.run(request, methods, args.max_new_tokens):
+            rec = ruler_record(case, out, tok)
+            append_jsonl(rec_path, rec)
+            done[(rec["case"], rec["method"])] = rec
+
+
+def model_max_positions(name: str) -> int | None:
+    """The model's window (``max_position_embeddings``), read from its config; None when it cannot be read."""
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(resolve_model_path(name))
+    except (OSError, ValueError):
+        return None
+    return getattr(cfg.get_text_config(decoder=True), "max_position_embeddings", None)
+
+
 def run_config(args, methods, encoder: str) -> dict:
-    return {"methods": {m.name: m.config_dict(encoder) for m in methods}, "args": dict(vars(args)),
-            "needle": NEEDLE, "question": QUESTION}
+    cfg = {"methods": {m.name: m.config_dict(encoder) for m in methods}, "args": dict(vars(args))}
+    if args.variant_list:
+        return {**cfg, "needle": ruler.NEEDLE, "template": ruler.TEMPLATE, "answer_prefix": ruler.ANSWER_PREFIX,
+                "tokens_to_generate_in_length": ruler.TOKENS_TO_GENERATE,
+                "variants": {v: vars(ruler.VARIANTS[v]) for v in args.variant_list}}
+    return {**cfg, "needle": NEEDLE, "question": QUESTION}
 
 
 def main(argv=None) -> int:
@@ -138,21 +216,33 @@ def main(argv=None) -> int:
     essays = load_essays(args.essay_dir)
     set_threads(1, args.threads)
     encoder = args.encoder or offline_encoder_path()
+    if args.variant_list:
+        ruler.check_lengths(args.length_list, model_max_positions(args.model))
     check_resume_settings(args)
     lock = lock_out_dir(args.out_dir)  # noqa: F841 (held until the process exits)
     update_run_info(args.out_dir, started_at, {"command": command_line(MODULE), "commit": commit,
                                                "status": "running"})
     rec_path = os.path.join(args.out_dir, "records.jsonl")
     done = read_done(rec_path)
-    cases = [(L, d, s) for L in args.length_list for d in args.depth_list for s in range(args.samples)]
-    todo = [(c, [m for m in methods if (case_key(*c), m.name) not in done]) for c in cases]
+    if args.variant_list:
+        # length by length, sample by sample: a run stopped early has whole lengths and every variant
+        cases = [(v, L, s) for L in args.length_list for s in range(args.samples) for v in args.variant_list]
+        key = ruler.case_key
+    else:
+        cases = [(L, d, s) for L in args.length_list for d in args.depth_list for s in range(args.samples)]
+        key = case_key
+    todo = [(c, [m for m in methods if (key(*c), m.name) not in done]) for c in cases]
     todo = [(c, ms) for c, ms in todo if ms]
     if todo:
-        run_cases(args, todo, essays, encoder, rec_path, done)
-    keys = [case_key(*c) for c in cases]
+        (run_ruler_cases if args.variant_list else run_cases)(args, todo, essays, encoder, rec_path, done)
+    keys = [key(*c) for c in cases]
     rows = [done[(k, m.name)] for k in keys for m in methods if (k, m.name) in done]
-    print(write_reports(args.out_dir, rows, [m.name for m in methods], args.length_list, args.depth_list,
-                        args.samples))
+    if args.variant_list:
+        print(write_ruler_reports(args.out_dir, rows, [m.name for m in methods], args.variant_list,
+                                  args.length_list, args.samples))
+    else:
+        print(write_reports(args.out_dir, rows, [m.name for m in methods], args.length_list, args.depth_list,
+                            args.samples))
     update_run_info(args.out_dir, started_at, {"runtime_s": round(time.time() - t_start, 1),
                                                "cases_processed": len(todo), "finished_at": now(),
                                                "status": "finished"}, run_config(args, methods, encoder))

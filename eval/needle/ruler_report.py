@@ -1,0 +1,121 @@
+"""Reports of a RULER-style run (``python -m eval.needle --variant ...``): ``ruler_summary.csv`` (accuracy per variant,
+length and method, with ``average`` rows), ``ruler_summary.md`` (the same as tables, how often Cocktail kinds kept the
+asked needles at FP16) and ``ruler_accuracy.png`` (accuracy per variant per method, one panel per length)."""
+
+from __future__ import annotations
+
+import csv
+import os
+
+CSV_COLUMNS = ["variant", "ruler_task", "length", "method", "accuracy", "n", "kv_ratio", "asked_needles_fp16"]
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def _fp16_share(rs: list[dict]) -> str:
+    """``a/b``: asked needles whose every chunk got FP16 / asked needles located in a chunk (Cocktail kinds)."""
+    bits = [b for r in rs for b in r.get("asked_needle_bits") or [] if b]
+    return f"{sum(all(x == 16 for x in b) for b in bits)}/{len(bits)}" if bits else "-"
+
+
+def summarize(rows: list[dict], methods: list[str], variants: list[str], lengths: list[int]) -> list[dict]:
+    """One row per (variant, length, method) with records, then ``variant=average`` rows per (length, method) and
+    ``length=all`` rows per (variant, method); accuracy in percent (RULER's string_match_all mean x 100)."""
+    out = []
+
+    def add(variant, task, length, method, rs):
+        if rs:
+            out.append({"variant": variant, "ruler_task": task, "length": length, "method": method,
+                        "accuracy": round(100 * _mean([r["score"] for r in rs]), 2), "n": len(rs),
+                        "kv_ratio": round(_mean([r["kv_ratio"] for r in rs]), 4),
+                        "asked_needles_fp16": _fp16_share(rs)})
+
+    for v in variants:
+        task = next((r["ruler_task"] for r in rows if r["variant"] == v), "")
+        for L in lengths:
+            for m in methods:
+                add(v, task, L, m, [r for r in rows if r["variant"] == v and r["length"] == L and r["method"] == m])
+        for m in methods:
+            add(v, task, "all", m, [r for r in rows if r["variant"] == v and r["method"] == m])
+    for L in [*lengths, "all"]:
+        for m in methods:
+            add("average", "", L, m, [r for r in rows if r["method"] == m and (L == "all" or r["length"] == L)])
+    return out
+
+
+def write_csv(path: str, summary: list[dict]) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        w.writeheader()
+        w.writerows(summary)
+
+
+def markdown(summary: list[dict], methods: list[str], variants: list[str], lengths: list[int],
+             samples: int) -> str:
+    """Accuracy table per method (rows) x variant and length (columns), then kv_ratio and the FP16 share."""
+    cell = {(s["variant"], s["length"], s["method"]): s for s in summary}
+    cols = [(v, L) for v in [*variants, "average"] for L in [*lengths, "all"]]
+    cols = [c for c in cols if any((c[0], c[1], m) in cell for m in methods)]
+    head = "| method | " + " | ".join(f"{v} {L}" for v, L in cols) + " | kv_ratio | asked needles at FP16 |"
+    lines = [head, "|---" * (len(cols) + 3) + "|"]
+    for m in methods:
+        if not any((c[0], c[1], m) in cell for c in cols):
+            continue
+        vals = [f"{cell[(v, L, m)]['accuracy']:.1f}" if (v, L, m) in cell else "-" for v, L in cols]
+        tot = cell.get(("average", "all", m))
+        kvr = f"{tot['kv_ratio']:.3f}" if tot else "-"
+        fp = tot["asked_needles_fp16"] if tot else "-"
+        lines.append(f"| {m} | " + " | ".join(vals) + f" | {kvr} | {fp} |")
+    note = (f"RULER-style needles (Paul Graham essays), accuracy = RULER's string_match_all x 100 (share of the "
+            f"expected values found in the output), {samples} sample(s) per variant and length; column "
+            "'<variant> <length>' (length = prompt + 128 tokens to generate, RULER's max_seq_length; 'all': every "
+            "length); 'average': mean over the cases of every variant. kv_ratio = KV bytes / FP16 DynamicCache bytes "
+            "of the same tokens. 'asked needles at FP16': asked needles whose chunks all got FP16 / asked needles "
+            "(Cocktail kinds).")
+    return note + "\n\n" + "\n".join(lines) + "\n"
+
+
+def plot(path: str, summary: list[dict], methods: list[str], variants: list[str], lengths: list[int]) -> None:
+    """Grouped bars: accuracy per variant (groups) per method (bars), one panel per length and one for all."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cell = {(s["variant"], s["length"], s["method"]): s for s in summary}
+    panels = [L for L in [*lengths, "all"] if any(("average", L, m) in cell for m in methods)]
+    groups = [*variants, "average"]
+    ms = [m for m in methods if any(("average", "all", m) == k for k in cell)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(1.2 + 0.45 * len(groups) * max(1, len(ms)) * len(panels) / 2.2,
+                                                      3.6), squeeze=False, sharey=True)
+    width = 0.8 / max(1, len(ms))
+    for ax, L in zip(axes[0], panels):
+        for j, m in enumerate(ms):
+            ys = [cell[(g, L, m)]["accuracy"] if (g, L, m) in cell else 0.0 for g in groups]
+            xs = [i - 0.4 + width * (j + 0.5) for i in range(len(groups))]
+            kvr = cell[("average", "all", m)]["kv_ratio"]
+            ax.bar(xs, ys, width, label=f"{m} ({kvr:.2f}x)" if L == panels[0] else None)
+        ax.set_xticks(range(len(groups)), groups, rotation=20, fontsize=8)
+        ax.set_title(f"length {L}" if L != "all" else "all lengths", fontsize=9)
+        ax.set_ylim(0, 100)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].set_ylabel("accuracy (%)")
+    fig.legend(loc="upper center", ncol=min(len(ms), 6), fontsize=7, bbox_to_anchor=(0.5, 1.0))
+    fig.tight_layout(rect=(0, 0, 1, 0.88))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_reports(out_dir: str, rows: list[dict], methods: list[str], variants: list[str], lengths: list[int],
+                  samples: int) -> str:
+    """Write every report of ``rows`` (the records of the requested cases); returns the markdown table."""
+    summary = summarize(rows, methods, variants, sorted(set(lengths)))
+    write_csv(os.path.join(out_dir, "ruler_summary.csv"), summary)
+    table = markdown(summary, methods, variants, sorted(set(lengths)), samples)
+    with open(os.path.join(out_dir, "ruler_summary.md"), "w", encoding="utf-8") as f:
+        f.write("# RULER-style needles\n\n" + table)
+    if rows:
+        plot(os.path.join(out_dir, "ruler_accuracy.png"), summary, methods, variants, sorted(set(lengths)))
+    return table
