@@ -82,6 +82,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--raw-prompt", action="store_true",
                    help="haystack first, no instruction or chat template (the attention-sink study)")
+    p.add_argument("--stop-after-minutes", type=float, default=None,
+                   help="start no new case after this many minutes; the reports cover the finished cases and the "
+                        "same command resumes")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -111,6 +114,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise UsageError(f"--samples must be >= 1, got {args.samples}")
     if args.max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be >= 1")
+    if args.stop_after_minutes is not None and args.stop_after_minutes <= 0:
+        raise UsageError(f"--stop-after-minutes must be > 0, got {args.stop_after_minutes}")
     return args
 
 
@@ -143,10 +148,18 @@ def case_record(case: dict, prompt: str, kw: dict, out: Outcome, tok) -> dict:
             "needle_chunk_bits": needle_chunk_bits(tok, prompt, kw, case, out.branch.cache)}
 
 
-def run_cases(args, todo: list, essays: list[str], encoder: str, rec_path: str, done: dict) -> None:
+def _out_of_time(deadline: float | None) -> bool:
+    return deadline is not None and time.time() > deadline
+
+
+def run_cases(args, todo: list, essays: list[str], encoder: str, rec_path: str, done: dict,
+              deadline: float | None = None) -> int:
+    """The passcode cases of ``todo``, until ``deadline`` (checked before each case); returns how many ran."""
     model, tok = load_model_and_tokenizer(args.model, args.dtype, "cocktail", args.device_map)
     runner = CaseRunner(model, tok, encoder)
-    for (L, d, s), methods in tqdm(todo, desc="needle", disable=args.no_progress, dynamic_ncols=True):
+    for n, ((L, d, s), methods) in enumerate(tqdm(todo, desc="needle", disable=args.no_progress, dynamic_ncols=True)):
+        if _out_of_time(deadline):
+            return n
         case = make_case(tok, essays, L, d, s, args.seed)
         prompt, kw = build_prompt(tok, case["context"], raw=args.raw_prompt)
         request = Request(prompt, case["context"], QUESTION, case_key(L, d, s), kw)
@@ -154,6 +167,7 @@ def run_cases(args, todo: list, essays: list[str], encoder: str, rec_path: str, 
             rec = case_record(case, prompt, kw, out, tok)
             append_jsonl(rec_path, rec)
             done[(rec["case"], rec["method"])] = rec
+    return len(todo)
 
 
 def ruler_record(case: dict, out: Outcome, tok) -> dict:
@@ -174,10 +188,14 @@ def ruler_record(case: dict, out: Outcome, tok) -> dict:
             "decode_s": out.decode_s, "precision_counts": out.branch.precision_counts}
 
 
-def run_ruler_cases(args, todo: list, essays: list[str], encoder: str, rec_path: str, done: dict) -> None:
+def run_ruler_cases(args, todo: list, essays: list[str], encoder: str, rec_path: str, done: dict,
+                    deadline: float | None = None) -> int:
+    """The RULER-style cases of ``todo``, until ``deadline`` (checked before each case); returns how many ran."""
     model, tok = load_model_and_tokenizer(args.model, args.dtype, "cocktail", args.device_map)
     runner = CaseRunner(model, tok, encoder)
-    for (v, L, s), methods in tqdm(todo, desc="ruler", disable=args.no_progress, dynamic_ncols=True):
+    for n, ((v, L, s), methods) in enumerate(tqdm(todo, desc="ruler", disable=args.no_progress, dynamic_ncols=True)):
+        if _out_of_time(deadline):
+            return n
         case = ruler.make_case(tok, essays, v, L, s, args.seed)
         request = Request(case["prompt"], case["context"], case["question"], ruler.case_key(v, L, s),
                           case["tokenizer_kwargs"])
@@ -185,6 +203,7 @@ def run_ruler_cases(args, todo: list, essays: list[str], encoder: str, rec_path:
             rec = ruler_record(case, out, tok)
             append_jsonl(rec_path, rec)
             done[(rec["case"], rec["method"])] = rec
+    return len(todo)
 
 
 def model_max_positions(name: str) -> int | None:
@@ -233,8 +252,12 @@ def main(argv=None) -> int:
         key = case_key
     todo = [(c, [m for m in methods if (key(*c), m.name) not in done]) for c in cases]
     todo = [(c, ms) for c, ms in todo if ms]
-    if todo:
-        (run_ruler_cases if args.variant_list else run_cases)(args, todo, essays, encoder, rec_path, done)
+    deadline = t_start + 60 * args.stop_after_minutes if args.stop_after_minutes else None
+    ran = (run_ruler_cases if args.variant_list else run_cases)(args, todo, essays, encoder, rec_path, done,
+                                                                 deadline) if todo else 0
+    if ran < len(todo):
+        print(f"stopped after {ran} of {len(todo)} cases (--stop-after-minutes {args.stop_after_minutes:g}); the "
+              "same command resumes")
     keys = [key(*c) for c in cases]
     rows = [done[(k, m.name)] for k in keys for m in methods if (k, m.name) in done]
     if args.variant_list:
@@ -243,7 +266,9 @@ def main(argv=None) -> int:
     else:
         print(write_reports(args.out_dir, rows, [m.name for m in methods], args.length_list, args.depth_list,
                             args.samples))
-    update_run_info(args.out_dir, started_at, {"runtime_s": round(time.time() - t_start, 1),
-                                               "cases_processed": len(todo), "finished_at": now(),
-                                               "status": "finished"}, run_config(args, methods, encoder))
+    finished = {"runtime_s": round(time.time() - t_start, 1), "cases_processed": ran, "finished_at": now(),
+                "status": "finished"}
+    if ran < len(todo):
+        finished.update(status="stopped", cases_left=len(todo) - ran)
+    update_run_info(args.out_dir, started_at, finished, run_config(args, methods, encoder))
     return 0

@@ -58,7 +58,9 @@ def markdown(summary: list[dict], methods: list[str], variants: list[str], lengt
     cell = {(s["variant"], s["length"], s["method"]): s for s in summary}
     cols = [(v, L) for v in [*variants, "average"] for L in [*lengths, "all"]]
     cols = [c for c in cols if any((c[0], c[1], m) in cell for m in methods)]
-    head = "| method | " + " | ".join(f"{v} {L}" for v, L in cols) + " | kv_ratio | asked needles at FP16 |"
+    n = {c: max(cell[(*c, m)]["n"] for m in methods if (*c, m) in cell) for c in cols}
+    head = ("| method | " + " | ".join(f"{v} {L} (n={n[(v, L)]})" for v, L in cols)
+            + " | kv_ratio | asked needles at FP16 |")
     lines = [head, "|---" * (len(cols) + 3) + "|"]
     for m in methods:
         if not any((c[0], c[1], m) in cell for c in cols):
@@ -70,10 +72,10 @@ def markdown(summary: list[dict], methods: list[str], variants: list[str], lengt
         lines.append(f"| {m} | " + " | ".join(vals) + f" | {kvr} | {fp} |")
     note = (f"RULER-style needles (Paul Graham essays), accuracy = RULER's string_match_all x 100 (share of the "
             f"expected values found in the output), {samples} sample(s) per variant and length; column "
-            "'<variant> <length>' (length = prompt + 128 tokens to generate, RULER's max_seq_length; 'all': every "
-            "length); 'average': mean over the cases of every variant. kv_ratio = KV bytes / FP16 DynamicCache bytes "
-            "of the same tokens. 'asked needles at FP16': asked needles whose chunks all got FP16 / asked needles "
-            "(Cocktail kinds).")
+            "'<variant> <length> (n=cases)' (length = prompt + 128 tokens to generate, RULER's max_seq_length; "
+            "'all': every length); 'average': mean over the cases of every variant. kv_ratio = KV bytes / FP16 "
+            "DynamicCache bytes of the same tokens. 'asked needles at FP16': asked needles whose chunks all got "
+            "FP16 / asked needles (Cocktail kinds).")
     return note + "\n\n" + "\n".join(lines) + "\n"
 
 
