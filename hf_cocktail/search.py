@@ -1,0 +1,44 @@
+"""The chunk search: score every context chunk of a plan (encoder, BM25 or prefill attention) and assign its
+precision (the paper's thresholds, or a bits budget)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import planning
+from .config import CocktailConfig
+from .planning import SequencePlan
+from .scoring import TextEncoder, bm25_scores, get_encoder, score_chunks
+
+
+def search_plan(plan: SequencePlan, cfg: CocktailConfig, encoder: TextEncoder | None = None) -> None:
+    """Set ``plan.scores`` (None with ``uniform_bits``) and ``plan.bits`` (one of 16/4/2 per chunk)."""
+    if cfg.uniform_bits is not None:
+        plan.scores, plan.bits = None, [cfg.uniform_bits] * plan.num_chunks
+        return
+    scores = chunk_scores(plan, cfg, encoder)
+    if cfg.target_bits is None:
+        bits = planning.promote_neighbors(planning.assign_precisions(scores, cfg.alpha, cfg.beta), cfg.neighbors)
+    else:
+        cost = planning.bits_cost(cfg.packed_bits_per_element)
+        bits = planning.assign_budget(scores, plan.chunk_sizes(cfg.chunk_size), cfg.target_bits, cfg.beta, cost)
+    plan.scores, plan.bits = scores.tolist(), bits
+
+
+def chunk_scores(plan: SequencePlan, cfg: CocktailConfig, encoder: TextEncoder | None = None) -> torch.Tensor:
+    """``(num_chunks,)`` scores of the plan's chunks by ``cfg.scorer`` (``encoder`` overrides ``cfg.encoder``)."""
+    if cfg.scorer == "bm25":
+        return bm25_scores(plan.query or "", plan.chunk_texts)
+    if cfg.scorer == "attention":
+        if plan.attn_mass is None:
+            raise RuntimeError(
+                "scorer='attention' takes its scores from the prefill attention: load the model "
+                "with attn_implementation='cocktail' (and do not use load_prefill)"
+            )
+        mass = plan.attn_mass.cpu()
+        spans = [plan.chunk_range(i, cfg.chunk_size) for i in range(plan.num_chunks)]
+        if not spans:
+            return torch.zeros(0)
+        return torch.stack([mass[a - plan.ctx_start : e - plan.ctx_start].mean() for a, e in spans])
+    encoder = encoder or get_encoder(cfg.encoder, cfg.encoder_device, cfg.encoder_batch_size)
+    return score_chunks(encoder, plan.query or "", plan.chunk_texts)
