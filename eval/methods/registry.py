@@ -45,6 +45,38 @@ METHODS: dict[str, Method] = {m.name: m for m in [
 ]}
 
 
+def _recommended_overrides() -> dict:
+    """The fields where ``CocktailConfig.recommended()`` differs from the paper's ``CocktailConfig()`` (the encoder
+    stays the evaluation's)."""
+    rec, paper = CocktailConfig.recommended().to_dict(), CocktailConfig().to_dict()
+    return {k: v for k, v in rec.items() if k not in ("encoder", "format_version") and v != paper.get(k)}
+
+
+HAD = {"rotation": "hadamard"}
+# rotated storage and budget mode (issue 11: told apart by the KL divergence of eval/kld); each a CocktailCache
+_ROTATION_METHODS: list[Method] = [
+    CocktailMethod("int4_had", "every context chunk INT4, Hadamard-rotated keys and values",
+                   {"uniform_bits": 4, **HAD}),
+    CocktailMethod("int2_had", "every context chunk INT2, Hadamard-rotated keys and values",
+                   {"uniform_bits": 2, **HAD}),
+    CocktailMethod("cocktail_had", "paper Cocktail, Hadamard-rotated keys and values", dict(HAD)),
+    CocktailMethod("cocktail_hadk", "paper Cocktail, Hadamard-rotated keys only", {"rotation": "hadamard_keys"}),
+    CocktailMethod("cocktail_hadv", "paper Cocktail, Hadamard-rotated values only", {"rotation": "hadamard_values"}),
+    *[CocktailMethod(f"budget{b:g}_had", f"budget mode target_bits={b:g} (FP16 above T_high, then INT4 by rank, the "
+                     "rest INT2), Hadamard-rotated", {"target_bits": b, **HAD}) for b in (3.3, 3.6, 3.8)],
+    CocktailMethod("int2_had_g64", "every context chunk INT2, Hadamard-rotated, values in groups of 64 channels "
+                   "(half the value scales/zeros)", {"uniform_bits": 2, "group_size": 64, **HAD}),
+    CocktailMethod("int4_had_g64", "every context chunk INT4, Hadamard-rotated, values in groups of 64 channels",
+                   {"uniform_bits": 4, "group_size": 64, **HAD}),
+    *[CocktailMethod(f"budget{b:g}_had_g64", f"budget mode target_bits={b:g}, Hadamard-rotated, values in groups of "
+                     "64 channels (the saved scale bits buy INT4 chunks)", {"target_bits": b, "group_size": 64, **HAD})
+      for b in (3.3, 3.6)],
+]
+_RECOMMENDED = _recommended_overrides()
+_ROTATION_METHODS.append(CocktailMethod("recommended", f"CocktailConfig.recommended(): {_RECOMMENDED}", _RECOMMENDED))
+METHODS.update({m.name: m for m in _ROTATION_METHODS})
+
+
 def register_preset(name_or_path: str) -> Method:
     """Add the method ``preset``: a CocktailCache with ``CocktailConfig.from_pretrained(name_or_path)`` (its encoder
     is replaced by the evaluation's)."""
