@@ -1,0 +1,211 @@
+"""KL divergence from FP16 per KV-cache method, teacher-forced on FP16's own greedy answer (and the last prompt
+tokens), over LongBench examples and needle prompts.
+
+A quality metric that tells quantizers apart where task scores on a 135M model are mostly noise: per example, the
+prompt is prefilled once at full precision and branched into every method's cache (as ``eval.longbench`` does),
+FP16's greedy answer is fed through each cache, and each position's next-token distribution is compared with FP16's:
+mean KL(P_fp16 || P_method), top-1 agreement, and the KV bytes ratio (see ``eval/kld/measure.py`` for the two
+segments, ``answer`` and ``tail``).
+
+Usage (see eval/README.md)::
+
+    python -m eval.kld --out-dir eval/runs/kld_smoke --tasks qasper --per-task 2 --methods fp16,int2,cocktail
+    python -m eval.kld --out-dir eval/results/kld --per-task 2 --needle-lengths 2000 --threads 2
+
+Outputs under ``--out-dir``: ``records.jsonl`` (one line per (case, method), resumable), ``summary.md``,
+``summary.csv``, ``kld_vs_bytes.png``, ``settings.json``, ``run_info.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from tqdm.auto import tqdm
+
+from hf_cocktail import offline_encoder_path
+
+from ..cli import UsageError, parse_float_list, parse_int_list
+from ..longbench.metrics import ENGLISH_TASKS
+from ..methods.registry import parse_methods
+from ..models import DTYPES, load_model_and_tokenizer, set_threads
+from ..paths import ESSAY_DIR, LONGBENCH_DIR
+from ..records import append_jsonl, check_settings, iter_jsonl, lock_out_dir
+from ..run_info import command_line, git_commit, now, update_run_info
+from .cases import KldCase, longbench_cases, needle_cases
+from .measure import KldRunner
+from .report import write_reports
+
+MODULE = "eval.kld"
+DEFAULT_METHODS = ("fp16,cocktail,int4,int2,int4_had,int2_had,cocktail_had,cocktail_hadk,cocktail_hadv,"
+                   "budget3.3_had,budget3.6_had,budget3.8_had,int2_had_g64,budget3.3_had_g64,recommended,kivi2,hqq2,"
+                   "hqq4")
+# must match to resume: they change what a finished record means
+SETTINGS_KEYS = ("model", "dtype", "window", "chat", "encoder", "max_answer_tokens", "tail_tokens", "seed",
+                 "step_by_step")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out-dir", required=True, help="results folder (resumable)")
+    p.add_argument("--model", default="smollm2", help="'smollm2' (offline GGUF wheel) or a Hub id / local folder")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--device-map", default=None)
+    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated methods (eval/methods/registry.py)")
+    p.add_argument("--tasks", default=",".join(ENGLISH_TASKS),
+                   help="comma-separated LongBench tasks, or 'none' for needle prompts only")
+    p.add_argument("--per-task", type=int, default=None,
+                   help="LongBench examples per task, drawn with --seed (default: every example)")
+    p.add_argument("--window", type=int, default=2048, help="max LongBench prompt tokens (middle truncation)")
+    p.add_argument("--no-chat", action="store_true", help="never apply the chat template (LongBench)")
+    p.add_argument("--data-dir", default=os.path.join(LONGBENCH_DIR, "minilongbench"))
+    p.add_argument("--config-dir", default=os.path.join(LONGBENCH_DIR, "config"))
+    p.add_argument("--needle-lengths", default=None, help="needle haystack lengths in tokens (default: no needle)")
+    p.add_argument("--needle-depths", default="0.1,0.4,0.6,0.9", help="needle depths in [0, 1]")
+    p.add_argument("--needle-samples", type=int, default=1, help="needle cases per (length, depth)")
+    p.add_argument("--essay-dir", default=ESSAY_DIR)
+    p.add_argument("--seed", type=int, default=0, help="seeds the LongBench subset and the needle passcodes")
+    p.add_argument("--max-answer-tokens", type=int, default=32, help="cap on FP16's greedy answer")
+    p.add_argument("--tail-tokens", type=int, default=16,
+                   help="last prompt tokens fed through each cache in the 'tail' segment (never inside the context)")
+    p.add_argument("--step-by-step", action="store_true",
+                   help="feed every cache token by token (default: one forward where that is equivalent)")
+    p.add_argument("--encoder", default=None, help="retrieval encoder (default: the offline all-MiniLM-L6-v2)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--stop-after-minutes", type=float, default=None,
+                   help="start no new case after this many minutes (the report covers the finished cases; the same "
+                        "command resumes)")
+    p.add_argument("--report-only", action="store_true", help="rewrite the summary from the records, run nothing")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    args = _parser().parse_args(argv)
+    args.method_list = parse_methods(args.methods)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    args.task_list = [] if tasks == ["none"] else tasks
+    bad = [t for t in args.task_list if t not in ENGLISH_TASKS]
+    if bad:
+        raise UsageError(f"--tasks: unknown or unsupported task(s) {bad}; known: {ENGLISH_TASKS} (or 'none')")
+    if args.per_task is not None and args.per_task < 1:
+        raise UsageError(f"--per-task must be >= 1, got {args.per_task}")
+    if args.window < 64:
+        raise UsageError(f"--window must be >= 64, got {args.window}")
+    args.length_list = parse_int_list(args.needle_lengths, "--needle-lengths") if args.needle_lengths else []
+    args.depth_list = parse_float_list(args.needle_depths, "--needle-depths")
+    if any(x < 64 for x in args.length_list):
+        raise UsageError(f"--needle-lengths must be >= 64 tokens, got {args.length_list}")
+    if any(not 0 <= d <= 1 for d in args.depth_list):
+        raise UsageError(f"--needle-depths must lie in [0, 1], got {args.depth_list}")
+    if args.needle_samples < 1:
+        raise UsageError(f"--needle-samples must be >= 1, got {args.needle_samples}")
+    if not args.task_list and not args.length_list:
+        raise UsageError("nothing to run: --tasks none and no --needle-lengths")
+    if args.max_answer_tokens < 2:
+        raise UsageError(f"--max-answer-tokens must be >= 2 (the first answer token is not scored), got "
+                         f"{args.max_answer_tokens}")
+    if args.tail_tokens < 0:
+        raise UsageError(f"--tail-tokens must be >= 0, got {args.tail_tokens}")
+    if args.stop_after_minutes is not None and args.stop_after_minutes <= 0:
+        raise UsageError(f"--stop-after-minutes must be > 0, got {args.stop_after_minutes}")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    if args.task_list and not os.path.isdir(args.data_dir):
+        raise UsageError(f"--data-dir {args.data_dir} does not exist (the offline data lives in ../shared/data)")
+    return args
+
+
+def settings_of(args, encoder: str) -> dict:
+    return {"model": args.model, "dtype": args.dtype, "window": args.window, "chat": not args.no_chat,
+            "encoder": os.path.basename(os.path.normpath(encoder)), "max_answer_tokens": args.max_answer_tokens,
+            "tail_tokens": args.tail_tokens, "seed": args.seed, "step_by_step": args.step_by_step}
+
+
+def build_cases(args, tok) -> list[KldCase]:
+    """Needle prompts first (few and short), then the LongBench examples interleaved across tasks."""
+    cases = needle_cases(tok, args.length_list, args.depth_list, args.needle_samples, args.seed, args.essay_dir)
+    if args.task_list:
+        cases += longbench_cases(tok, args.task_list, args.data_dir, args.config_dir, args.window, args.per_task,
+                                 args.seed, use_chat=not args.no_chat)
+    return cases
+
+
+def read_done(path: str) -> dict[tuple[str, str], dict]:
+    return {(r["case"], r["method"]): r for r in iter_jsonl(path)} if os.path.isfile(path) else {}
+
+
+def describe(args, cases: list[KldCase]) -> str:
+    lb = [c for c in cases if c.source == "longbench"]
+    nd = [c for c in cases if c.source == "needle"]
+    parts = []
+    if lb:
+        per = "every example" if args.per_task is None else f"{args.per_task} per task drawn with seed {args.seed}"
+        parts.append(f"LongBench: {len(lb)} examples of {len(args.task_list)} tasks ({per}), window {args.window}")
+    if nd:
+        parts.append(f"needle: {len(nd)} prompts (lengths {args.length_list}, depths {args.depth_list}, "
+                     f"{args.needle_samples} sample(s))")
+    return (f"# KL divergence from FP16 ({args.model}, {args.dtype})\n\n" + "; ".join(parts) +
+            f". FP16 answer capped at {args.max_answer_tokens} tokens; tail segment: last {args.tail_tokens} prompt "
+            "tokens at most.")
+
+
+def run_cases(args, model, tok, encoder: str, todo: list, rec_path: str, done: dict, t_start: float) -> int:
+    """Measure the pending cases in order, appending a record per (case, method); no new case starts after
+    ``--stop-after-minutes``. Returns the number of cases finished."""
+    runner = KldRunner(model, tok, encoder, args.max_answer_tokens, args.tail_tokens,
+                       True if args.step_by_step else None)
+    deadline = t_start + 60 * args.stop_after_minutes if args.stop_after_minutes else None
+    ran = 0
+    bar = tqdm(todo, desc="kld", disable=args.no_progress, dynamic_ncols=True)
+    for case, methods in bar:
+        if deadline is not None and time.time() >= deadline:
+            break
+        bar.set_postfix_str(case.key[:40])
+        for rec in runner.run(case, methods):
+            append_jsonl(rec_path, rec)
+            done[(rec["case"], rec["method"])] = rec
+        ran += 1
+    bar.close()
+    return ran
+
+
+def run_config(args, encoder: str) -> dict:
+    return {"methods": {m.name: m.config_dict(encoder) for m in args.method_list},
+            "args": {k: v for k, v in vars(args).items() if k != "method_list"}}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t_start = time.time()
+    commit = git_commit(exclude=args.out_dir)  # the code that runs (read now: a commit made mid-run is not it)
+    started_at = now()
+    set_threads(1, args.threads)
+    encoder = args.encoder or offline_encoder_path()
+    check_settings(args.out_dir, settings_of(args, encoder), SETTINGS_KEYS)
+    lock = lock_out_dir(args.out_dir)  # noqa: F841 (held until the process exits)
+    rec_path = os.path.join(args.out_dir, "records.jsonl")
+    done = read_done(rec_path)
+    model, tok = load_model_and_tokenizer(args.model, args.dtype, "cocktail", args.device_map)
+    cases = build_cases(args, tok)
+    todo = [(c, [m for m in args.method_list if (c.key, m.name) not in done]) for c in cases]
+    todo = [(c, ms) for c, ms in todo if ms]
+    ran = 0
+    if not args.report_only:
+        update_run_info(args.out_dir, started_at, {"command": command_line(MODULE), "commit": commit,
+                                                   "status": "running"})
+        ran = run_cases(args, model, tok, encoder, todo, rec_path, done, t_start)
+        if ran < len(todo):
+            print(f"stopped after {ran} of {len(todo)} cases (--stop-after-minutes {args.stop_after_minutes:g}); "
+                  "the same command resumes")
+    names = [m.name for m in args.method_list]
+    keys = {c.key for c in cases}
+    records = [r for (k, m), r in done.items() if k in keys and m in names]
+    print(write_reports(args.out_dir, records, names, describe(args, cases)))
+    if not args.report_only:
+        finished = {"runtime_s": round(time.time() - t_start, 1), "cases_processed": ran, "finished_at": now(),
+                    "status": "finished" if ran == len(todo) else "stopped", "cases_left": len(todo) - ran}
+        update_run_info(args.out_dir, started_at, finished, run_config(args, encoder))
+    return 0

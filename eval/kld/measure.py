@@ -1,0 +1,177 @@
+"""One prompt through every method: the shared full-precision prefill, FP16's greedy answer, and two teacher-forced
+segments per method compared with FP16 at the same positions.
+
+* ``answer``: the whole prompt is prefilled once at full precision (``DynamicCache``) and branched into every
+  method's cache, exactly as ``eval.longbench`` does; FP16's greedy answer ``a[0..n-1]`` (at most
+  ``max_answer_tokens``, stopped at EOS) is fed as ``a[0..n-2]`` in one forward (token by token where that is not
+  equivalent, :func:`eval.kld.divergence.needs_steps`). The logits at those ``n-1`` positions (predicting
+  ``a[1..n-1]``) are compared with FP16's. ``a[0]`` itself comes from the prefill's logits, identical for every
+  method (every cache attends at full precision during its own prefill), so it is not scored.
+* ``tail``: the same prefill cut to the prompt minus its last ``k`` tokens is branched into every method (every
+  cache is built from the same prefix, at full precision); the last ``k`` prompt tokens and then ``a[0..n-2]`` are fed
+  through it. Its ``k + n - 1`` positions (predicting the prompt's last ``k - 1`` tokens, ``a[0]``, then
+  ``a[1..n-1]``) also see the last prompt tokens' keys/values computed over the method's quantized context.
+  ``k = min(tail_tokens, prompt tokens after the context)``: the prefix always covers the whole context, so the
+  Cocktail kinds quantize the same chunks in both segments (for LongBench code tasks the prompt ends a few tokens
+  after the code, and ``k`` is smaller).
+
+FP16's logits are the teacher-forced logits of a fresh ``DynamicCache`` branch (the ``fp16`` method repeats the same
+computation: its KL divergence is exactly 0).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import torch
+
+from hf_cocktail import CocktailCache, CocktailConfig
+from hf_cocktail.scoring import get_encoder
+
+from ..kv_bytes import cache_kv_bytes, fp16_kv_bytes
+from ..methods.branching import branch, generate_from_branch, precision_counts, prefill
+from ..methods.kinds import CocktailMethod, DynamicMethod, Method, Request, build_cache
+from ..models import eos_token_ids, model_input_device
+from .cases import KldCase
+from .divergence import kl_and_top1, teacher_force
+
+REFERENCE = DynamicMethod("fp16_reference", "DynamicCache: the FP16 reference of the comparison")
+
+
+def context_end(tok, request: Request) -> int:
+    """Token index where the request's context ends in its prompt (the prompt's length when there is no context),
+    as ``CocktailCache.prepare_inputs`` locates it."""
+    if not request.context:
+        return len(tok(request.prompt, **request.tokenizer_kwargs)["input_ids"])
+    probe = CocktailCache(CocktailConfig(uniform_bits=16))
+    probe.prepare_inputs(tok, request.prompt, contexts=request.context, queries=request.query,
+                         **request.tokenizer_kwargs)
+    end = probe.plans[0].ctx_end
+    probe.reset()
+    return end
+
+
+def encoder_keys(methods: list[Method], encoder: str | None) -> set[tuple]:
+    """``(name, device, batch size)`` of the retrieval encoders the methods' searches call (Cocktail kinds scoring
+    with the encoder; uniform precisions and BM25 call none)."""
+    keys = set()
+    for m in methods:
+        if isinstance(m, CocktailMethod):
+            cfg = m.cocktail_config(encoder)
+            if cfg.uniform_bits is None and cfg.scorer == "encoder":
+                keys.add((cfg.encoder, cfg.encoder_device, cfg.encoder_batch_size))
+    return keys
+
+
+@contextlib.contextmanager
+def memoized_encoders(keys: set[tuple]):
+    """While open, the process's shared retrieval encoders (``hf_cocktail.scoring.get_encoder``, the objects
+    ``CocktailCache`` uses) return the embeddings they already computed for the same list of texts instead of
+    recomputing them: every Cocktail kind of one case, in both segments, embeds the same query and chunks. The
+    scores are the very same tensors, so the plans are unchanged; the searches of one case cost one encoder call
+    instead of ~20 (~2 s each on this CPU)."""
+    patched = []
+    try:
+        for key in sorted(keys, key=str):
+            enc = get_encoder(*key)
+            original, memo = enc.encode, {}
+
+            def encode(texts, original=original, memo=memo):
+                k = tuple(texts)
+                if k not in memo:
+                    memo[k] = original(texts)
+                return memo[k]
+
+            enc.encode = encode  # an instance attribute: shadows the method until removed
+            patched.append(enc)
+        yield
+    finally:
+        for enc in patched:
+            del enc.encode
+
+
+def branch_prefix(method: Method, model, tok, pairs: list, input_ids: torch.Tensor, request: Request,
+                  encoder: str | None):
+    """``method``'s cache prepared for the whole prompt and filled with the prefill ``pairs`` of its first tokens."""
+    cache, inputs = build_cache(method, model, tok, request, encoder)
+    if inputs is not None and not torch.equal(inputs["input_ids"].to(input_ids.device), input_ids):
+        raise RuntimeError(f"{method.name}: the cache's preparation tokenized the prompt differently from the "
+                           "shared prefill")
+    method.load_prefill(cache, pairs, split_attention=True)
+    return cache
+
+
+def _pos_list(x: torch.Tensor, digits: int = 6) -> list:
+    return [float(f"{v:.{digits}g}") for v in x.tolist()]
+
+
+def _segment(prefix: str, ref: torch.Tensor, logits: torch.Tensor) -> dict:
+    if ref.shape[0] == 0:
+        return {f"kl_{prefix}": None, f"top1_{prefix}": None, f"n_{prefix}": 0, f"kl_{prefix}_pos": [],
+                f"top1_{prefix}_pos": []}
+    kl, agree = kl_and_top1(ref, logits)
+    return {f"kl_{prefix}": float(kl.mean()), f"top1_{prefix}": float(agree.double().mean()),
+            f"n_{prefix}": int(kl.shape[0]), f"kl_{prefix}_max": float(kl.max()), f"kl_{prefix}_pos": _pos_list(kl),
+            f"top1_{prefix}_pos": [int(a) for a in agree.tolist()]}
+
+
+class KldRunner:
+    """Measures cases with one model."""
+
+    def __init__(self, model, tok, encoder: str | None = None, max_answer_tokens: int = 32, tail_tokens: int = 16,
+                 step_by_step: bool | None = None):
+        self.model, self.tok, self.encoder = model, tok, encoder
+        self.max_answer_tokens, self.tail_tokens, self.step_by_step = max_answer_tokens, tail_tokens, step_by_step
+        self.device = model_input_device(model)
+        self.eos = eos_token_ids(model, tok)
+
+    def run(self, case: KldCase, methods: list[Method]) -> Iterator[dict]:
+        """Yield one record per method (see the module docstring)."""
+        with memoized_encoders(encoder_keys(methods, self.encoder)):
+            yield from self._run(case, methods)
+
+    @torch.no_grad()
+    def _run(self, case: KldCase, methods: list[Method]) -> Iterator[dict]:
+        model, tok, req = self.model, self.tok, case.request
+        input_ids = tok(req.prompt, return_tensors="pt", **req.tokenizer_kwargs)["input_ids"].to(self.device)
+        L = input_ids.shape[1]
+        t0 = time.perf_counter()
+        dyn, first_logits = prefill(model, input_ids)
+        prefill_s = time.perf_counter() - t0
+        ref_br = branch(REFERENCE, model, tok, dyn, input_ids, req, self.encoder)
+        answer = generate_from_branch(model, ref_br.cache, input_ids, first_logits, self.max_answer_tokens,
+                                      eos_token_id=self.eos)
+        del ref_br
+        k = max(0, min(self.tail_tokens, L - context_end(tok, req), L - 1))
+        full_pairs = [(layer.keys, layer.values) for layer in dyn.layers]
+        prefix_pairs = [(kk[:, :, :L - k], vv[:, :, :L - k]) for kk, vv in full_pairs]
+        answer_in = answer[:, :-1]
+        tail_in = torch.cat([input_ids[:, L - k:], answer_in], dim=1)
+        ref_answer = teacher_force(model, branch(REFERENCE, model, tok, dyn, input_ids, req).cache, answer_in, False)
+        ref_tail = teacher_force(model, branch_prefix(REFERENCE, model, tok, prefix_pairs, input_ids, req, None),
+                                 tail_in, False)
+        base = {"case": case.key, "source": case.source, "stratum": case.stratum, **case.meta, "prompt_tokens": L,
+                "tail_tokens": k, "answer_tokens": int(answer.shape[1]), "answer_ids": answer[0].tolist(),
+                "answer": tok.decode(answer[0], skip_special_tokens=True),
+                # the teacher-forced FP16 logits predict FP16's own greedy answer (the alignment check on real data)
+                "ref_top1_is_answer": float((ref_answer.argmax(-1) == answer[0, 1:].to(ref_answer.device))
+                                            .double().mean()) if answer_in.shape[1] else None,
+                "shared_prefill_s": round(prefill_s, 3)}
+        for method in methods:
+            t1 = time.perf_counter()
+            br = branch(method, model, tok, dyn, input_ids, req, self.encoder)
+            logits_a = teacher_force(model, br.cache, answer_in, self.step_by_step)
+            seq = int(br.cache.get_seq_length())
+            kv, fp16 = cache_kv_bytes(br.cache), fp16_kv_bytes(model.config, seq)
+            bits = br.precision_map
+            del br
+            cache = branch_prefix(method, model, tok, prefix_pairs, input_ids, req, self.encoder)
+            logits_t = teacher_force(model, cache, tail_in, self.step_by_step)
+            del cache
+            yield {**base, "method": method.name, **_segment("answer", ref_answer, logits_a),
+                   **_segment("tail", ref_tail, logits_t), "cache_tokens": seq, "kv_bytes": kv, "fp16_kv_bytes": fp16,
+                   "kv_ratio": kv / fp16, "precision_counts": None if bits is None else precision_counts(bits),
+                   "method_s": round(time.perf_counter() - t1, 3)}
+        del dyn

@@ -1,0 +1,154 @@
+"""Summary of a KLD run: per source (LongBench, needle) and method, the mean KL divergence with a 95% bootstrap
+interval, the top-1 agreement and the mean KV bytes ratio; ``summary.md``, ``summary.csv`` and ``kld_vs_bytes.png``."""
+
+from __future__ import annotations
+
+import csv
+import os
+import random
+from collections import defaultdict
+
+SEGMENTS = ("answer", "tail")
+CSV_COLUMNS = ["source", "method", "examples", "kv_ratio", "kld_answer", "kld_answer_lo", "kld_answer_hi",
+               "top1_answer", "positions_answer", "kld_tail", "kld_tail_lo", "kld_tail_hi", "top1_tail",
+               "positions_tail"]
+FOOTNOTE = ("KLD: mean over examples of the mean KL(P_fp16 || P_method) in nats over the example's teacher-forced "
+            "positions (float64 log_softmax); 95% CI: bootstrap over examples within strata (LongBench task, needle). "
+            "answer: FP16's greedy answer fed after the shared full-precision prefill (the positions predicting answer "
+            "tokens 2..n). tail: the prompt minus its last k tokens (k <= 16, never inside the context) prefilled and "
+            "branched, then the last k prompt tokens and the answer fed. top-1: share of positions where the method's "
+            "argmax equals FP16's. kv_ratio: the method's KV bytes / an FP16 DynamicCache of the same tokens (prompt "
+            "+ answer), full-precision tensors at 2 bytes per element.")
+
+
+def bootstrap_mean(values_by_stratum: dict[str, list[float]], n_boot: int = 2000, seed: int = 0) -> tuple:
+    """Mean over all values and a 95% percentile interval, values resampled with replacement within each stratum
+    (the stratum sizes are kept), ``n_boot`` times."""
+    flat = [v for vs in values_by_stratum.values() for v in vs]
+    if not flat:
+        return None, None, None
+    mean = sum(flat) / len(flat)
+    rng = random.Random(seed)
+    groups = [vs for vs in values_by_stratum.values() if vs]
+    boots = sorted(sum(sum(rng.choices(vs, k=len(vs))) for vs in groups) / len(flat) for _ in range(n_boot))
+    return mean, boots[int(0.025 * (n_boot - 1))], boots[int(0.975 * (n_boot - 1))]
+
+
+def summarize(records: list[dict], methods: list[str], n_boot: int = 2000) -> list[dict]:
+    """One row per (source, method) present in ``records``, sources in order longbench, needle, then ``all``
+    (every case). Means are over examples (each example's mean over its positions), so every example weighs
+    the same; ``positions_*`` count the scored positions."""
+    rows = []
+    by_source: dict[str, list[dict]] = defaultdict(list)
+    for r in records:
+        by_source[r["source"]].append(r)
+    sources = [s for s in ("longbench", "needle") if s in by_source] + sorted(set(by_source) - {"longbench", "needle"})
+    if len(sources) > 1:
+        sources.append("all")
+    for source in sources:
+        recs = records if source == "all" else by_source[source]
+        for m in methods:
+            mine = [r for r in recs if r["method"] == m]
+            if not mine:
+                continue
+            row = {"source": source, "method": m, "examples": len(mine),
+                   "kv_ratio": sum(r["kv_ratio"] for r in mine) / len(mine)}
+            for seg in SEGMENTS:
+                strata: dict[str, list[float]] = defaultdict(list)
+                top1 = []
+                for r in mine:
+                    if r.get(f"kl_{seg}") is not None:
+                        strata[r["stratum"]].append(r[f"kl_{seg}"])
+                        top1.append(r[f"top1_{seg}"])
+                mean, lo, hi = bootstrap_mean(strata, n_boot)
+                row.update({f"kld_{seg}": mean, f"kld_{seg}_lo": lo, f"kld_{seg}_hi": hi,
+                            f"top1_{seg}": sum(top1) / len(top1) if top1 else None,
+                            f"positions_{seg}": sum(r[f"n_{seg}"] for r in mine)})
+            rows.append(row)
+    return rows
+
+
+def _fmt(x, spec: str) -> str:
+    return "" if x is None else format(x, spec)
+
+
+def write_csv(path: str, rows: list[dict]) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(CSV_COLUMNS)
+        for r in rows:
+            w.writerow([r["source"], r["method"], r["examples"], f"{r['kv_ratio']:.4f}",
+                        *[_fmt(r[f"kld_answer{x}"], ".6g") for x in ("", "_lo", "_hi")],
+                        _fmt(r["top1_answer"], ".4f"), r["positions_answer"],
+                        *[_fmt(r[f"kld_tail{x}"], ".6g") for x in ("", "_lo", "_hi")],
+                        _fmt(r["top1_tail"], ".4f"), r["positions_tail"]])
+
+
+def _kld_cell(r: dict, seg: str) -> str:
+    if r[f"kld_{seg}"] is None:
+        return "-"
+    return f"{r[f'kld_{seg}']:.4f} [{r[f'kld_{seg}_lo']:.4f}, {r[f'kld_{seg}_hi']:.4f}]"
+
+
+def markdown(rows: list[dict], header: str = "") -> str:
+    lines = [header] if header else []
+    for source in dict.fromkeys(r["source"] for r in rows):
+        mine = [r for r in rows if r["source"] == source]
+        lines += ["", f"### {source} ({max(r['examples'] for r in mine)} examples)", "",
+                  "| method | kv_ratio | KLD answer [95% CI] | top-1 answer | KLD tail [95% CI] | top-1 tail |",
+                  "|---|---|---|---|---|---|"]
+        for r in mine:
+            lines.append(f"| {r['method']} | {r['kv_ratio']:.3f} | {_kld_cell(r, 'answer')} | "
+                         f"{_fmt(r['top1_answer'], '.3f') or '-'} | {_kld_cell(r, 'tail')} | "
+                         f"{_fmt(r['top1_tail'], '.3f') or '-'} |")
+    lines += ["", FOOTNOTE, ""]
+    return "\n".join(lines)
+
+
+def plot(path: str, rows: list[dict]) -> bool:
+    """KLD vs KV bytes ratio (log-scale y), one panel per source, answer segment with its interval (filled) and tail
+    segment (hollow); methods with KLD 0 (fp16) cannot be drawn on a log scale and are left out. False without
+    matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    sources = [s for s in dict.fromkeys(r["source"] for r in rows) if s != "all"]
+    if not sources:
+        return False
+    fig, axes = plt.subplots(1, len(sources), figsize=(7.5 * len(sources), 6), squeeze=False)
+    for ax, source in zip(axes[0], sources):
+        mine = [r for r in rows if r["source"] == source and (r["kld_answer"] or 0) > 0]
+        cmap = plt.get_cmap("tab20")
+        for i, r in enumerate(mine):
+            c = cmap(i % 20)
+            y, lo, hi = r["kld_answer"], r["kld_answer_lo"], r["kld_answer_hi"]
+            ax.errorbar([r["kv_ratio"]], [y], yerr=[[max(y - lo, 0)], [max(hi - y, 0)]], fmt="o", color=c,
+                        capsize=3, label=r["method"])
+            if (r["kld_tail"] or 0) > 0:
+                ax.plot([r["kv_ratio"]], [r["kld_tail"]], marker="o", mfc="none", color=c, linestyle="none")
+            ax.annotate(r["method"], (r["kv_ratio"], y), textcoords="offset points", xytext=(4, 3), fontsize=7)
+        ax.set_yscale("log")
+        ax.set_xlabel("KV bytes / FP16 DynamicCache")
+        ax.set_ylabel("mean KL(P_fp16 || P_method), nats")
+        n = max((r["examples"] for r in mine), default=0)
+        ax.set_title(f"{source}: {n} examples (filled: answer, 95% CI; hollow: tail)")
+        ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_reports(out_dir: str, records: list[dict], methods: list[str], header: str = "") -> str:
+    """Write ``summary.csv``, ``summary.md`` and ``kld_vs_bytes.png``; returns the markdown."""
+    rows = summarize(records, methods)
+    write_csv(os.path.join(out_dir, "summary.csv"), rows)
+    md = markdown(rows, header)
+    with open(os.path.join(out_dir, "summary.md"), "w", encoding="utf-8") as f:
+        f.write(md)
+    plot(os.path.join(out_dir, "kld_vs_bytes.png"), rows)
+    return md
