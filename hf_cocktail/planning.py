@@ -67,12 +67,9 @@ class SequencePlan:
 
 def token_span(offsets: torch.Tensor, mask: torch.Tensor, first: int, char_start: int, char_end: int) -> list[int]:
     """Tokens at or after ``first`` whose characters lie inside ``[char_start, char_end)``; ``offsets (L, 2)``."""
-    L = offsets.shape[0]
-    return [
-        t
-        for t in range(first, L)
-        if mask[t] and offsets[t, 1] > offsets[t, 0] and offsets[t, 0] >= char_start and offsets[t, 1] <= char_end
-    ]
+    a, b = offsets[first:, 0], offsets[first:, 1]
+    inside = mask[first:].bool() & (b > a) & (a >= char_start) & (b <= char_end)
+    return (inside.nonzero().flatten() + first).tolist()
 
 
 def context_span(
