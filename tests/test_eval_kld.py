@@ -272,3 +272,39 @@ def test_cli_exit_status():
                          cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 2
     assert res.stderr.strip().startswith("error: unknown method") and "Traceback" not in res.stderr
+
+
+@pytest.mark.slow  # two runs of spawned processes: ~1-3 min on a small shared CPU
+@pytest.mark.skipif(not os.path.isdir(os.path.join(REPO_ROOT, "..", "shared", "data", "paul_graham_essays")),
+                    reason="needs the essays in ../shared/data")
+def test_two_workers_give_the_records_of_one(tmp_path, tiny_tokenizer):
+    """--workers 2 (spawned processes, a tiny Llama saved as a local model) writes the same records as one process,
+    and a rerun of the same command has nothing left to do."""
+    from .conftest import make_tiny_llama
+
+    model_dir = tmp_path / "tiny"
+    model = make_tiny_llama()
+    model.generation_config.eos_token_id = 0  # <pad>: a stop token the tiny vocabulary lacks
+    model.save_pretrained(model_dir)
+    tiny_tokenizer.save_pretrained(model_dir)
+    common = ["--model", str(model_dir), "--tasks", "none", "--needle-lengths", "300", "--needle-depths", "0.2,0.7",
+              "--methods", "fp16,int2", "--max-answer-tokens", "4", "--threads", "1", "--no-progress"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+    def run(out, *extra):
+        res = subprocess.run([sys.executable, "-m", "eval.kld", "--out-dir", str(out), *common, *extra],
+                             cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        recs = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+        return {(r["case"], r["method"]): r for r in recs}, res
+
+    one, _ = run(tmp_path / "one")
+    two, _ = run(tmp_path / "two", "--workers", "2")
+    assert len(one) == 4 and set(one) == set(two)
+    for k in one:
+        for f in ("answer_ids", "kl_answer", "kl_tail", "top1_answer", "kv_ratio", "tail_tokens"):
+            assert one[k][f] == two[k][f], (k, f)
+    again, _ = run(tmp_path / "two", "--workers", "2")
+    assert again == two
+    info = json.loads((tmp_path / "two" / "run_info.json").read_text())
+    assert [x["cases_processed"] for x in info["invocations"]] == [2, 0]

@@ -10,7 +10,7 @@ segments, ``answer`` and ``tail``).
 Usage (see eval/README.md)::
 
     python -m eval.kld --out-dir eval/runs/kld_smoke --tasks qasper --per-task 2 --methods fp16,int2,cocktail
-    python -m eval.kld --out-dir eval/results/kld --per-task 2 --needle-lengths 2000 --threads 2
+    python -m eval.kld --out-dir eval/results/kld --per-task 1 --needle-lengths 2000 --workers 2 --threads 1
 
 Outputs under ``--out-dir``: ``records.jsonl`` (one line per (case, method), resumable), ``summary.md``,
 ``summary.csv``, ``kld_vs_bytes.png``, ``settings.json``, ``run_info.json``.
@@ -20,27 +20,30 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 from tqdm.auto import tqdm
+from transformers import AutoTokenizer
 
 from hf_cocktail import offline_encoder_path
 
 from ..cli import UsageError, parse_float_list, parse_int_list
 from ..longbench.metrics import ENGLISH_TASKS
 from ..methods.registry import parse_methods
-from ..models import DTYPES, load_model_and_tokenizer, set_threads
+from ..models import DTYPES, load_model_and_tokenizer, resolve_model_path, set_threads
 from ..paths import ESSAY_DIR, LONGBENCH_DIR
 from ..records import append_jsonl, check_settings, iter_jsonl, lock_out_dir
 from ..run_info import command_line, git_commit, now, update_run_info
 from .cases import KldCase, longbench_cases, needle_cases
 from .measure import KldRunner
 from .report import write_reports
+from .workers import run_parallel
 
 MODULE = "eval.kld"
+# budget3.6_had is left out: it is the same config as `recommended` (rotation="hadamard", target_bits=3.6)
 DEFAULT_METHODS = ("fp16,cocktail,int4,int2,int4_had,int2_had,cocktail_had,cocktail_hadk,cocktail_hadv,"
-                   "budget3.3_had,budget3.6_had,budget3.8_had,int2_had_g64,budget3.3_had_g64,recommended,kivi2,hqq2,"
-                   "hqq4")
+                   "budget3.3_had,budget3.8_had,int2_had_g64,budget3.3_had_g64,recommended,kivi2,hqq2,hqq4")
 # must match to resume: they change what a finished record means
 SETTINGS_KEYS = ("model", "dtype", "window", "chat", "encoder", "max_answer_tokens", "tail_tokens", "seed",
                  "step_by_step")
@@ -73,7 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--step-by-step", action="store_true",
                    help="feed every cache token by token (default: one forward where that is equivalent)")
     p.add_argument("--encoder", default=None, help="retrieval encoder (default: the offline all-MiniLM-L6-v2)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per process (default: cores/workers)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="worker processes (cases dealt round-robin; the main process writes every file)")
     p.add_argument("--stop-after-minutes", type=float, default=None,
                    help="start no new case after this many minutes (the report covers the finished cases; the same "
                         "command resumes)")
@@ -113,6 +118,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise UsageError(f"--stop-after-minutes must be > 0, got {args.stop_after_minutes}")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    if args.workers < 1:
+        raise UsageError(f"--workers must be >= 1, got {args.workers}")
     if args.task_list and not os.path.isdir(args.data_dir):
         raise UsageError(f"--data-dir {args.data_dir} does not exist (the offline data lives in ../shared/data)")
     return args
@@ -152,22 +159,34 @@ def describe(args, cases: list[KldCase]) -> str:
             "tokens at most.")
 
 
-def run_cases(args, model, tok, encoder: str, todo: list, rec_path: str, done: dict, t_start: float) -> int:
-    """Measure the pending cases in order, appending a record per (case, method); no new case starts after
-    ``--stop-after-minutes``. Returns the number of cases finished."""
-    runner = KldRunner(model, tok, encoder, args.max_answer_tokens, args.tail_tokens,
-                       True if args.step_by_step else None)
+def run_cases(args, argv: list[str], model, tok, encoder: str, todo: list, rec_path: str, done: dict,
+              t_start: float) -> int:
+    """Measure the pending cases in order (in ``--workers`` processes), appending a record per (case, method); no
+    new case starts after ``--stop-after-minutes``. Returns the number of cases finished."""
     deadline = t_start + 60 * args.stop_after_minutes if args.stop_after_minutes else None
-    ran = 0
-    bar = tqdm(todo, desc="kld", disable=args.no_progress, dynamic_ncols=True)
-    for case, methods in bar:
-        if deadline is not None and time.time() >= deadline:
-            break
-        bar.set_postfix_str(case.key[:40])
-        for rec in runner.run(case, methods):
-            append_jsonl(rec_path, rec)
-            done[(rec["case"], rec["method"])] = rec
-        ran += 1
+    bar = tqdm(total=len(todo), desc="kld", disable=args.no_progress, dynamic_ncols=True)
+
+    def on_record(rec: dict) -> None:
+        append_jsonl(rec_path, rec)
+        done[(rec["case"], rec["method"])] = rec
+
+    def on_case(key: str) -> None:
+        bar.update(1)
+        bar.set_postfix_str(key[:40])
+
+    if args.workers > 1:
+        ran = run_parallel(args.workers, argv, encoder, todo, deadline, on_record, on_case)
+    else:
+        runner = KldRunner(model, tok, encoder, args.max_answer_tokens, args.tail_tokens,
+                           True if args.step_by_step else None)
+        ran = 0
+        for case, methods in todo:
+            if deadline is not None and time.time() >= deadline:
+                break
+            for rec in runner.run(case, methods):
+                on_record(rec)
+            ran += 1
+            on_case(case.key)
     bar.close()
     return ran
 
@@ -177,18 +196,29 @@ def run_config(args, encoder: str) -> dict:
             "args": {k: v for k, v in vars(args).items() if k != "method_list"}}
 
 
+def load_tokenizer(name: str):
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(name), use_fast=True)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     t_start = time.time()
     commit = git_commit(exclude=args.out_dir)  # the code that runs (read now: a commit made mid-run is not it)
     started_at = now()
-    set_threads(1, args.threads)
+    set_threads(args.workers, args.threads)
     encoder = args.encoder or offline_encoder_path()
     check_settings(args.out_dir, settings_of(args, encoder), SETTINGS_KEYS)
     lock = lock_out_dir(args.out_dir)  # noqa: F841 (held until the process exits)
     rec_path = os.path.join(args.out_dir, "records.jsonl")
     done = read_done(rec_path)
-    model, tok = load_model_and_tokenizer(args.model, args.dtype, "cocktail", args.device_map)
+    if args.workers == 1 and not args.report_only:
+        model, tok = load_model_and_tokenizer(args.model, args.dtype, "cocktail", args.device_map)
+    else:  # the workers load the model; here the tokenizer builds the cases
+        model, tok = None, load_tokenizer(args.model)
     cases = build_cases(args, tok)
     todo = [(c, [m for m in args.method_list if (c.key, m.name) not in done]) for c in cases]
     todo = [(c, ms) for c, ms in todo if ms]
@@ -196,7 +226,7 @@ def main(argv=None) -> int:
     if not args.report_only:
         update_run_info(args.out_dir, started_at, {"command": command_line(MODULE), "commit": commit,
                                                    "status": "running"})
-        ran = run_cases(args, model, tok, encoder, todo, rec_path, done, t_start)
+        ran = run_cases(args, argv, model, tok, encoder, todo, rec_path, done, t_start)
         if ran < len(todo):
             print(f"stopped after {ran} of {len(todo)} cases (--stop-after-minutes {args.stop_after_minutes:g}); "
                   "the same command resumes")
