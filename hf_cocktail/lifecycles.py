@@ -89,6 +89,18 @@ class CacheLifecycles:
         self._watch.arm()
         return enc.to(device) if device is not None else enc
 
+    def can_requery(self) -> bool:
+        """True when :meth:`requery` can answer a new question from this cache: a finished generate on one
+        document with ``keep_context_copy`` and only Cocktail layers (sliding-window / hybrid layers cannot be
+        rewound)."""
+        return (
+            bool(self.config.keep_context_copy)
+            and bool(self.layers)
+            and all(isinstance(layer, CocktailLayer) and layer.context_copy is not None for layer in self.layers)
+            and self._plans is not None
+            and len(self._plans) == 1
+        )
+
     def _check_requery(self, query: str) -> None:
         if not self.config.keep_context_copy:
             raise RuntimeError("requery() needs CocktailConfig(keep_context_copy=True) when the document is prefilled")

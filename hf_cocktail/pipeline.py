@@ -5,7 +5,9 @@
 
 The prompt is built with the tokenizer's chat template (a plain ``document / Question: / Answer:`` prompt when the
 tokenizer has none); the document is prefilled once and every further question is answered from that prefill
-(:meth:`CocktailCache.requery`: the search reruns for each question, only the question's tokens are computed).
+(:meth:`CocktailCache.requery`: the search reruns for each question, only the question's tokens are computed) —
+except on models with sliding-window or hybrid layers, whose state cannot be rewound: there each question gets its
+own prefill.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ class CocktailTextGenerationPipeline(Pipeline):
         results = []
         for i, question in enumerate(questions):
             prompt = build_prompt(self.tokenizer, context, question)
-            if i == 0:
+            if i == 0 or not cache.can_requery():  # sliding / hybrid models: a new prefill per question
                 inputs = cache.prepare_inputs(
                     self.tokenizer, prompt, contexts=context, queries=question, device=self.model.device
                 )

@@ -59,3 +59,16 @@ def test_pipeline_single_question_returns_a_dict_and_checks_its_inputs(tiny_toke
     with pytest.raises(TypeError, match="config must be a CocktailConfig"):
         pipe(context, question=q, config={"alpha": 0.3})
     assert torch.is_grad_enabled()
+
+
+def test_pipeline_on_a_sliding_window_model_prefills_each_question(tiny_tokenizer):
+    """Sliding layers cannot be rewound to the end of the document: each question gets its own prefill, and the
+    answers still equal the manual path."""
+    from .test_architectures import make_model
+
+    model = make_model("gemma3", "cocktail")
+    _, context, q1 = make_prompt(80, needle_at=40)
+    pipe = pipeline("cocktail-text-generation", model=model, tokenizer=tiny_tokenizer)
+    got = pipe(context, question=[q1, "w5 w6 w7 ?"], config=CFG, encoder=FakeEncoder(), **GEN)
+    for r in got:
+        assert (r["answer"], r["precision_map"]) == manual_answer(model, tiny_tokenizer, context, r["question"])
