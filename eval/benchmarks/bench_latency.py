@@ -6,15 +6,34 @@ in one run, plus the "no reorder" ablation of Cocktail's decode attention (``eva
 * no reorder: attention over precision segments vs chunk by chunk in the original order, on the real layer-0 store
   of a Cocktail cache at each context (PyTorch reference path), outputs checked to agree.
 
+* ``--rounds R`` (the decode measurement for speed claims on a shared machine): per context one full-precision
+  prefill shared by every method (``eval/benchmarks/rounds.py``), each method's cache branched from it, then ``R``
+  alternating rounds of ``--steps-per-round`` decode steps per method (a ``model.generate`` continuing the method's
+  cache; forward order on even rounds, reverse on odd ones). Reported: median ms/token over rounds and the median
+  over rounds of the per-round ratio to ``fp16`` (``DynamicCache``), with its range; ``setup s`` is the method's
+  cache construction from the prefill (search + quantization for Cocktail). Prefill speed: ``bench_prefill``.
+
+Methods: registry names, ``recommended`` (``CocktailConfig.recommended()``) and ``NAME:torch`` (a Cocktail method on
+the PyTorch path; plain names use ``backend="auto"``, the fused CPU kernel on CPU).
+
     python -m eval.benchmarks.bench_latency --quick
     python -m eval.benchmarks.bench_latency --contexts 1024,2048,4096,8192 --methods fp16,cocktail,int4,int2,kivi2
+    python -m eval.benchmarks.bench_latency --contexts 8000 --methods fp16,cocktail,recommended,int2,hqq4,quanto4 \
+        --rounds 5 --steps-per-round 8 --threads 2 --no-ablation --out eval/results/bench_latency_rounds_8k.json
 """
 
 from __future__ import annotations
 
+import torch
+from tqdm.auto import tqdm
+
 from ..cli import run_cli
-from .harness import parse_args, ratio, run, save
+from ..essays import essay_prefix
+from ..kv_bytes import cache_kv_bytes, fp16_kv_bytes
+from ..models import load_model_and_tokenizer, set_threads
+from .harness import measure, parse_args, ratio, run, save
 from .no_reorder import no_reorder_ablation
+from .rounds import alternating_rounds, branch_runner, cast_prefill, shared_prefill, summarize_rounds
 
 MODULE = "eval.benchmarks.bench_latency"
 
@@ -41,16 +60,73 @@ def ablation_table(abl: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def rounds_table(results: list[dict]) -> str:
+    lines = ["| context | method | dtype | decode ms/token (median) | min | ratio vs fp16 (median of rounds) | "
+             "ratio range | setup s | kv_ratio |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['context_tokens']} | {r['method']} | {r['dtype']} | {r['decode_ms_per_token']:.1f} | "
+                     f"{r['decode_ms_per_token_min']:.1f} | {r['decode_ratio']:.2f} | "
+                     f"{r['decode_ratio_min']:.2f}-{r['decode_ratio_max']:.2f} | {r['setup_s']:.2f} | "
+                     f"{r['kv_ratio']:.3f} |")
+    return "\n".join(lines)
+
+
+def run_rounds(args) -> tuple[list[dict], object, object]:
+    """The ``--rounds`` measurement at every context (see the module docstring)."""
+    set_threads(1, args.threads)
+    model, tok = load_model_and_tokenizer(args.model, args.dtype, "cocktail", args.device_map)
+    for m in args.method_list:  # first-call overheads (encoder loading, kernel build, hqq/quanto) out of the timing
+        measure(m, model, tok, essay_prefix(tok, 64, args.essay_dir), 2)
+    prefill_model = model
+    if args.prefill_dtype and args.prefill_dtype != args.dtype:
+        prefill_model, _ = load_model_and_tokenizer(args.model, args.prefill_dtype, "cocktail", args.device_map)
+    results = []
+    for ctx in args.context_list:
+        shared = shared_prefill(prefill_model, tok, ctx, args.essay_dir)
+        if prefill_model is not model:
+            shared = cast_prefill(shared, getattr(torch, args.dtype))
+        print(f"context {ctx}: prompt {shared.prompt_tokens} tokens, shared prefill {shared.prefill_s:.1f} s",
+              flush=True)
+        runners = [branch_runner(m, model, tok, shared) for m in args.method_list]
+        prompt_tokens, shared_prefill_s = shared.prompt_tokens, shared.prefill_s
+        del shared
+        for r in runners:
+            if args.warmup_steps:
+                r.decode(model, args.warmup_steps, tok.eos_token_id)
+                r.steps += args.warmup_steps
+        with tqdm(total=args.rounds * len(runners), desc=f"rounds {ctx}", dynamic_ncols=True) as bar:
+            alternating_rounds(runners, model, args.rounds, args.steps_per_round, tok.eos_token_id, bar)
+        for r, row in zip(runners, summarize_rounds(runners, args.steps_per_round)):
+            seq = int(r.cache.get_seq_length())
+            kv = cache_kv_bytes(r.cache)
+            row.update(context_tokens=prompt_tokens, requested_context=ctx, dtype=args.dtype, cache_tokens=seq,
+                       prefill_dtype=args.prefill_dtype or args.dtype, shared_prefill_s=shared_prefill_s,
+                       kv_bytes=kv, fp16_kv_bytes=fp16_kv_bytes(model.config, seq),
+                       kv_ratio=kv / fp16_kv_bytes(model.config, seq))
+            results.append(row)
+        print(rounds_table(results[-len(runners):]), flush=True)
+        del runners
+    return results, model, tok
+
+
 def main(argv=None) -> int:
-    args = parse_args(argv, MODULE, __doc__.split("\n\n")[0])
-    results, model, tok = run(args)
-    table = latency_table(results)
+    args = parse_args(argv, MODULE, __doc__.split("\n\n")[0], rounds=True)
+    if args.rounds:
+        results, model, tok = run_rounds(args)
+        table = rounds_table(results)
+        title = "Decode latency vs DynamicCache (alternating rounds from one shared prefill)"
+    else:
+        results, model, tok = run(args)
+        table = latency_table(results)
+        title = "Decode latency vs DynamicCache"
     print(table)
-    abl = no_reorder_ablation(model, tok, args.context_list, args.essay_dir)
-    abl_table = ablation_table(abl)
-    print(abl_table)
-    results_all = results + [dict(a, method="no_reorder_ablation") for a in abl]
-    save(args, MODULE, results_all, table + "\n" + abl_table, "Decode latency vs DynamicCache")
+    if not args.no_ablation:
+        abl = no_reorder_ablation(model, tok, args.context_list, args.essay_dir)
+        abl_table = ablation_table(abl)
+        print(abl_table)
+        results = results + [dict(a, method="no_reorder_ablation") for a in abl]
+        table += "\n" + abl_table
+    save(args, MODULE, results, table, title)
     return 0
 
 

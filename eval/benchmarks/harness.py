@@ -12,21 +12,12 @@ from ..cli import UsageError, parse_int_list
 from ..essays import essay_prefix
 from ..kv_bytes import cache_kv_bytes, fp16_kv_bytes
 from ..methods.kinds import Method, Request, cache_and_inputs
-from ..methods.registry import METHODS, parse_methods
+from ..methods.registry import METHODS
 from ..models import DTYPES, load_model_and_tokenizer, model_input_device, set_threads
 from ..records import write_json
 from ..run_info import command_line, git_commit, hardware_info
 from .generate_timing import timed_generate
-
-QUESTION = "What is the main point of these essays?"
-
-
-def make_prompt(tok, context: str) -> tuple[str, dict]:
-    content = context + "\n\nQuestion: " + QUESTION
-    if getattr(tok, "chat_template", None):
-        return tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                       add_generation_prompt=True), {"add_special_tokens": False}
-    return content, {}
+from .rounds import QUESTION, make_prompt, resolve_methods
 
 
 def measure(method: Method, model, tok, context: str, new_tokens: int, encoder: str | None = None) -> dict:
@@ -48,7 +39,8 @@ def measure(method: Method, model, tok, context: str, new_tokens: int, encoder: 
 
 
 def parse_args(argv=None, module: str = "", description: str = "",
-               default_methods: str = "fp16,cocktail,int4,int2,kivi2") -> argparse.Namespace:
+               default_methods: str = "fp16,cocktail,int4,int2,kivi2", rounds: bool = False) -> argparse.Namespace:
+    """The shared command line; ``rounds=True`` adds the alternating-rounds decode options of ``bench_latency``."""
     p = argparse.ArgumentParser(prog=f"python -m {module}", description=description,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--contexts", default=None, help="context lengths in tokens (default 1024,2048,4096,8192)")
@@ -62,6 +54,17 @@ def parse_args(argv=None, module: str = "", description: str = "",
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--essay-dir", default=None)
     p.add_argument("--out", default=None, help="also write the results to this JSON file (and a .md next to it)")
+    if rounds:
+        p.add_argument("--rounds", type=int, default=0,
+                       help="> 0: decode timed in this many alternating rounds from one shared prefill per context "
+                       "(eval/benchmarks/rounds.py) instead of one generate per method")
+        p.add_argument("--steps-per-round", type=int, default=8, help="decode steps per method and round")
+        p.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps per method first")
+        p.add_argument("--no-ablation", action="store_true", help="skip the no-reorder ablation")
+        p.add_argument("--prefill-dtype", default=None, choices=list(DTYPES),
+                       help="--rounds: run the shared prefill with a copy of the model in this dtype and cast its "
+                       "keys/values to --dtype (bfloat16 prefill is very slow on some CPUs; decode time does not "
+                       "depend on the values)")
     args = p.parse_args(argv)
     quick = {"contexts": "1024,2048", "new_tokens": 8, "methods": "fp16,cocktail,int2"}
     full = {"contexts": "1024,2048,4096,8192", "new_tokens": 32, "methods": default_methods}
@@ -73,7 +76,9 @@ def parse_args(argv=None, module: str = "", description: str = "",
         raise UsageError(f"--contexts must be >= 64 tokens, got {args.context_list}")
     if args.new_tokens < 2:
         raise UsageError("--new-tokens must be >= 2 (decode time needs at least one decode step)")
-    methods = parse_methods(args.methods)
+    if rounds and (args.rounds < 0 or args.steps_per_round < 1 or args.warmup_steps < 0):
+        raise UsageError("--rounds must be >= 0, --steps-per-round >= 1, --warmup-steps >= 0")
+    methods = resolve_methods(args.methods)  # registry names, recommended, NAME:BACKEND
     args.method_list = [METHODS["fp16"]] + [m for m in methods if m.name != "fp16"]  # fp16 first: the reference
     return args
 
@@ -93,6 +98,11 @@ def run(args) -> tuple[list[dict], object, object]:
     return results, model, tok
 
 
+def run_hardware() -> dict:
+    """``hardware_info()`` plus the OpenMP wait policy (see ``eval/benchmarks/__init__.py``)."""
+    return {**hardware_info(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+
+
 def ratio(a, b) -> float:
     return a / b if b else float("nan")
 
@@ -103,6 +113,6 @@ def save(args, module: str, results: list[dict], table: str, title: str) -> None
         return
     os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
     write_json(args.out, {"command": command_line(module), "commit": git_commit(exclude=args.out),
-                          "hardware": hardware_info(), "results": results})
+                          "hardware": run_hardware(), "results": results})
     with open(os.path.splitext(args.out)[0] + ".md", "w", encoding="utf-8") as f:
         f.write(f"# {title}\n\n`{command_line(module)}`\n\n{table}\n")
