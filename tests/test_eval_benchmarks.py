@@ -1,0 +1,192 @@
+"""The speed scripts' machinery (eval/benchmarks): method variants, alternating rounds from one shared prefill,
+batched branches, the decode-step profile's categories, the prefill timers, the throughput table and plot.
+Tiny random Llama and word-level tokenizer; no timing is asserted."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from eval.benchmarks import bench_latency, bench_throughput
+from eval.benchmarks.bench_prefill import Timers, instrumented, one_prefill
+from eval.benchmarks.instrument import patching
+from eval.benchmarks.profile_decode import ORDER, profile_runner
+from eval.benchmarks.rounds import (
+    Runner,
+    SharedPrefill,
+    alternating_rounds,
+    branch_runner,
+    resolve_method,
+    resolve_methods,
+    summarize_rounds,
+)
+from eval.cli import UsageError
+from eval.methods.branching import prefill
+from eval.methods.kinds import Request
+
+from .conftest import make_prompt, make_tiny_llama
+
+
+def test_method_variants():
+    m = resolve_method("cocktail:torch")
+    assert m.name == "cocktail:torch" and m.overrides["backend"] == "torch"
+    assert m.cocktail_config().backend == "torch"
+    assert resolve_method("int2:auto").overrides == {"uniform_bits": 2, "backend": "auto"}
+    assert resolve_method("cocktail").cocktail_config().backend == "auto"
+    rec = resolve_method("recommended")
+    assert rec.cocktail_config().rotation == "hadamard"
+    with pytest.raises(UsageError, match="Cocktail methods only"):
+        resolve_method("fp16:torch")
+    with pytest.raises(UsageError, match="backend suffix"):
+        resolve_method("cocktail:gpu")
+    with pytest.raises(UsageError, match="twice"):
+        resolve_methods("fp16,int2,fp16")
+    with pytest.raises(UsageError, match="unknown"):
+        resolve_methods("nope")
+
+
+class _FakeMethod:
+    def __init__(self, name):
+        self.name = name
+
+
+def test_summarize_rounds_takes_per_round_ratios():
+    base = Runner(_FakeMethod("fp16"), None, torch.zeros(1, 1), 0.0, round_s=[1.0, 2.0, 4.0])
+    other = Runner(_FakeMethod("x"), None, torch.zeros(1, 1), 0.5, round_s=[0.5, 1.8, 1.0])
+    rows = {r["method"]: r for r in summarize_rounds([base, other], steps=10)}
+    assert rows["fp16"]["decode_ratio"] == 1.0
+    assert rows["x"]["decode_ratio_rounds"] == [0.5, 0.9, 0.25]
+    assert rows["x"]["decode_ratio"] == 0.5  # median of the per-round ratios, not the ratio of medians (1.0/2.0)
+    assert rows["x"]["decode_ms_per_token"] == pytest.approx(100.0)
+    assert rows["x"]["decode_ms_per_token_min"] == pytest.approx(50.0)
+
+
+@pytest.fixture
+def tiny_shared(tiny_tokenizer):
+    model = make_tiny_llama(num_kv_heads=2, heads=4, head_dim=32, layers=2)
+    prompt, ctx, q = make_prompt(150, needle_at=40)
+    ids = tiny_tokenizer(prompt, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        dyn, logits = prefill(model, ids)
+    return model, SharedPrefill(Request(prompt, ctx, q, "t", {}), ids, dyn, logits, 0.0)
+
+
+@pytest.mark.parametrize("name", ["fp16", "int2", "int4:torch"])
+def test_batched_branch_decodes_like_batch_one(tiny_tokenizer, tiny_shared, name):
+    model, shared = tiny_shared
+    method = resolve_method(name)
+    one = branch_runner(method, model, tiny_tokenizer, shared)
+    three = branch_runner(method, model, tiny_tokenizer, shared, batch=3)
+    assert three.batch == 3 and three.cache.get_seq_length() == shared.prompt_tokens
+    one.decode(model, 4, 0)
+    three.decode(model, 4, 0)
+    assert three.ids.shape == (3, shared.prompt_tokens + 5)
+    for b in range(3):
+        assert torch.equal(three.ids[b], one.ids[0])
+    assert shared.dyn.get_seq_length() == shared.prompt_tokens  # the shared prefill is left intact
+
+
+def test_alternating_rounds_run_every_method_each_round(tiny_tokenizer, tiny_shared):
+    model, shared = tiny_shared
+    runners = [branch_runner(resolve_method(n), model, tiny_tokenizer, shared) for n in ("fp16", "int2")]
+    order = []
+    for r in runners:
+        real = r.decode
+
+        def decode(model, steps, pad, _real=real, _name=r.method.name):
+            order.append(_name)
+            return _real(model, steps, pad)
+
+        r.decode = decode
+    alternating_rounds(runners, model, rounds=3, steps=2, pad_token_id=0)
+    assert order == ["fp16", "int2", "int2", "fp16", "fp16", "int2"]
+    rows = summarize_rounds(runners, 2)
+    assert [r["rounds"] for r in rows] == [3, 3]
+    assert all(r.ids.shape[1] == shared.prompt_tokens + 1 + 6 for r in runners)
+
+
+@pytest.mark.parametrize("name", ["fp16", "int2", "int2:torch"])
+def test_profile_categories_add_up(tiny_tokenizer, tiny_shared, name):
+    model, shared = tiny_shared
+    run = branch_runner(resolve_method(name), model, tiny_tokenizer, shared)
+    run.decode(model, 1, 0)
+    b = profile_runner(run, model, 3, 0)
+    cats = b["categories"]
+    assert set(cats) == set(ORDER)
+    total = sum(c["ms_per_step"] for c in cats.values())
+    assert total == pytest.approx(b["total_ms_per_step"], rel=1e-6)  # exclusive times partition the step
+    for c in ("attention kernel", "cache update", "MLP", "q/k/v/o + rope"):
+        assert cats[c]["ms_per_step"] > 0, c
+    assert cats["rotation"]["ms_per_step"] == 0
+    assert 0 <= b["python_ms_per_step"] <= b["total_ms_per_step"]
+    # the wrappers are gone afterwards
+    from transformers.models.llama import modeling_llama as ml
+
+    assert not hasattr(ml.LlamaMLP.forward, "__wrapped__")
+
+
+def test_patching_restores_every_alias():
+    from hf_cocktail import quant, store
+
+    original = quant.quantize_pack_keys
+    with patching() as p:
+        n = p.function(original, lambda f: (lambda *a, **k: f(*a, **k)))
+        assert n >= 1 and quant.quantize_pack_keys is not original
+    assert quant.quantize_pack_keys is original
+    assert store.LayerStore.build.__func__ is store.LayerStore.__dict__["build"].__func__
+
+
+def test_timers_are_exclusive():
+    t = Timers()
+    with t.part("outer"):
+        with t.part("inner"):
+            sum(range(20000))
+        sum(range(20000))
+    assert set(t.totals) == {"outer", "inner"}
+    assert t.totals["outer"] > 0 and t.totals["inner"] > 0
+
+
+def test_prefill_parts(tiny_tokenizer):
+    model = make_tiny_llama(num_kv_heads=2, heads=4, head_dim=32, layers=2)
+    prompt, ctx, _ = make_prompt(150)
+    timers = Timers()
+    with instrumented(timers):
+        wall = one_prefill(resolve_method("int2"), model, tiny_tokenizer, prompt, ctx, {}, timers)
+        parts = dict(timers.totals)
+        wall_fp16 = one_prefill(resolve_method("fp16"), model, tiny_tokenizer, prompt, ctx, {}, timers)
+        fp16_parts = dict(timers.totals)
+    assert sum(parts.values()) == pytest.approx(wall, rel=0.05)
+    for p in ("tokenize", "context location", "chunk texts", "quantization", "store build", "positions", "model"):
+        assert parts.get(p, 0) > 0, p
+    assert "encoder" not in parts  # uniform bits: no search
+    assert set(fp16_parts) == {"model", "tokenize"} and sum(fp16_parts.values()) == pytest.approx(wall_fp16, rel=0.05)
+
+
+def test_throughput_table_and_plot(tmp_path):
+    rows = []
+    for budget in (256, 512):
+        for m, per_seq, tps in (("fp16", 94, 10.0), ("cocktail", 20, 30.0)):
+            batch = (budget * 2**20) // (per_seq * 2**20)
+            rows.append({"budget_mib": budget, "method": m, "per_sequence_bytes": per_seq * 2**20, "batch": batch,
+                         "batch_kv_bytes": batch * per_seq * 2**20, "batch_kv_bytes_held": 2 * batch * per_seq * 2**20,
+                         "tokens_per_s": tps * budget / 256, "ratio_vs_fp16": tps / 10.0, "ratio_min": 1.0,
+                         "ratio_max": 3.0, "ms_per_step": 100.0})
+    text = bench_throughput.table(rows)
+    assert "| 512 | cocktail | 20.0 | 25 |" in text
+    bench_throughput.plot(rows, str(tmp_path / "t.png"))
+    assert (tmp_path / "t.png").stat().st_size > 1000
+
+
+def test_cli_errors():
+    with pytest.raises(UsageError):
+        bench_throughput.parse_args(["--budgets-mib", "0"])
+    with pytest.raises(UsageError):
+        bench_throughput.parse_args(["--methods", "fp16,cocktail:gpu"])
+    with pytest.raises(UsageError):
+        bench_latency.parse_args(["--rounds", "-1"], bench_latency.MODULE, rounds=True)
+    args = bench_latency.parse_args(["--rounds", "3", "--methods", "cocktail,recommended,cocktail:torch"],
+                                    bench_latency.MODULE, rounds=True)
+    assert [m.name for m in args.method_list] == ["fp16", "cocktail", "recommended", "cocktail:torch"]
+    assert math.isfinite(args.rounds)
