@@ -29,7 +29,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -ra tests
 
 # ruff (lint + format check) over the code, mypy over the library
-LINT_PATHS ?= hf_cocktail triton_ops cpu_ops
+LINT_PATHS ?= hf_cocktail triton_ops cpu_ops tests eval
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)

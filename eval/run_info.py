@@ -42,9 +42,14 @@ def git_commit(exclude: str | None = None) -> str:
 
 
 def hardware_info() -> dict:
-    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "processor": platform.processor() or platform.machine()}
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "processor": platform.processor() or platform.machine(),
+    }
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -65,8 +70,11 @@ def command_line(module: str) -> str:
     args = " ".join(sys.argv[1:])
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world > 1:
-        launcher = ("accelerate launch --num_processes" if any(k.startswith("ACCELERATE_") for k in os.environ)
-                    else "torchrun --nproc_per_node")
+        launcher = (
+            "accelerate launch --num_processes"
+            if any(k.startswith("ACCELERATE_") for k in os.environ)
+            else "torchrun --nproc_per_node"
+        )
         return f"{launcher} {world} -m {module} {args}".rstrip()
     return f"python -m {module} {args}".rstrip()
 
@@ -95,12 +103,15 @@ def update_run_info(out_dir: str, started_at: str, invocation: dict, config: dic
     mine = next((x for x in past if x.get("started_at") == started_at), {})
     invocations = [x for x in past if x.get("started_at") != started_at]
     invocations.append({**mine, **invocation, "started_at": started_at})
-    info = {"command": invocations[0].get("command"), "commit": invocations[0].get("commit"),
-            "runtime_s": round(sum(x.get("runtime_s") or 0 for x in invocations), 1),
-            "unfinished_invocations": sum(1 for x in invocations if x.get("status") == "running"),
-            "hardware": old.get("hardware") or hardware_info(),
-            "config": old.get("config") or {},
-            "invocations": invocations}
+    info = {
+        "command": invocations[0].get("command"),
+        "commit": invocations[0].get("commit"),
+        "runtime_s": round(sum(x.get("runtime_s") or 0 for x in invocations), 1),
+        "unfinished_invocations": sum(1 for x in invocations if x.get("status") == "running"),
+        "hardware": old.get("hardware") or hardware_info(),
+        "config": old.get("config") or {},
+        "invocations": invocations,
+    }
     if config:
         methods = {**info["config"].get("methods", {}), **config.get("methods", {})}
         info["config"] = {**config, "methods": methods}

@@ -60,21 +60,35 @@ class CaseRunner:
         self.device = model_input_device(model)
         self.eos = eos_token_ids(model, tokenizer)
 
-    def run(self, request: Request, methods: list[Method], max_new_tokens: int, stop_ids: list[int] | None = None,
-            min_new_tokens: int = 0) -> Iterator[Outcome]:
+    def run(
+        self,
+        request: Request,
+        methods: list[Method],
+        max_new_tokens: int,
+        stop_ids: list[int] | None = None,
+        min_new_tokens: int = 0,
+    ) -> Iterator[Outcome]:
         """Prefill ``request`` once and yield each method's outcome (greedy, at most ``max_new_tokens``; stops at
         ``stop_ids``, default the model's EOS tokens)."""
         stop = self.eos if stop_ids is None else stop_ids
-        input_ids = self.tokenizer(request.prompt, return_tensors="pt",
-                                   **request.tokenizer_kwargs)["input_ids"].to(self.device)
+        input_ids = self.tokenizer(request.prompt, return_tensors="pt", **request.tokenizer_kwargs)["input_ids"].to(
+            self.device
+        )
         t0 = time.perf_counter()
         dyn, first_logits = prefill(self.model, input_ids)
         shared_prefill_s = time.perf_counter() - t0
         for method in methods:
             br = branch(method, self.model, self.tokenizer, dyn, input_ids, request, self.encoder)
             t1 = time.perf_counter()
-            new = generate_from_branch(self.model, br.cache, input_ids, first_logits, max_new_tokens,
-                                       eos_token_id=stop, min_new_tokens=min_new_tokens)
+            new = generate_from_branch(
+                self.model,
+                br.cache,
+                input_ids,
+                first_logits,
+                max_new_tokens,
+                eos_token_id=stop,
+                min_new_tokens=min_new_tokens,
+            )
             decode_s = time.perf_counter() - t1
             yield self._outcome(method, br, new, input_ids, shared_prefill_s, decode_s)
             del br
@@ -85,8 +99,18 @@ class CaseRunner:
     def _outcome(self, method, br, new, input_ids, shared_prefill_s, decode_s) -> Outcome:
         text = self.tokenizer.decode(new[0], skip_special_tokens=True)
         seq = int(br.cache.get_seq_length())
-        return Outcome(method, new, text, int(input_ids.shape[1]), seq, cache_kv_bytes(br.cache),
-                       fp16_kv_bytes(self.model.config, seq), shared_prefill_s, decode_s, br)
+        return Outcome(
+            method,
+            new,
+            text,
+            int(input_ids.shape[1]),
+            seq,
+            cache_kv_bytes(br.cache),
+            fp16_kv_bytes(self.model.config, seq),
+            shared_prefill_s,
+            decode_s,
+            br,
+        )
 
     def warm_up(self, methods: list[Method]) -> None:
         """Run every method once on a short prompt, untimed: first-call costs (encoder loading, optimum-quanto's

@@ -44,10 +44,20 @@ def make_tiny_llama(num_kv_heads=2, dtype=torch.float32, attn="cocktail", seed=0
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(WORDS) + 3, hidden_size=heads * head_dim, intermediate_size=128,
-                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=num_kv_heads,
-                      head_dim=head_dim, max_position_embeddings=2048, pad_token_id=0, bos_token_id=2,
-                      eos_token_id=None, attn_implementation=attn)
+    cfg = LlamaConfig(
+        vocab_size=len(WORDS) + 3,
+        hidden_size=heads * head_dim,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=2048,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=None,
+        attn_implementation=attn,
+    )
     model = LlamaForCausalLM(cfg).to(dtype).eval()
     return model
 

@@ -20,8 +20,18 @@ from hf_cocktail.layer import CocktailLayer
 from .conftest import WORDS, FakeEncoder, make_prompt
 
 V = len(WORDS) + 3
-COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=1024, pad_token_id=0, bos_token_id=2, eos_token_id=None)
+COMMON = dict(
+    vocab_size=V,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    pad_token_id=0,
+    bos_token_id=2,
+    eos_token_id=None,
+)
 W = 16  # sliding window of the sliding-window models (the prompts are ~100 tokens: the window matters)
 ALT = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 
@@ -31,26 +41,41 @@ ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}, ("cocktail", "sdpa")),
     "mistral_window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": W}, ("cocktail", "sdpa")),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}, ("cocktail", "sdpa")),
-    "qwen2_sliding": ("Qwen2Config", "Qwen2ForCausalLM",
-                      {"use_sliding_window": True, "sliding_window": W, "max_window_layers": 2}, ("cocktail", "sdpa")),
+    "qwen2_sliding": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        {"use_sliding_window": True, "sliding_window": W, "max_window_layers": 2},
+        ("cocktail", "sdpa"),
+    ),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}, ("cocktail", "sdpa")),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}, ("cocktail", "sdpa")),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}, ("cocktail", "sdpa")),
     # Gemma 2 soft-caps its attention logits: refused under "cocktail" (documented), supported under "eager"
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "sliding_window": W}, ("eager",)),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
-               {"head_dim": 16, "sliding_window": W, "layer_types": ALT}, ("cocktail", "sdpa")),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {"head_dim": 16, "sliding_window": W, "layer_types": ALT},
+        ("cocktail", "sdpa"),
+    ),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}, ("cocktail", "sdpa")),
     "granite": ("GraniteConfig", "GraniteForCausalLM", {}, ("cocktail", "sdpa")),
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", {}, ("cocktail", "sdpa")),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {}, ("cocktail", "sdpa")),
     "cohere": ("CohereConfig", "CohereForCausalLM", {}, ("cocktail", "sdpa")),
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"sliding_window": W}, ("cocktail", "sdpa")),
-    "alternating": ("Qwen2Config", "Qwen2ForCausalLM",  # gpt-oss-style alternating sliding / full layers
-                    {"use_sliding_window": True, "sliding_window": W, "layer_types": ALT}, ("cocktail", "sdpa")),
-    "lfm2_hybrid": ("Lfm2Config", "Lfm2ForCausalLM",
-                    {"layer_types": ["conv", "full_attention", "conv", "full_attention"], "norm_eps": 1e-5},
-                    ("cocktail", "sdpa")),
+    "alternating": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",  # gpt-oss-style alternating sliding / full layers
+        {"use_sliding_window": True, "sliding_window": W, "layer_types": ALT},
+        ("cocktail", "sdpa"),
+    ),
+    "lfm2_hybrid": (
+        "Lfm2Config",
+        "Lfm2ForCausalLM",
+        {"layer_types": ["conv", "full_attention", "conv", "full_attention"], "norm_eps": 1e-5},
+        ("cocktail", "sdpa"),
+    ),
 }
 GEN = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True)
 
@@ -98,7 +123,9 @@ def test_uniform16_equals_the_models_default_cache(tiny_tokenizer, name, attn):
 ALL_SLIDING = ("mistral_window", "starcoder2")  # every layer sliding: nothing for Cocktail to quantize
 
 
-@pytest.mark.parametrize("name", [n for n, (*_, attns) in ARCHS.items() if "cocktail" in attns and n not in ALL_SLIDING])
+@pytest.mark.parametrize(
+    "name", [n for n, (*_, attns) in ARCHS.items() if "cocktail" in attns and n not in ALL_SLIDING]
+)
 def test_paper_settings_under_cocktail_equal_the_dequantized_reference(tiny_tokenizer, name):
     prompt, ctx, q = make_prompt(90, needle_at=45)
     outs = {}

@@ -10,14 +10,11 @@ import json
 import os
 import types
 
-import pytest
-
 import huggingface_hub
+import pytest
 from huggingface_hub import constants, errors
 
-from hf_cocktail import CocktailConfig
-from hf_cocktail import hub as cocktail_hub
-from hf_cocktail import model_card
+from hf_cocktail import CocktailConfig, model_card
 from hf_cocktail.config import CONFIG_NAME, FORMAT_VERSION
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,6 +58,7 @@ def _front_matter(card: str) -> dict:
 @pytest.fixture
 def no_network(monkeypatch):
     """Fail any Hub call that the test did not patch."""
+
     def boom(*a, **k):
         raise AssertionError(f"unexpected Hub call {a} {k}")
 
@@ -94,16 +92,27 @@ def fake_hub(monkeypatch):
                     rec.uploaded[name] = f.read()
         return types.SimpleNamespace(commit_url=f"https://hf.co/{repo_id}/commit/1")
 
-    for name, fn in dict(create_repo=create_repo, create_branch=create_branch, file_exists=file_exists,
-                         upload_folder=upload_folder).items():
+    for name, fn in dict(
+        create_repo=create_repo, create_branch=create_branch, file_exists=file_exists, upload_folder=upload_folder
+    ).items():
         monkeypatch.setattr(huggingface_hub.HfApi, name, fn)
     return rec
 
 
 # ---------------------------------------------------------------------------------------------------- local folders
 def test_folder_round_trip_and_overrides(tmp_path):
-    cfg = CocktailConfig(chunk_size=16, alpha=0.5, beta=0.25, encoder="org/enc", group_size=64, uniform_bits=4,
-                         backend="torch", scale_dtype="float32", encoder_batch_size=8, encoder_device="cpu")
+    cfg = CocktailConfig(
+        chunk_size=16,
+        alpha=0.5,
+        beta=0.25,
+        encoder="org/enc",
+        group_size=64,
+        uniform_bits=4,
+        backend="torch",
+        scale_dtype="float32",
+        encoder_batch_size=8,
+        encoder_device="cpu",
+    )
     path = cfg.save_pretrained(tmp_path)
     assert path == os.path.join(tmp_path, CONFIG_NAME)
     with open(path) as f:
@@ -155,8 +164,13 @@ def test_missing_local_file_errors(tmp_path, no_network):
 # ---------------------------------------------------------------------------------------------------- presets
 def test_presets_exist():
     names = {os.path.basename(os.path.dirname(p)) for p in PRESETS}
-    assert {"llama-2-7b-chat", "llama-2-13b-chat", "mistral-7b-instruct", "longchat-7b",
-            "smollm2-135m-instruct"} <= names
+    assert {
+        "llama-2-7b-chat",
+        "llama-2-13b-chat",
+        "mistral-7b-instruct",
+        "longchat-7b",
+        "smollm2-135m-instruct",
+    } <= names
 
 
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: os.path.basename(os.path.dirname(p)))
@@ -188,7 +202,7 @@ def test_smollm2_preset_offline_encoder_override():
     cfg = CocktailConfig.from_pretrained(folder, encoder=hf_cocktail.offline_encoder_path())
     assert os.path.isfile(os.path.join(cfg.encoder, "config.json"))
     card = open(os.path.join(folder, "README.md")).read()
-    assert 'encoder=hf_cocktail.offline_encoder_path()' in card
+    assert "encoder=hf_cocktail.offline_encoder_path()" in card
 
 
 # ---------------------------------------------------------------------------------------------------- model cards
@@ -196,12 +210,20 @@ def test_model_card_without_results():
     cfg = CocktailConfig(chunk_size=64)
     card = model_card.make_model_card(cfg, "org/base-model", notes="A note.", name_or_path="me/cocktail-x")
     fm = _front_matter(card)
-    assert fm == {"library_name": "hf-cocktail", "base_model": "org/base-model", "license": "apache-2.0",
-                  "tags": ["kv-cache", "quantization", "cocktail", "long-context"]}
+    assert fm == {
+        "library_name": "hf-cocktail",
+        "base_model": "org/base-model",
+        "license": "apache-2.0",
+        "tags": ["kv-cache", "quantization", "cocktail", "long-context"],
+    }
     assert "```json\n" + cfg.to_json_string() + "```" in card
-    for snippet in ('CocktailCache(CocktailConfig.from_pretrained("me/cocktail-x"))', 'attn_implementation="cocktail"',
-                    "cache.prepare_inputs(tokenizer, prompt, contexts=doc, queries=question",
-                    "model.generate(**inputs, past_key_values=cache", "A note."):
+    for snippet in (
+        'CocktailCache(CocktailConfig.from_pretrained("me/cocktail-x"))',
+        'attn_implementation="cocktail"',
+        "cache.prepare_inputs(tokenizer, prompt, contexts=doc, queries=question",
+        "model.generate(**inputs, past_key_values=cache",
+        "A note.",
+    ):
         assert snippet in card
     assert "No evaluation results yet: not measured here." in card
     assert "| method |" not in card
@@ -211,16 +233,26 @@ def test_model_card_without_results():
 
 def test_model_card_results_table(tmp_path):
     (tmp_path / "summary.csv").write_text(CSV)
-    card = model_card.make_model_card(CocktailConfig(), "org/base", results=tmp_path / "summary.csv",
-                                        hardware={"gpu": "H200", "cpu": "16 cores"}, commit="0123abc",
-                                        command="python eval/run.py", runtime_s=61.6)
+    card = model_card.make_model_card(
+        CocktailConfig(),
+        "org/base",
+        results=tmp_path / "summary.csv",
+        hardware={"gpu": "H200", "cpu": "16 cores"},
+        commit="0123abc",
+        command="python eval/run.py",
+        runtime_s=61.6,
+    )
     assert "| method | score | kv_ratio | prefill_s | decode_ms_per_token | n |" in card
     assert "| cocktail | 28.75 | 0.3125 | 1.4 | 12 | 40 |" in card
     assert "| qasper | cocktail | 31.23 | 0.3125 | 1.5 | 12.25 | 20 |" in card
     assert "| average |" not in card  # averages get their own table
     assert card.index("| fp16 | 30.1 |") < card.index("Per task")
-    for s in ("Hardware: gpu: H200, cpu: 16 cores", "Commit: `0123abc`", "Command: `python eval/run.py`",
-              "Runtime: 62 s"):
+    for s in (
+        "Hardware: gpu: H200, cpu: 16 cores",
+        "Commit: `0123abc`",
+        "Command: `python eval/run.py`",
+        "Runtime: 62 s",
+    ):
         assert s in card
     assert "No evaluation results" not in card
     (tmp_path / "bad.csv").write_text("task,method,score\nqasper,cocktail,1\n")
@@ -241,9 +273,16 @@ def test_card_script_reads_results_and_run_info(tmp_path):
     script = _load_script()
     folder = tmp_path / "model_cards" / "p"
     CocktailConfig().save_pretrained(folder, model_card=False)
-    (folder / "card_meta.json").write_text(json.dumps({
-        "base_model": "org/base", "notes": ["load {name_or_path}"], "results": "eval/results/summary.csv",
-        "run_info": "eval/results/run_info.json"}))
+    (folder / "card_meta.json").write_text(
+        json.dumps(
+            {
+                "base_model": "org/base",
+                "notes": ["load {name_or_path}"],
+                "results": "eval/results/summary.csv",
+                "run_info": "eval/results/run_info.json",
+            }
+        )
+    )
     card = script.build_card(str(folder), "model_cards/p", root=str(tmp_path))
     assert "No evaluation results yet: not measured here (`eval/results/summary.csv` does not exist yet)." in card
     assert "load model_cards/p" in card
@@ -252,8 +291,11 @@ def test_card_script_reads_results_and_run_info(tmp_path):
     with pytest.warns(UserWarning, match="run info"):
         card = script.build_card(str(folder), "model_cards/p", root=str(tmp_path))
     assert "| cocktail | 28.75 |" in card and "Commit: not recorded" in card
-    (tmp_path / "eval" / "results" / "run_info.json").write_text(json.dumps(
-        {"command": "python eval/run_all.py", "commit": "feedbeef", "runtime_s": 10, "hardware": "2 CPU cores"}))
+    (tmp_path / "eval" / "results" / "run_info.json").write_text(
+        json.dumps(
+            {"command": "python eval/run_all.py", "commit": "feedbeef", "runtime_s": 10, "hardware": "2 CPU cores"}
+        )
+    )
     card = script.build_card(str(folder), "model_cards/p", root=str(tmp_path))
     assert "Commit: `feedbeef`" in card and "Hardware: 2 CPU cores" in card and "`python eval/run_all.py`" in card
     (folder / "card_meta.json").write_text(json.dumps({"base_model": "org/base", "licence": "mit"}))
@@ -281,9 +323,13 @@ def test_hub_id_offline_with_empty_cache(tmp_path, monkeypatch, how):
     with pytest.raises(OSError) as ei:
         CocktailConfig.from_pretrained("some-org/cocktail-missing", local_files_only=how == "local_files_only")
     msg = str(ei.value)
-    for s in ("'some-org/cocktail-missing'", CONFIG_NAME, "the Hub is offline (HF_HUB_OFFLINE=1 or local_files_only",
-              "pass a local folder",
-              str(tmp_path / "hub")):
+    for s in (
+        "'some-org/cocktail-missing'",
+        CONFIG_NAME,
+        "the Hub is offline (HF_HUB_OFFLINE=1 or local_files_only",
+        "pass a local folder",
+        str(tmp_path / "hub"),
+    ):
         assert s in msg
     assert isinstance(ei.value.__cause__, errors.LocalEntryNotFoundError)
     assert len(calls) == 1 and calls[0][0][:2] == ("some-org/cocktail-missing", CONFIG_NAME)
@@ -300,10 +346,9 @@ def test_hub_id_served_from_local_cache(tmp_path, monkeypatch):
     (repo / "refs" / "v1").write_text(commit)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     calls = _spy_download(monkeypatch)
-    got = CocktailConfig.from_pretrained("some-org/cocktail-x", revision="v1", cache_dir=tmp_path / "hub",
-                                         beta=0.2)
+    got = CocktailConfig.from_pretrained("some-org/cocktail-x", revision="v1", cache_dir=tmp_path / "hub", beta=0.2)
     assert got == dataclasses.replace(cfg, beta=0.2)
-    (a, k), = calls
+    ((a, k),) = calls
     assert a == ("some-org/cocktail-x", CONFIG_NAME) and k["revision"] == "v1"
     assert k["cache_dir"] == tmp_path / "hub" and k["local_files_only"] is False
     with pytest.raises(OSError, match="revision 'main'"):  # only v1 is cached
@@ -322,16 +367,24 @@ def test_hub_download_arguments_and_error_mapping(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
     cfg = CocktailConfig.from_pretrained("org/repo", revision="abc", token="hf_x", local_files_only=True)
     assert cfg.chunk_size == 4
-    assert (seen["repo_id"], seen["filename"], seen["revision"], seen["token"], seen["local_files_only"]) == \
-        ("org/repo", CONFIG_NAME, "abc", "hf_x", True)
+    assert (seen["repo_id"], seen["filename"], seen["revision"], seen["token"], seen["local_files_only"]) == (
+        "org/repo",
+        CONFIG_NAME,
+        "abc",
+        "hf_x",
+        True,
+    )
 
     httpx = importlib.import_module(errors.HfHubHTTPError.__mro__[1].__module__.split(".")[0])
     response = httpx.Response(404, request=httpx.Request("GET", "https://huggingface.co/org/repo"))
-    cases = [(errors.EntryNotFoundError("x"), FileNotFoundError, f"Hub repo 'org/repo' has no {CONFIG_NAME}"),
-             (errors.RepositoryNotFoundError("x", response=response), OSError, "no such Hub repo exists"),
-             (errors.RevisionNotFoundError("x", response=response), OSError, "revision 'main' does not exist"),
-             (errors.GatedRepoError("x", response=response), OSError, "is gated")]
+    cases = [
+        (errors.EntryNotFoundError("x"), FileNotFoundError, f"Hub repo 'org/repo' has no {CONFIG_NAME}"),
+        (errors.RepositoryNotFoundError("x", response=response), OSError, "no such Hub repo exists"),
+        (errors.RevisionNotFoundError("x", response=response), OSError, "revision 'main' does not exist"),
+        (errors.GatedRepoError("x", response=response), OSError, "is gated"),
+    ]
     for exc, kind, msg in cases:
+
         def raise_it(*a, _e=exc, **k):
             raise _e
 
@@ -342,8 +395,14 @@ def test_hub_download_arguments_and_error_mapping(tmp_path, monkeypatch):
 
 def test_push_to_hub_uploads_config_and_card(fake_hub):
     cfg = CocktailConfig(chunk_size=16)
-    info = cfg.push_to_hub("me/cocktail-test", commit_message="add config", private=True, token="hf_x",
-                           revision="dev", base_model="org/base")
+    info = cfg.push_to_hub(
+        "me/cocktail-test",
+        commit_message="add config",
+        private=True,
+        token="hf_x",
+        revision="dev",
+        base_model="org/base",
+    )
     assert info.commit_url.startswith("https://hf.co/me/cocktail-test")
     kinds = [c[0] for c in fake_hub.calls]
     assert kinds == ["file_exists", "create_repo", "create_branch", "upload_folder"]

@@ -46,7 +46,7 @@ def test_prepare_inputs_locates_context_and_chunks(tiny_tokenizer):
     enc = cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q)
     plan = cache.plans[0]
     ids = enc["input_ids"][0]
-    assert tiny_tokenizer.decode(ids[plan.ctx_start:plan.ctx_end]) == ctx
+    assert tiny_tokenizer.decode(ids[plan.ctx_start : plan.ctx_end]) == ctx
     assert plan.num_chunks == 6 and plan.chunk_texts[0] == " ".join(ctx.split()[:8])
     assert plan.query == q
 
@@ -149,7 +149,7 @@ def test_batch_of_two_different_lengths_equals_each_alone(tiny_llama, tiny_token
         alone, acache, ainp = run(tiny_llama, tiny_tokenizer, p, c, q, config)
         assert bcache.precision_map()[i] == acache.precision_map()[0]
         n = ainp["input_ids"].shape[1]
-        assert torch.equal(batch.sequences[i, -GEN["max_new_tokens"]:], alone.sequences[0, n:])
+        assert torch.equal(batch.sequences[i, -GEN["max_new_tokens"] :], alone.sequences[0, n:])
         torch.testing.assert_close(logits(batch)[i], logits(alone)[0], rtol=1e-4, atol=1e-4)
 
 
@@ -178,8 +178,10 @@ def _random_store(lengths_full, lengths4, lengths2, H=2, D=32, C=8, G=16, seed=0
     g = torch.Generator().manual_seed(seed)
     rnd = lambda n: torch.randn(H, n, D, generator=g)  # noqa: E731
     full = FullPart.from_sequences([rnd(n) for n in lengths_full], [rnd(n) for n in lengths_full])
-    segs = [PackedSegment.from_sequences([rnd(n) for n in ls], [rnd(n) for n in ls], bits, C, G, torch.float16)
-            for bits, ls in ((4, lengths4), (2, lengths2))]
+    segs = [
+        PackedSegment.from_sequences([rnd(n) for n in ls], [rnd(n) for n in ls], bits, C, G, torch.float16)
+        for bits, ls in ((4, lengths4), (2, lengths2))
+    ]
     return LayerStore(full, segs)
 
 

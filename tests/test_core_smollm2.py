@@ -17,8 +17,9 @@ def test_uniform16_gives_dynamic_cache_logits(smollm2):
     prompt = build_prompt(tok, doc, question)
     gen = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True)
     cache = CocktailCache(CocktailConfig(uniform_bits=16, backend="torch"))
-    out = model.generate(**cache.prepare_inputs(tok, prompt, contexts=doc, queries=question),
-                         **cache_kwargs(model, cache), **gen)
+    out = model.generate(
+        **cache.prepare_inputs(tok, prompt, contexts=doc, queries=question), **cache_kwargs(model, cache), **gen
+    )
     ref = model.generate(**tok(prompt, return_tensors="pt"), **cache_kwargs(model, DynamicCache()), **gen)
     assert torch.equal(out.sequences, ref.sequences)
     torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), rtol=1e-4, atol=1e-4)
@@ -36,7 +37,7 @@ def test_needle_end_to_end_with_minilm(smollm2, minilm):
     inputs = cache.prepare_inputs(tok, prompt, contexts=doc, queries=question)
     assert inputs["input_ids"].shape[1] > 1500
     out = model.generate(**inputs, **cache_kwargs(model, cache), max_new_tokens=20, do_sample=False)
-    text = tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    text = tok.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     bits = cache.precision_map()[0]
     plan = cache.plans[0]
     needle_chunk = next(i for i, t in enumerate(plan.chunk_texts) if "Harbor Archive" in t)
@@ -62,8 +63,9 @@ def test_triton_backend_matches_torch_backend_on_smollm2(smollm2):
     outs = []
     for backend in ("torch", "triton"):
         cache = CocktailCache(CocktailConfig(scorer="bm25", target_bits=6.0, backend=backend))
-        out = model.generate(**cache.prepare_inputs(tok, prompt, contexts=doc, queries=question),
-                             **cache_kwargs(model, cache), **gen)
+        out = model.generate(
+            **cache.prepare_inputs(tok, prompt, contexts=doc, queries=question), **cache_kwargs(model, cache), **gen
+        )
         outs.append((out, cache))
     (a, ca), (b, cb) = outs
     assert ca.precision_map() == cb.precision_map() and len(set(ca.precision_map()[0])) == 3

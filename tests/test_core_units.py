@@ -5,8 +5,7 @@ import json
 import pytest
 import torch
 
-from hf_cocktail import CocktailConfig
-from hf_cocktail import quant
+from hf_cocktail import CocktailConfig, quant
 from hf_cocktail.planning import assign_precisions
 from hf_cocktail.scoring import score_chunks
 
@@ -14,19 +13,22 @@ from .conftest import ConstEncoder, FakeEncoder
 
 
 # ----------------------------------------------------------------------------- config
-@pytest.mark.parametrize("kwargs, needle", [
-    ({"chunk_size": 0}, "chunk_size"),
-    ({"chunk_size": 2.5}, "chunk_size"),
-    ({"alpha": 1.5}, "alpha"),
-    ({"beta": -0.1}, "beta"),
-    ({"alpha": 0.7, "beta": 0.5}, "alpha + beta"),
-    ({"encoder": ""}, "encoder"),
-    ({"group_size": 24}, "group_size"),
-    ({"uniform_bits": 8}, "uniform_bits"),
-    ({"uniform_bits": True}, "uniform_bits"),
-    ({"backend": "cuda"}, "backend"),
-    ({"scale_dtype": "int8"}, "scale_dtype"),
-])
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"chunk_size": 0}, "chunk_size"),
+        ({"chunk_size": 2.5}, "chunk_size"),
+        ({"alpha": 1.5}, "alpha"),
+        ({"beta": -0.1}, "beta"),
+        ({"alpha": 0.7, "beta": 0.5}, "alpha + beta"),
+        ({"encoder": ""}, "encoder"),
+        ({"group_size": 24}, "group_size"),
+        ({"uniform_bits": 8}, "uniform_bits"),
+        ({"uniform_bits": True}, "uniform_bits"),
+        ({"backend": "cuda"}, "backend"),
+        ({"scale_dtype": "int8"}, "scale_dtype"),
+    ],
+)
 def test_config_rejects_bad_values_naming_argument_and_value(kwargs, needle):
     with pytest.raises(ValueError) as e:
         CocktailConfig(**kwargs)
@@ -84,9 +86,9 @@ def test_keys_error_within_half_step_per_group(bits, N, scale_dtype):
     assert codes.shape == (2, N, 32 * bits // 8) and scale.shape == (2, M, 32) and scale.dtype == scale_dtype
     deq = quant.dequantize_keys(codes, scale, zero, bits, C)
     for m in range(M):
-        grp = k[:, m * C:(m + 1) * C]
+        grp = k[:, m * C : (m + 1) * C]
         bound = _step_bound(grp.amin(1, keepdim=True), grp.amax(1, keepdim=True), bits, scale_dtype)
-        assert ((deq[:, m * C:(m + 1) * C] - grp).abs() <= bound + 1e-6).all()
+        assert ((deq[:, m * C : (m + 1) * C] - grp).abs() <= bound + 1e-6).all()
 
 
 @pytest.mark.parametrize("bits", [2, 4])

@@ -110,8 +110,14 @@ def test_2k_token_generation_appends_in_amortised_constant_time(tiny_tokenizer, 
     inputs = cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q)
     L, new = inputs["input_ids"].shape[1], 2048
     with torch.no_grad():
-        out = model.generate(**inputs, **cache_kwargs(model, cache), max_new_tokens=new, min_new_tokens=new,
-                             do_sample=False, pad_token_id=0)
+        out = model.generate(
+            **inputs,
+            **cache_kwargs(model, cache),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+        )
     assert out.shape[1] == L + new
     assert cache.get_seq_length() == L + new - 1  # the last token is never fed back
     assert len(watch.buffers) == model.config.num_hidden_layers  # one full part per layer, appended to every step
@@ -143,7 +149,13 @@ def test_decode_step_hands_the_kernel_a_view_not_a_copy(tiny_tokenizer, monkeypa
     cache = CocktailCache(CocktailConfig(chunk_size=16, group_size=16, backend=backend), encoder=FakeEncoder())
     inputs = cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q)
     with torch.no_grad():
-        model.generate(**inputs, **cache_kwargs(model, cache), max_new_tokens=20, min_new_tokens=20,
-                       do_sample=False, pad_token_id=0)
+        model.generate(
+            **inputs,
+            **cache_kwargs(model, cache),
+            max_new_tokens=20,
+            min_new_tokens=20,
+            do_sample=False,
+            pad_token_id=0,
+        )
     assert len(seen) == 19
     assert all(a == b for a, b in seen)

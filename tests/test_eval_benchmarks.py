@@ -132,7 +132,7 @@ def test_patching_restores_every_alias():
 
     original = quant.quantize_pack_keys
     with patching() as p:
-        n = p.function(original, lambda f: (lambda *a, **k: f(*a, **k)))
+        n = p.function(original, lambda f: lambda *a, **k: f(*a, **k))
         assert n >= 1 and quant.quantize_pack_keys is not original
     assert quant.quantize_pack_keys is original
     assert store.LayerStore.build.__func__ is store.LayerStore.__dict__["build"].__func__
@@ -169,10 +169,21 @@ def test_throughput_table_and_plot(tmp_path):
     for budget in (256, 512):
         for m, per_seq, tps in (("fp16", 94, 10.0), ("cocktail", 20, 30.0)):
             batch = (budget * 2**20) // (per_seq * 2**20)
-            rows.append({"budget_mib": budget, "method": m, "per_sequence_bytes": per_seq * 2**20, "batch": batch,
-                         "batch_kv_bytes": batch * per_seq * 2**20, "batch_kv_bytes_held": 2 * batch * per_seq * 2**20,
-                         "tokens_per_s": tps * budget / 256, "ratio_vs_fp16": tps / 10.0, "ratio_min": 1.0,
-                         "ratio_max": 3.0, "ms_per_step": 100.0})
+            rows.append(
+                {
+                    "budget_mib": budget,
+                    "method": m,
+                    "per_sequence_bytes": per_seq * 2**20,
+                    "batch": batch,
+                    "batch_kv_bytes": batch * per_seq * 2**20,
+                    "batch_kv_bytes_held": 2 * batch * per_seq * 2**20,
+                    "tokens_per_s": tps * budget / 256,
+                    "ratio_vs_fp16": tps / 10.0,
+                    "ratio_min": 1.0,
+                    "ratio_max": 3.0,
+                    "ms_per_step": 100.0,
+                }
+            )
     text = bench_throughput.table(rows)
     assert "| 512 | cocktail | 20.0 | 25 |" in text
     bench_throughput.plot(rows, str(tmp_path / "t.png"))
@@ -186,7 +197,8 @@ def test_cli_errors():
         bench_throughput.parse_args(["--methods", "fp16,cocktail:gpu"])
     with pytest.raises(UsageError):
         bench_latency.parse_args(["--rounds", "-1"], bench_latency.MODULE, rounds=True)
-    args = bench_latency.parse_args(["--rounds", "3", "--methods", "cocktail,recommended,cocktail:torch"],
-                                    bench_latency.MODULE, rounds=True)
+    args = bench_latency.parse_args(
+        ["--rounds", "3", "--methods", "cocktail,recommended,cocktail:torch"], bench_latency.MODULE, rounds=True
+    )
     assert [m.name for m in args.method_list] == ["fp16", "cocktail", "recommended", "cocktail:torch"]
     assert math.isfinite(args.rounds)

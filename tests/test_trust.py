@@ -87,7 +87,7 @@ def test_deepcopy_shares_the_encoder_and_copies_a_prepared_cache(tiny_llama, tin
     assert torch.equal(a.sequences, b.sequences) and cache.precision_map() == copied.precision_map()
 
 
-# ----------------------------------------------------------------------------- item 3: the prefill is the prepared prompt
+# ------------------------------------------------------------------------- item 3: the prefill is the prepared prompt
 @pytest.mark.parametrize("attn", ["cocktail", "sdpa"])
 @pytest.mark.parametrize("other", ["same_length", "longer"])
 def test_a_prefill_of_other_input_ids_is_refused(tiny_tokenizer, attn, other):
@@ -110,8 +110,7 @@ def test_a_batch_other_than_the_prepared_one_is_refused(tiny_llama, tiny_tokeniz
     p2, c2, q2 = make_prompt(40, seed=2)
     cache = CocktailCache(cfg(**QUANT), encoder=FakeEncoder())
     cache.prepare_inputs(tiny_tokenizer, [p1, p2], contexts=[c1, c2], queries=[q1, q2])
-    other = CocktailCache(cfg(**QUANT)).prepare_inputs(tiny_tokenizer, [p2, p1], contexts=[c2, c1],
-                                                      queries=[q2, q1])
+    other = CocktailCache(cfg(**QUANT)).prepare_inputs(tiny_tokenizer, [p2, p1], contexts=[c2, c1], queries=[q2, q1])
     with pytest.raises(ValueError, match=r"differ from the prompt prepared by prepare_inputs \(sequence 0"):
         generate(tiny_llama, cache, other)
 
@@ -161,7 +160,7 @@ def test_a_prefix_covering_the_context_then_generate_is_allowed(tiny_llama, tiny
     cache = CocktailCache(cfg(**QUANT), encoder=FakeEncoder())
     inputs = cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q)
     with torch.no_grad():
-        tiny_llama(input_ids=inputs["input_ids"][:, :cache.plans[0].ctx_end + 1], **cache_kwargs(tiny_llama, cache))
+        tiny_llama(input_ids=inputs["input_ids"][:, : cache.plans[0].ctx_end + 1], **cache_kwargs(tiny_llama, cache))
     out = generate(tiny_llama, cache, inputs)
     ref_cache = CocktailCache(cfg(**QUANT), encoder=FakeEncoder())
     ref = generate(tiny_llama, ref_cache, ref_cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q))
@@ -179,10 +178,12 @@ def _bpe_tokenizer():
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
     tk.post_processor = processors.ByteLevel(trim_offsets=True)
-    trainer = trainers.BpeTrainer(vocab_size=320, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<|endoftext|>"])
-    tk.train_from_iterator(["東京は日本の首都です。大阪も大きな都市です。", "emoji 😀🎉 fun", "the question is what"],
-                           trainer)
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<|endoftext|>"]
+    )
+    tk.train_from_iterator(
+        ["東京は日本の首都です。大阪も大きな都市です。", "emoji 😀🎉 fun", "the question is what"], trainer
+    )
     return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>")
 
 
@@ -191,8 +192,30 @@ def _wordpiece_tokenizer():
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = ["[PAD]", "[UNK]", "the", "secret", "code", "is", "what", "?", ".", ",", "cafe", "paris", "in", "a",
-             "doc", "##s", "##ing", "question", ":", "read", "open", "##ed"]
+    words = [
+        "[PAD]",
+        "[UNK]",
+        "the",
+        "secret",
+        "code",
+        "is",
+        "what",
+        "?",
+        ".",
+        ",",
+        "cafe",
+        "paris",
+        "in",
+        "a",
+        "doc",
+        "##s",
+        "##ing",
+        "question",
+        ":",
+        "read",
+        "open",
+        "##ed",
+    ]
     tk = Tokenizer(models.WordPiece({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tk.normalizer = normalizers.BertNormalizer(lowercase=True, strip_accents=True)
     tk.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
@@ -202,7 +225,7 @@ def _wordpiece_tokenizer():
 
 def _covered_context(prompt, plan, offsets):
     """The prompt's characters from the first to the last token of the plan's chunked span."""
-    return prompt[int(offsets[plan.ctx_start, 0]):int(offsets[plan.ctx_end - 1, 1])]
+    return prompt[int(offsets[plan.ctx_start, 0]) : int(offsets[plan.ctx_end - 1, 1])]
 
 
 @pytest.mark.parametrize("sink, recent", [(0, 0), (4, 3)])
@@ -218,8 +241,9 @@ def test_chunk_texts_of_a_byte_level_bpe_document_are_its_characters(sink, recen
     plan = cache.plans[0]
     offsets = tok(prompt, return_offsets_mapping=True)["offset_mapping"]
     offsets = torch.tensor(offsets)
-    decoded = [tok.decode(tok(prompt)["input_ids"][a:b]) for a, b in
-               (plan.chunk_range(i, 5) for i in range(plan.num_chunks))]
+    decoded = [
+        tok.decode(tok(prompt)["input_ids"][a:b]) for a, b in (plan.chunk_range(i, 5) for i in range(plan.num_chunks))
+    ]
     assert sum("\ufffd" in t for t in decoded) >= 3  # the decode of a token slice would cut characters here
     assert plan.num_chunks >= 10 and not any("\ufffd" in t for t in plan.chunk_texts)
     assert "".join(plan.chunk_texts) == _covered_context(prompt, plan, offsets)
@@ -243,10 +267,25 @@ def test_chunk_texts_of_a_wordpiece_document_keep_case_accents_and_unknown_words
 def _tiny_deepseek(version):
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
-    common = dict(vocab_size=200, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
-                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=64,
-                  q_lora_rank=None, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=2,
-                  n_routed_experts=4, num_experts_per_tok=2, pad_token_id=0, attn_implementation="cocktail")
+    common = dict(
+        vocab_size=200,
+        hidden_size=64,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        kv_lora_rank=64,
+        q_lora_rank=None,
+        qk_rope_head_dim=32,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        first_k_dense_replace=2,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        pad_token_id=0,
+        attn_implementation="cocktail",
+    )
     torch.manual_seed(0)
     if version == 2:
         return DeepseekV2ForCausalLM(DeepseekV2Config(**common, n_shared_experts=1)).eval()
@@ -293,8 +332,14 @@ def test_full_precision_layers_out_of_range_are_refused_at_prefill(tiny_llama, t
 
 def test_config_fields_are_validated_on_assignment():
     config = CocktailConfig()
-    for name, bad in [("chunk_size", 0), ("uniform_bits", 3), ("uniform_bits", 4.0), ("alpha", 2.0),
-                      ("full_precision_layers", [-1]), ("scorer", "tfidf")]:
+    for name, bad in [
+        ("chunk_size", 0),
+        ("uniform_bits", 3),
+        ("uniform_bits", 4.0),
+        ("alpha", 2.0),
+        ("full_precision_layers", [-1]),
+        ("scorer", "tfidf"),
+    ]:
         before = getattr(config, name)
         with pytest.raises(ValueError, match=name):
             setattr(config, name, bad)

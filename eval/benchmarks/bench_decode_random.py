@@ -33,16 +33,42 @@ from ..methods.kinds import CocktailMethod, Method, Request, cache_and_inputs
 from ..methods.registry import METHODS
 from .generate_timing import timed_generate
 
-LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-             "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072,
-             "rope_theta": 500000.0}
-TINY_LLAMA = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 4096, "max_position_embeddings": 4096}
+LLAMA3_8B = {
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rope_theta": 500000.0,
+}
+TINY_LLAMA = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 4096,
+    "max_position_embeddings": 4096,
+}
 PAPER_MIX = (0.1, 0.3, 0.6)  # FP16 / INT4 / INT2 shares of the context chunks
 WORDS = 32000  # synthetic vocabulary (at most the model's vocab_size)
 QUESTION = "w11 w12 w13 w14 w15 w16 w17 w18"
-COLUMNS = ["context_tokens", "batch", "method", "prefill_s", "decode_ms_per_token", "decode_vs_fp16", "kv_bytes",
-           "kv_ratio", "peak_decode_bytes", "note"]
+COLUMNS = [
+    "context_tokens",
+    "batch",
+    "method",
+    "prefill_s",
+    "decode_ms_per_token",
+    "decode_vs_fp16",
+    "kv_bytes",
+    "kv_ratio",
+    "peak_decode_bytes",
+    "note",
+]
 
 
 @dataclass(frozen=True)
@@ -61,8 +87,12 @@ class MixPlanMethod(CocktailMethod):
 
 
 def methods() -> list[Method]:
-    out = [METHODS["fp16"], MixPlanMethod("cocktail_mix", "Cocktail cache, 10/30/60% FP16/INT4/INT2 chunks"),
-           METHODS["int4"], METHODS["int2"]]
+    out = [
+        METHODS["fp16"],
+        MixPlanMethod("cocktail_mix", "Cocktail cache, 10/30/60% FP16/INT4/INT2 chunks"),
+        METHODS["int4"],
+        METHODS["int2"],
+    ]
     return out + ([METHODS["hqq2"]] if importlib.util.find_spec("hqq") is not None else [])
 
 
@@ -96,10 +126,17 @@ def measure(method: Method, model, tok, request: Request, new_tokens: int) -> di
     timing = timed_generate(model, cache, inputs.to(model.device), new_tokens, tok.pad_token_id)
     seq = int(cache.get_seq_length())
     kv = cache_kv_bytes(cache)
-    return {"context_tokens": timing["context_tokens"], "batch": 1, "method": method.name,
-            "prefill_s": round(timing["prefill_s"], 4), "decode_ms_per_token": round(timing["decode_ms_per_token"], 3),
-            "kv_bytes": kv, "kv_ratio": round(kv / fp16_kv_bytes(model.config, seq), 4),
-            "peak_decode_bytes": timing["peak_decode_bytes"], "note": ""}
+    return {
+        "context_tokens": timing["context_tokens"],
+        "batch": 1,
+        "method": method.name,
+        "prefill_s": round(timing["prefill_s"], 4),
+        "decode_ms_per_token": round(timing["decode_ms_per_token"], 3),
+        "kv_bytes": kv,
+        "kv_ratio": round(kv / fp16_kv_bytes(model.config, seq), 4),
+        "peak_decode_bytes": timing["peak_decode_bytes"],
+        "note": "",
+    }
 
 
 def write_csv(path: str, rows: list[dict]) -> None:
@@ -111,14 +148,19 @@ def write_csv(path: str, rows: list[dict]) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m eval.benchmarks.bench_decode_random",
-                                description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m eval.benchmarks.bench_decode_random", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--out", default="bench_decode_random.csv")
     p.add_argument("--smoke", action="store_true", help="a tiny Llama on CPU, short contexts (checks the script)")
     p.add_argument("--contexts", default=None, help="context tokens, comma-separated (default 4096,32768)")
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--time-budget-s", type=float, default=240.0,
-                   help="measurements not started within this many seconds are skipped (listed in the CSV)")
+    p.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=240.0,
+        help="measurements not started within this many seconds are skipped (listed in the CSV)",
+    )
     args = p.parse_args(argv)
     args.context_list = parse_int_list(args.contexts or ("200" if args.smoke else "4096,32768"), "--contexts")
     if args.smoke:
@@ -135,8 +177,10 @@ def main(argv=None) -> int:
     model = random_model(TINY_LLAMA if args.smoke else LLAMA3_8B, dtype, device)
     n_words = min(WORDS, model.config.vocab_size)
     tok = word_tokenizer(n_words)
-    print(f"model: random Llama {'(tiny, smoke)' if args.smoke else '3-8B shape'} on {device}, {dtype}, "
-          f"built in {time.perf_counter() - t0:.1f} s")
+    print(
+        f"model: random Llama {'(tiny, smoke)' if args.smoke else '3-8B shape'} on {device}, {dtype}, "
+        f"built in {time.perf_counter() - t0:.1f} s"
+    )
     rows: list[dict] = []
     for c in args.context_list:
         request = random_request(c - 16, n_words)  # the template and the question make up the rest

@@ -91,8 +91,10 @@ def build_store(k, v, mix, C, G, tail, gen, quantize_keys, quantize_values) -> L
             idx = idx.to(k.device)
             ks.append(k[b].index_select(1, idx))
             vs.append(v[b].index_select(1, idx))
-    segs = [PackedSegment.from_sequences(*parts[bits], bits, C, G, torch.float16, quantize_keys, quantize_values)
-            for bits in (4, 2)]
+    segs = [
+        PackedSegment.from_sequences(*parts[bits], bits, C, G, torch.float16, quantize_keys, quantize_values)
+        for bits in (4, 2)
+    ]
     return LayerStore(FullPart.from_sequences(*parts[16]), segs)
 
 
@@ -102,7 +104,7 @@ class QCacheDecode:
     def __init__(self, k, v, bits, backend):
         self.bits, self.label = bits, None
         errors = []
-        for name in ([backend] if backend != "auto" else ["hqq", "quanto"]):
+        for name in [backend] if backend != "auto" else ["hqq", "quanto"]:
             if name == "torch":
                 break
             try:
@@ -111,8 +113,10 @@ class QCacheDecode:
                 cls = HQQQuantizedLayer if name == "hqq" else QuantoQuantizedLayer
                 self.layer = cls(nbits=bits, q_group_size=QCACHE_GROUP)
                 self.layer.update(k, v)  # the prefill call quantizes everything
-                self.dequant = lambda: (self.layer._dequantize(self.layer._quantized_keys),
-                                        self.layer._dequantize(self.layer._quantized_values))
+                self.dequant = lambda: (
+                    self.layer._dequantize(self.layer._quantized_keys),
+                    self.layer._dequantize(self.layer._quantized_values),
+                )
                 self.dequant()
                 self.label = f"{name} dequant + SDPA"
                 return
@@ -120,8 +124,10 @@ class QCacheDecode:
                 errors.append(f"{name}: {type(e).__name__}: {str(e)[:120]}")
         # emulation: the same per-chunk / per-group format, dequantized by the PyTorch reference of hf_cocktail
         B, H, T, D = k.shape
-        packed = [(quant.quantize_pack_keys(k[b], bits, QCACHE_GROUP), quant.quantize_pack_values(v[b], bits, 32))
-                  for b in range(B)]
+        packed = [
+            (quant.quantize_pack_keys(k[b], bits, QCACHE_GROUP), quant.quantize_pack_values(v[b], bits, 32))
+            for b in range(B)
+        ]
 
         def dequant():
             ks = [quant.dequantize_keys(*pk, bits, QCACHE_GROUP, torch.float16) for pk, _ in packed]
@@ -143,12 +149,14 @@ def qcache_nbytes(B, H_kv, T, D, bits) -> int:
 
 def timer(smoke: bool):
     if smoke:
+
         def bench(fn, reps=2):
             fn()
             t = time.perf_counter()
             for _ in range(reps):
                 fn()
             return (time.perf_counter() - t) / reps * 1e3
+
         return bench
     import triton.testing
 
@@ -187,25 +195,47 @@ def shape_of(args) -> Shape:
 
 def bench_case(sh: Shape, T: int, B: int, bench, gen: torch.Generator, qcache_backend: str) -> list[tuple]:
     """``(method, cache, ms, bytes, err)`` of every method at cache length ``T`` and batch ``B``."""
-    scaling = sh.D ** -0.5
+    scaling = sh.D**-0.5
     dgen = torch.Generator(device=sh.dev).manual_seed(T * 16 + B)
     k = torch.randn(B, sh.H_kv, T, sh.D, generator=dgen, device=sh.dev).to(sh.dtype)
     v = torch.randn(B, sh.H_kv, T, sh.D, generator=dgen, device=sh.dev).to(sh.dtype)
     q = torch.randn(B, sh.H_q, 1, sh.D, generator=dgen, device=sh.dev).to(sh.dtype)
-    res = [("fp16_sdpa", str(sh.dtype).replace("torch.", ""), bench(lambda: sdpa_decode(q, k, v, scaling)),
-            2 * k.numel() * k.element_size(), None)]
+    res = [
+        (
+            "fp16_sdpa",
+            str(sh.dtype).replace("torch.", ""),
+            bench(lambda: sdpa_decode(q, k, v, scaling)),
+            2 * k.numel() * k.element_size(),
+            None,
+        )
+    ]
     for bits in (4, 2):
         qc = QCacheDecode(k, v, bits, qcache_backend)
-        res.append((f"qcache_int{bits}", qc.label, bench(lambda: qc(q, scaling)),
-                    qcache_nbytes(B, sh.H_kv, T, sh.D, bits), None))
+        res.append(
+            (
+                f"qcache_int{bits}",
+                qc.label,
+                bench(lambda: qc(q, scaling)),
+                qcache_nbytes(B, sh.H_kv, T, sh.D, bits),
+                None,
+            )
+        )
     for mix_name, mix in MIXES.items():
-        store = build_store(k, v, mix, sh.C, sh.G, sh.tail, gen, triton_ops.quantize_pack_keys,
-                            triton_ops.quantize_pack_values)
+        store = build_store(
+            k, v, mix, sh.C, sh.G, sh.tail, gen, triton_ops.quantize_pack_keys, triton_ops.quantize_pack_values
+        )
         fused = fused_attention(store)
         err = (fused(q, scaling).float() - split_precision_attention_torch(q.float(), store, scaling)).abs().max()
         shares = " / ".join(f"{round(100 * f)}% {p}" for f, p in zip(mix, ("fp16", "int4", "int2")))
-        res.append((f"cocktail_{mix_name}", f"{shares} of chunks", bench(lambda: fused(q, scaling)), store.nbytes(),
-                    err.item()))
+        res.append(
+            (
+                f"cocktail_{mix_name}",
+                f"{shares} of chunks",
+                bench(lambda: fused(q, scaling)),
+                store.nbytes(),
+                err.item(),
+            )
+        )
     return res
 
 
@@ -214,24 +244,37 @@ def table_rows(T: int, B: int, res: list[tuple], smoke: bool) -> list[dict]:
     rows = []
     for method, cache, ms, nbytes, err in res:
         gbps = nbytes / (ms * 1e-3) / 1e9
-        rows.append(dict(context_tokens=T, batch=B, method=method, cache=cache, time_us=round(ms * 1e3, 2),
-                         cache_bytes=nbytes, GBps=round(gbps, 1),
-                         pct_peak="" if smoke else round(100 * gbps * 1e9 / PEAK_BYTES_PER_S, 1),
-                         speedup_vs_fp16_sdpa=round(t_ref["fp16_sdpa"] / ms, 3),
-                         speedup_vs_qcache_int4=round(t_ref["qcache_int4"] / ms, 3),
-                         speedup_vs_qcache_int2=round(t_ref["qcache_int2"] / ms, 3),
-                         max_abs_err="" if err is None else f"{err:.2e}"))
+        rows.append(
+            dict(
+                context_tokens=T,
+                batch=B,
+                method=method,
+                cache=cache,
+                time_us=round(ms * 1e3, 2),
+                cache_bytes=nbytes,
+                GBps=round(gbps, 1),
+                pct_peak="" if smoke else round(100 * gbps * 1e9 / PEAK_BYTES_PER_S, 1),
+                speedup_vs_fp16_sdpa=round(t_ref["fp16_sdpa"] / ms, 3),
+                speedup_vs_qcache_int4=round(t_ref["qcache_int4"] / ms, 3),
+                speedup_vs_qcache_int2=round(t_ref["qcache_int2"] / ms, 3),
+                max_abs_err="" if err is None else f"{err:.2e}",
+            )
+        )
     return rows
 
 
 def print_rows(T: int, B: int, rows: list[dict]) -> None:
     print(f"\nT={T} B={B}")
-    print(f"{'method':18s} {'time_us':>10s} {'MB':>9s} {'GB/s':>8s} {'%peak':>6s} {'x fp16':>7s} "
-          f"{'x qc4':>6s} {'x qc2':>6s} {'max_err':>8s}  cache")
+    print(
+        f"{'method':18s} {'time_us':>10s} {'MB':>9s} {'GB/s':>8s} {'%peak':>6s} {'x fp16':>7s} "
+        f"{'x qc4':>6s} {'x qc2':>6s} {'max_err':>8s}  cache"
+    )
     for r in rows:
-        print(f"{r['method']:18s} {r['time_us']:10.1f} {r['cache_bytes'] / 1e6:9.2f} {r['GBps']:8.1f} "
-              f"{str(r['pct_peak']):>6s} {r['speedup_vs_fp16_sdpa']:7.2f} {r['speedup_vs_qcache_int4']:6.2f} "
-              f"{r['speedup_vs_qcache_int2']:6.2f} {r['max_abs_err']:>8s}  {r['cache']}")
+        print(
+            f"{r['method']:18s} {r['time_us']:10.1f} {r['cache_bytes'] / 1e6:9.2f} {r['GBps']:8.1f} "
+            f"{str(r['pct_peak']):>6s} {r['speedup_vs_fp16_sdpa']:7.2f} {r['speedup_vs_qcache_int4']:6.2f} "
+            f"{r['speedup_vs_qcache_int2']:6.2f} {r['max_abs_err']:>8s}  {r['cache']}"
+        )
 
 
 def write_csv(path: str, rows: list[dict]) -> None:
@@ -248,15 +291,21 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU under TRITON_INTERPRET=1")
     ap.add_argument("--contexts", type=int, nargs="+", default=None, help="cache lengths T (default 4K 32K 128K)")
     ap.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes (default 1 8)")
-    ap.add_argument("--qcache-backend", choices=["auto", "hqq", "quanto", "torch"], default="auto",
-                    help="QuantizedCache baseline backend (auto: hqq, else quanto, else torch emulation)")
+    ap.add_argument(
+        "--qcache-backend",
+        choices=["auto", "hqq", "quanto", "torch"],
+        default="auto",
+        help="QuantizedCache baseline backend (auto: hqq, else quanto, else torch emulation)",
+    )
     args = ap.parse_args(argv)
     sh = shape_of(args)
     bench = timer(args.smoke)
     gen = torch.Generator().manual_seed(0)
     rows = []
-    print(f"device={torch.cuda.get_device_name() if sh.dev == 'cuda' else 'cpu (TRITON_INTERPRET=1, smoke)'} "
-          f"H_q={sh.H_q} H_kv={sh.H_kv} D={sh.D} C={sh.C} G={sh.G} dtype={sh.dtype}")
+    print(
+        f"device={torch.cuda.get_device_name() if sh.dev == 'cuda' else 'cpu (TRITON_INTERPRET=1, smoke)'} "
+        f"H_q={sh.H_q} H_kv={sh.H_kv} D={sh.D} C={sh.C} G={sh.G} dtype={sh.dtype}"
+    )
     for T in sh.contexts:
         for B in sh.batches:
             case_rows = table_rows(T, B, bench_case(sh, T, B, bench, gen, args.qcache_backend), args.smoke)

@@ -39,35 +39,50 @@ MODULE = "eval.benchmarks.bench_latency"
 
 
 def latency_table(results: list[dict]) -> str:
-    lines = ["| context | method | prefill s | prefill ratio | decode ms/token | decode ratio |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| context | method | prefill s | prefill ratio | decode ms/token | decode ratio |",
+        "|---|---|---|---|---|---|",
+    ]
     base = {r["context_tokens"]: r for r in results if r["method"] == "fp16"}
     for r in results:
         b = base.get(r["context_tokens"], r)
-        lines.append(f"| {r['context_tokens']} | {r['method']} | {r['prefill_s']:.2f} | "
-                     f"{ratio(r['prefill_s'], b['prefill_s']):.2f} | {r['decode_ms_per_token']:.1f} | "
-                     f"{ratio(r['decode_ms_per_token'], b['decode_ms_per_token']):.2f} |")
+        lines.append(
+            f"| {r['context_tokens']} | {r['method']} | {r['prefill_s']:.2f} | "
+            f"{ratio(r['prefill_s'], b['prefill_s']):.2f} | {r['decode_ms_per_token']:.1f} | "
+            f"{ratio(r['decode_ms_per_token'], b['decode_ms_per_token']):.2f} |"
+        )
     return "\n".join(lines)
 
 
 def ablation_table(abl: list[dict]) -> str:
-    lines = ["", "No reorder (one decode query, layer 0, PyTorch path): attention over segments vs chunk by chunk",
-             "", "| context | chunks (packed) | segments ms | per-chunk ms | per-chunk / segments |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "",
+        "No reorder (one decode query, layer 0, PyTorch path): attention over segments vs chunk by chunk",
+        "",
+        "| context | chunks (packed) | segments ms | per-chunk ms | per-chunk / segments |",
+        "|---|---|---|---|---|",
+    ]
     for a in abl:
-        lines.append(f"| {a['context_tokens']} | {a['chunks']} ({a['packed_chunks']}) | {a['segments_ms']:.2f} | "
-                     f"{a['per_chunk_ms']:.2f} | {ratio(a['per_chunk_ms'], a['segments_ms']):.2f} |")
+        lines.append(
+            f"| {a['context_tokens']} | {a['chunks']} ({a['packed_chunks']}) | {a['segments_ms']:.2f} | "
+            f"{a['per_chunk_ms']:.2f} | {ratio(a['per_chunk_ms'], a['segments_ms']):.2f} |"
+        )
     return "\n".join(lines)
 
 
 def rounds_table(results: list[dict]) -> str:
-    lines = ["| context | method | dtype | decode ms/token (median) | min | ratio vs fp16 (median of rounds) | "
-             "ratio range | setup s | kv_ratio |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| context | method | dtype | decode ms/token (median) | min | ratio vs fp16 (median of rounds) | "
+        "ratio range | setup s | kv_ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
-        lines.append(f"| {r['context_tokens']} | {r['method']} | {r['dtype']} | {r['decode_ms_per_token']:.1f} | "
-                     f"{r['decode_ms_per_token_min']:.1f} | {r['decode_ratio']:.2f} | "
-                     f"{r['decode_ratio_min']:.2f}-{r['decode_ratio_max']:.2f} | {r['setup_s']:.2f} | "
-                     f"{r['kv_ratio']:.3f} |")
+        lines.append(
+            f"| {r['context_tokens']} | {r['method']} | {r['dtype']} | {r['decode_ms_per_token']:.1f} | "
+            f"{r['decode_ms_per_token_min']:.1f} | {r['decode_ratio']:.2f} | "
+            f"{r['decode_ratio_min']:.2f}-{r['decode_ratio_max']:.2f} | {r['setup_s']:.2f} | "
+            f"{r['kv_ratio']:.3f} |"
+        )
     return "\n".join(lines)
 
 
@@ -85,8 +100,9 @@ def run_rounds(args) -> tuple[list[dict], object, object]:
         shared = shared_prefill(prefill_model, tok, ctx, args.essay_dir)
         if prefill_model is not model:
             shared = cast_prefill(shared, getattr(torch, args.dtype))
-        print(f"context {ctx}: prompt {shared.prompt_tokens} tokens, shared prefill {shared.prefill_s:.1f} s",
-              flush=True)
+        print(
+            f"context {ctx}: prompt {shared.prompt_tokens} tokens, shared prefill {shared.prefill_s:.1f} s", flush=True
+        )
         runners = [branch_runner(m, model, tok, shared) for m in args.method_list]
         prompt_tokens, shared_prefill_s = shared.prompt_tokens, shared.prefill_s
         del shared
@@ -99,12 +115,19 @@ def run_rounds(args) -> tuple[list[dict], object, object]:
         for r, row in zip(runners, summarize_rounds(runners, args.steps_per_round)):
             seq = int(r.cache.get_seq_length())
             kv = cache_kv_bytes(r.cache)
-            row.update(context_tokens=prompt_tokens, requested_context=ctx, dtype=args.dtype, cache_tokens=seq,
-                       prefill_dtype=args.prefill_dtype or args.dtype, shared_prefill_s=shared_prefill_s,
-                       kv_bytes=kv, fp16_kv_bytes=fp16_kv_bytes(model.config, seq),
-                       kv_ratio=kv / fp16_kv_bytes(model.config, seq))
+            row.update(
+                context_tokens=prompt_tokens,
+                requested_context=ctx,
+                dtype=args.dtype,
+                cache_tokens=seq,
+                prefill_dtype=args.prefill_dtype or args.dtype,
+                shared_prefill_s=shared_prefill_s,
+                kv_bytes=kv,
+                fp16_kv_bytes=fp16_kv_bytes(model.config, seq),
+                kv_ratio=kv / fp16_kv_bytes(model.config, seq),
+            )
             results.append(row)
-        print(rounds_table(results[-len(runners):]), flush=True)
+        print(rounds_table(results[-len(runners) :]), flush=True)
         del runners
     return results, model, tok
 

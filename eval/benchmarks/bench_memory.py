@@ -16,21 +16,28 @@ from .harness import parse_args, ratio, run, save
 
 MODULE = "eval.benchmarks.bench_memory"
 MB = 1024 * 1024
-NOTE = ("KV ratio: KV bytes / FP16 DynamicCache bytes (same tokens, full-precision parts at 2 bytes/element). "
-        "Peak: growth of the process RSS (CPU) or CUDA allocated bytes over the baseline before generate; on CPU "
-        "RSS is coarse (allocator caching), compare orders of magnitude.")
+NOTE = (
+    "KV ratio: KV bytes / FP16 DynamicCache bytes (same tokens, full-precision parts at 2 bytes/element). "
+    "Peak: growth of the process RSS (CPU) or CUDA allocated bytes over the baseline before generate; on CPU "
+    "RSS is coarse (allocator caching), compare orders of magnitude."
+)
 
 
 def memory_table(results: list[dict]) -> str:
-    lines = ["| context | method | KV MB (fp16 deploy) | KV ratio | KV MB held here | peak prefill MB | "
-             "peak decode MB | peak decode ratio |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| context | method | KV MB (fp16 deploy) | KV ratio | KV MB held here | peak prefill MB | "
+        "peak decode MB | peak decode ratio |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     base = {r["context_tokens"]: r for r in results if r["method"] == "fp16"}
     for r in results:
         b = base.get(r["context_tokens"], r)
-        lines.append(f"| {r['context_tokens']} | {r['method']} | {r['kv_bytes'] / MB:.1f} | "
-                     f"{ratio(r['kv_bytes'], b['kv_bytes']):.3f} | {r['kv_bytes_in_memory'] / MB:.1f} | "
-                     f"{r['peak_prefill_bytes'] / MB:.0f} | {r['peak_decode_bytes'] / MB:.0f} | "
-                     f"{ratio(r['peak_decode_bytes'], b['peak_decode_bytes']):.2f} |")
+        lines.append(
+            f"| {r['context_tokens']} | {r['method']} | {r['kv_bytes'] / MB:.1f} | "
+            f"{ratio(r['kv_bytes'], b['kv_bytes']):.3f} | {r['kv_bytes_in_memory'] / MB:.1f} | "
+            f"{r['peak_prefill_bytes'] / MB:.0f} | {r['peak_decode_bytes'] / MB:.0f} | "
+            f"{ratio(r['peak_decode_bytes'], b['peak_decode_bytes']):.2f} |"
+        )
     return "\n".join(lines)
 
 

@@ -52,8 +52,18 @@ from .instrument import patching
 from .rounds import QUESTION, make_prompt, resolve_methods
 
 MODULE = "eval.benchmarks.bench_prefill"
-PARTS = ("tokenize", "context location", "chunk texts", "encoder", "search", "positions", "quantization",
-         "store build", "rotation", "model")
+PARTS = (
+    "tokenize",
+    "context location",
+    "chunk texts",
+    "encoder",
+    "search",
+    "positions",
+    "quantization",
+    "store build",
+    "rotation",
+    "model",
+)
 OVERHEAD_PARTS = PARTS[1:-1]  # what a DynamicCache prefill does not do (tokenization is compared separately)
 
 
@@ -96,6 +106,7 @@ def instrumented(timers: Timers):
     from hf_cocktail.rotation import Rotation
 
     with patching() as p:
+
         def wrap(part):
             return lambda fn: timers.wrap(part, fn)
 
@@ -142,33 +153,47 @@ def summarize(rows: list[dict], methods: list[str]) -> list[dict]:
             ratios = [r["seconds"] / base[r["round"]] for r in mine]
             parts = {p: statistics.median(r["parts"].get(p, 0.0) for r in mine) for p in PARTS}
             overhead_s = [sum(r["parts"].get(p, 0.0) for p in OVERHEAD_PARTS) for r in mine]
-            out.append({"context": ctx, "prompt_tokens": mine[0]["prompt_tokens"], "method": m,
-                        "prefill_s": statistics.median(r["seconds"] for r in mine),
-                        "ratio_vs_fp16": statistics.median(ratios), "ratio_min": min(ratios),
-                        "ratio_max": max(ratios), "parts_s": parts,
-                        "search_quant_s": statistics.median(overhead_s),
-                        "search_quant_fraction": statistics.median(o / r["seconds"]
-                                                                   for o, r in zip(overhead_s, mine)),
-                        "rounds": len(mine)})
+            out.append(
+                {
+                    "context": ctx,
+                    "prompt_tokens": mine[0]["prompt_tokens"],
+                    "method": m,
+                    "prefill_s": statistics.median(r["seconds"] for r in mine),
+                    "ratio_vs_fp16": statistics.median(ratios),
+                    "ratio_min": min(ratios),
+                    "ratio_max": max(ratios),
+                    "parts_s": parts,
+                    "search_quant_s": statistics.median(overhead_s),
+                    "search_quant_fraction": statistics.median(o / r["seconds"] for o, r in zip(overhead_s, mine)),
+                    "rounds": len(mine),
+                }
+            )
     return out
 
 
 def table(summary: list[dict]) -> str:
-    head = ("| context | method | prefill s | ratio vs fp16 (range) | overhead parts s (share of its prefill) | "
-            + " | ".join(PARTS) + " |")
+    head = (
+        "| context | method | prefill s | ratio vs fp16 (range) | overhead parts s (share of its prefill) | "
+        + " | ".join(PARTS)
+        + " |"
+    )
     lines = [head, "|" + "---|" * (4 + len(PARTS))]
     for s in summary:
         p = s["parts_s"]
-        lines.append(f"| {s['prompt_tokens']} | {s['method']} | {s['prefill_s']:.2f} | {s['ratio_vs_fp16']:.3f} "
-                     f"({s['ratio_min']:.3f}-{s['ratio_max']:.3f}) | {s['search_quant_s']:.2f} "
-                     f"({100 * s['search_quant_fraction']:.1f}%) | " + " | ".join(f"{p[k]:.3f}" for k in PARTS)
-                     + " |")
+        lines.append(
+            f"| {s['prompt_tokens']} | {s['method']} | {s['prefill_s']:.2f} | {s['ratio_vs_fp16']:.3f} "
+            f"({s['ratio_min']:.3f}-{s['ratio_max']:.3f}) | {s['search_quant_s']:.2f} "
+            f"({100 * s['search_quant_fraction']:.1f}%) | " + " | ".join(f"{p[k]:.3f}" for k in PARTS) + " |"
+        )
     return "\n".join(lines)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=f"python -m {MODULE}",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--contexts", default="4000,8000")
     p.add_argument("--methods", default="fp16,cocktail,recommended")
     p.add_argument("--rounds", type=int, default=3)
@@ -204,16 +229,35 @@ def main(argv=None) -> int:
             for r in range(args.rounds):
                 for m in args.method_list if r % 2 == 0 else args.method_list[::-1]:
                     s = one_prefill(m, model, tok, prompt, context, kw, timers)
-                    rows.append({"context": ctx, "prompt_tokens": n, "method": m.name, "round": r, "seconds": s,
-                                 "parts": dict(timers.totals)})
-                    print(f"context {ctx} round {r} {m.name}: {s:.2f} s "
-                          + ", ".join(f"{k} {v:.3f}" for k, v in timers.totals.items() if k != "model"), flush=True)
+                    rows.append(
+                        {
+                            "context": ctx,
+                            "prompt_tokens": n,
+                            "method": m.name,
+                            "round": r,
+                            "seconds": s,
+                            "parts": dict(timers.totals),
+                        }
+                    )
+                    print(
+                        f"context {ctx} round {r} {m.name}: {s:.2f} s "
+                        + ", ".join(f"{k} {v:.3f}" for k, v in timers.totals.items() if k != "model"),
+                        flush=True,
+                    )
     summary = summarize(rows, [m.name for m in args.method_list])
     out = table(summary)
     print(out)
     if args.out:
-        write_json(args.out, {"command": command_line(MODULE), "commit": git_commit(exclude=args.out),
-                              "hardware": run_hardware(), "summary": summary, "rounds": rows})
+        write_json(
+            args.out,
+            {
+                "command": command_line(MODULE),
+                "commit": git_commit(exclude=args.out),
+                "hardware": run_hardware(),
+                "summary": summary,
+                "rounds": rows,
+            },
+        )
         with open(os.path.splitext(args.out)[0] + ".md", "w", encoding="utf-8") as f:
             f.write(f"# Prefill overhead vs DynamicCache\n\n`{command_line(MODULE)}`\n\n{out}\n")
     return 0

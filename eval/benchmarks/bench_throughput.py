@@ -47,8 +47,11 @@ DEFAULT_METHODS = "fp16,cocktail,recommended,int4,int2,hqq4,hqq2,quanto4,quanto2
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=f"python -m {MODULE}",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--budgets-mib", default="256,512", help="KV budgets in MiB of FP16-deployed KV bytes")
     p.add_argument("--prompt-tokens", type=int, default=4000, help="context tokens of each prompt")
     p.add_argument("--methods", default=DEFAULT_METHODS)
@@ -79,18 +82,27 @@ def per_sequence_bytes(method, model, tok, shared, generated: int) -> dict:
     prompt_bytes = cache_kv_bytes(run.cache)
     seq = int(run.cache.get_seq_length())
     fp16_token = fp16_kv_bytes(model.config, 1)
-    return {"prompt_kv_bytes": prompt_bytes, "cache_tokens": seq, "kv_ratio_prompt": prompt_bytes /
-            fp16_kv_bytes(model.config, seq), "per_sequence_bytes": prompt_bytes + generated * fp16_token}
+    return {
+        "prompt_kv_bytes": prompt_bytes,
+        "cache_tokens": seq,
+        "kv_ratio_prompt": prompt_bytes / fp16_kv_bytes(model.config, seq),
+        "per_sequence_bytes": prompt_bytes + generated * fp16_token,
+    }
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| budget MiB | method | per-seq KV MiB | batch | kv MiB used (held here) | tokens/s (median) | "
-             "ratio vs fp16 (range) | ms/step |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| budget MiB | method | per-seq KV MiB | batch | kv MiB used (held here) | tokens/s (median) | "
+        "ratio vs fp16 (range) | ms/step |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
-        lines.append(f"| {r['budget_mib']} | {r['method']} | {r['per_sequence_bytes'] / MIB:.1f} | {r['batch']} | "
-                     f"{r['batch_kv_bytes'] / MIB:.0f} ({r['batch_kv_bytes_held'] / MIB:.0f}) | "
-                     f"{r['tokens_per_s']:.2f} | {r['ratio_vs_fp16']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
-                     f" | {r['ms_per_step']:.0f} |")
+        lines.append(
+            f"| {r['budget_mib']} | {r['method']} | {r['per_sequence_bytes'] / MIB:.1f} | {r['batch']} | "
+            f"{r['batch_kv_bytes'] / MIB:.0f} ({r['batch_kv_bytes_held'] / MIB:.0f}) | "
+            f"{r['tokens_per_s']:.2f} | {r['ratio_vs_fp16']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
+            f" | {r['ms_per_step']:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -103,9 +115,13 @@ def plot(results: list[dict], path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for m in dict.fromkeys(r["method"] for r in results):
         rows = sorted((r for r in results if r["method"] == m), key=lambda r: r["budget_mib"])
-        ax.plot([r["budget_mib"] for r in rows], [r["tokens_per_s"] for r in rows], marker="o",
-                label=f"{m} (batch {', '.join(str(r['batch']) for r in rows)})",
-                linewidth=2.5 if m in ("fp16", "cocktail", "recommended") else 1.2)
+        ax.plot(
+            [r["budget_mib"] for r in rows],
+            [r["tokens_per_s"] for r in rows],
+            marker="o",
+            label=f"{m} (batch {', '.join(str(r['batch']) for r in rows)})",
+            linewidth=2.5 if m in ("fp16", "cocktail", "recommended") else 1.2,
+        )
     ax.set_xlabel("KV budget (MiB of FP16-deployed KV bytes)")
     ax.set_ylabel("generated tokens / s (measured)")
     ax.set_title("Throughput at a fixed KV budget: largest batch of 4K-token prompts")
@@ -139,8 +155,10 @@ def main(argv=None) -> int:
                 r.decode(model, args.warmup_steps, tok.eos_token_id)
             runners.append(r)
             meta.append({"budget_mib": budget, "method": m.name, "batch": batch, **size})
-            print(f"budget {budget} MiB: {m.name} batch {batch} ({size['per_sequence_bytes'] / MIB:.1f} MiB/seq)",
-                  flush=True)
+            print(
+                f"budget {budget} MiB: {m.name} batch {batch} ({size['per_sequence_bytes'] / MIB:.1f} MiB/seq)",
+                flush=True,
+            )
     with tqdm(total=args.rounds * len(runners), desc="rounds", dynamic_ncols=True) as bar:
         alternating_rounds(runners, model, args.rounds, args.steps, tok.eos_token_id, bar)
     results = []
@@ -148,24 +166,43 @@ def main(argv=None) -> int:
         ref = next(x for x, i in zip(runners, meta) if i["budget_mib"] == info["budget_mib"] and i["method"] == "fp16")
         tps = [r.batch * args.steps / s for s in r.round_s]
         ratios = [a / b for a, b in zip(tps, (ref.batch * args.steps / s for s in ref.round_s))]
-        results.append({**info, "tokens_per_s": statistics.median(tps), "tokens_per_s_rounds": tps,
-                        "ms_per_step": 1000 * statistics.median(r.round_s) / args.steps,
-                        "ratio_vs_fp16": statistics.median(ratios), "ratio_min": min(ratios),
-                        "ratio_max": max(ratios), "batch_kv_bytes": cache_kv_bytes(r.cache),
-                        "batch_kv_bytes_held": cache_kv_bytes(r.cache, deployed=False),
-                        "batch_cache_tokens": int(r.cache.get_seq_length()), "setup_s": r.setup_s})
+        results.append(
+            {
+                **info,
+                "tokens_per_s": statistics.median(tps),
+                "tokens_per_s_rounds": tps,
+                "ms_per_step": 1000 * statistics.median(r.round_s) / args.steps,
+                "ratio_vs_fp16": statistics.median(ratios),
+                "ratio_min": min(ratios),
+                "ratio_max": max(ratios),
+                "batch_kv_bytes": cache_kv_bytes(r.cache),
+                "batch_kv_bytes_held": cache_kv_bytes(r.cache, deployed=False),
+                "batch_cache_tokens": int(r.cache.get_seq_length()),
+                "setup_s": r.setup_s,
+            }
+        )
     out = table(results)
     print(out)
     if args.out:
         base = os.path.splitext(args.out)[0]
-        write_json(args.out, {"command": command_line(MODULE), "commit": git_commit(exclude=args.out),
-                              "hardware": run_hardware(), "prompt_tokens": shared.prompt_tokens,
-                              "shared_prefill_s": shared.prefill_s, "generated_tokens_per_sequence": generated,
-                              "results": results})
+        write_json(
+            args.out,
+            {
+                "command": command_line(MODULE),
+                "commit": git_commit(exclude=args.out),
+                "hardware": run_hardware(),
+                "prompt_tokens": shared.prompt_tokens,
+                "shared_prefill_s": shared.prefill_s,
+                "generated_tokens_per_sequence": generated,
+                "results": results,
+            },
+        )
         plot(results, base + ".png")
         with open(base + ".md", "w", encoding="utf-8") as f:
-            f.write(f"# Throughput at a fixed KV budget ({shared.prompt_tokens}-token prompts)\n\n"
-                    f"`{command_line(MODULE)}`\n\n{out}\n\n![tokens/s vs KV budget]({os.path.basename(base)}.png)\n")
+            f.write(
+                f"# Throughput at a fixed KV budget ({shared.prompt_tokens}-token prompts)\n\n"
+                f"`{command_line(MODULE)}`\n\n{out}\n\n![tokens/s vs KV budget]({os.path.basename(base)}.png)\n"
+            )
     return 0
 
 

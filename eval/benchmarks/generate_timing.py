@@ -41,12 +41,26 @@ def timed_generate(model, cache, inputs, new_tokens: int, pad_token_id: int | No
         cuda_sync()
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(**inputs, **cache_kwargs(model, cache), max_new_tokens=new_tokens,
-                                 min_new_tokens=new_tokens, do_sample=False, temperature=None, top_p=None,
-                                 top_k=None, streamer=timer, pad_token_id=pad_token_id)
+            out = model.generate(
+                **inputs,
+                **cache_kwargs(model, cache),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+                streamer=timer,
+                pad_token_id=pad_token_id,
+            )
         cuda_sync()
         t1 = time.perf_counter()
     n = int(out.shape[1]) - L
-    return {"context_tokens": L, "new_tokens": n, "prefill_s": timer.t_first - t0,
-            "decode_ms_per_token": 1000 * (t1 - timer.t_first) / max(1, n - 1), "peak_prefill_bytes": pm.peaks[0],
-            "peak_decode_bytes": pm.peaks[1]}
+    return {
+        "context_tokens": L,
+        "new_tokens": n,
+        "prefill_s": timer.t_first - t0,
+        "decode_ms_per_token": 1000 * (t1 - timer.t_first) / max(1, n - 1),
+        "peak_prefill_bytes": pm.peaks[0],
+        "peak_decode_bytes": pm.peaks[1],
+    }

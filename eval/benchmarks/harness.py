@@ -27,27 +27,43 @@ def measure(method: Method, model, tok, context: str, new_tokens: int, encoder: 
     inputs = inputs.to(model_input_device(model))
     timing = timed_generate(model, cache, inputs, new_tokens, tok.eos_token_id)
     seq = int(cache.get_seq_length())
-    res = {"method": method.name, "context_tokens": timing["context_tokens"], "new_tokens": timing["new_tokens"],
-           "prefill_s": timing["prefill_s"], "decode_ms_per_token": timing["decode_ms_per_token"],
-           "kv_bytes": cache_kv_bytes(cache), "kv_bytes_in_memory": cache_kv_bytes(cache, deployed=False),
-           "fp16_kv_bytes": fp16_kv_bytes(model.config, seq), "peak_prefill_bytes": timing["peak_prefill_bytes"],
-           "peak_decode_bytes": timing["peak_decode_bytes"]}
+    res = {
+        "method": method.name,
+        "context_tokens": timing["context_tokens"],
+        "new_tokens": timing["new_tokens"],
+        "prefill_s": timing["prefill_s"],
+        "decode_ms_per_token": timing["decode_ms_per_token"],
+        "kv_bytes": cache_kv_bytes(cache),
+        "kv_bytes_in_memory": cache_kv_bytes(cache, deployed=False),
+        "fp16_kv_bytes": fp16_kv_bytes(model.config, seq),
+        "peak_prefill_bytes": timing["peak_prefill_bytes"],
+        "peak_decode_bytes": timing["peak_decode_bytes"],
+    }
     res["kv_ratio"] = res["kv_bytes"] / res["fp16_kv_bytes"]
     if hasattr(cache, "memory_report"):
         res["chunks"] = cache.memory_report()["chunks"]
     return res
 
 
-def parse_args(argv=None, module: str = "", description: str = "",
-               default_methods: str = "fp16,cocktail,int4,int2,kivi2", rounds: bool = False) -> argparse.Namespace:
+def parse_args(
+    argv=None,
+    module: str = "",
+    description: str = "",
+    default_methods: str = "fp16,cocktail,int4,int2,kivi2",
+    rounds: bool = False,
+) -> argparse.Namespace:
     """The shared command line; ``rounds=True`` adds the alternating-rounds decode options of ``bench_latency``."""
-    p = argparse.ArgumentParser(prog=f"python -m {module}", description=description,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=f"python -m {module}", description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--contexts", default=None, help="context lengths in tokens (default 1024,2048,4096,8192)")
     p.add_argument("--methods", default=None, help=f"methods (default {default_methods})")
     p.add_argument("--new-tokens", type=int, default=None, help="new tokens per run (default 32)")
-    p.add_argument("--quick", action="store_true",
-                   help="defaults become: contexts 1024,2048, 8 new tokens, methods fp16,cocktail,int2")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="defaults become: contexts 1024,2048, 8 new tokens, methods fp16,cocktail,int2",
+    )
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--device-map", default=None)
@@ -55,16 +71,24 @@ def parse_args(argv=None, module: str = "", description: str = "",
     p.add_argument("--essay-dir", default=None)
     p.add_argument("--out", default=None, help="also write the results to this JSON file (and a .md next to it)")
     if rounds:
-        p.add_argument("--rounds", type=int, default=0,
-                       help="> 0: decode timed in this many alternating rounds from one shared prefill per context "
-                       "(eval/benchmarks/rounds.py) instead of one generate per method")
+        p.add_argument(
+            "--rounds",
+            type=int,
+            default=0,
+            help="> 0: decode timed in this many alternating rounds from one shared prefill per context "
+            "(eval/benchmarks/rounds.py) instead of one generate per method",
+        )
         p.add_argument("--steps-per-round", type=int, default=8, help="decode steps per method and round")
         p.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps per method first")
         p.add_argument("--no-ablation", action="store_true", help="skip the no-reorder ablation")
-        p.add_argument("--prefill-dtype", default=None, choices=list(DTYPES),
-                       help="--rounds: run the shared prefill with a copy of the model in this dtype and cast its "
-                       "keys/values to --dtype (bfloat16 prefill is very slow on some CPUs; decode time does not "
-                       "depend on the values)")
+        p.add_argument(
+            "--prefill-dtype",
+            default=None,
+            choices=list(DTYPES),
+            help="--rounds: run the shared prefill with a copy of the model in this dtype and cast its "
+            "keys/values to --dtype (bfloat16 prefill is very slow on some CPUs; decode time does not "
+            "depend on the values)",
+        )
     args = p.parse_args(argv)
     quick = {"contexts": "1024,2048", "new_tokens": 8, "methods": "fp16,cocktail,int2"}
     full = {"contexts": "1024,2048,4096,8192", "new_tokens": 32, "methods": default_methods}
@@ -112,7 +136,14 @@ def save(args, module: str, results: list[dict], table: str, title: str) -> None
     if not args.out:
         return
     os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
-    write_json(args.out, {"command": command_line(module), "commit": git_commit(exclude=args.out),
-                          "hardware": run_hardware(), "results": results})
+    write_json(
+        args.out,
+        {
+            "command": command_line(module),
+            "commit": git_commit(exclude=args.out),
+            "hardware": run_hardware(),
+            "results": results,
+        },
+    )
     with open(os.path.splitext(args.out)[0] + ".md", "w", encoding="utf-8") as f:
         f.write(f"# {title}\n\n`{command_line(module)}`\n\n{table}\n")

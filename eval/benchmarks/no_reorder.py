@@ -27,10 +27,10 @@ from .harness import QUESTION, make_prompt
 def _dequantized_chunk(seg, i: int, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of chunk ``i`` of a packed segment (sequence 0), dequantized."""
     a, e = i * chunk_size, min((i + 1) * chunk_size, seg.tok_off[1])
-    k = quant.dequantize_keys(seg.k_codes[:, a:e], seg.k_scale[:, i:i + 1], seg.k_zero[:, i:i + 1], seg.bits,
-                              chunk_size)
-    v = quant.dequantize_values(seg.v_codes[:, a:e], seg.v_scale[:, a:e], seg.v_zero[:, a:e], seg.bits,
-                                seg.group_size)
+    k = quant.dequantize_keys(
+        seg.k_codes[:, a:e], seg.k_scale[:, i : i + 1], seg.k_zero[:, i : i + 1], seg.bits, chunk_size
+    )
+    v = quant.dequantize_values(seg.v_codes[:, a:e], seg.v_scale[:, a:e], seg.v_zero[:, a:e], seg.bits, seg.group_size)
     return k, v
 
 
@@ -57,7 +57,7 @@ def per_chunk_attention(query, store, bits: list[int], chunk_size: int, scaling:
     off = 0
     for s, (_, v) in zip(scores, blocks):
         T = s.shape[-1]
-        o += p[..., off:off + T] @ v
+        o += p[..., off : off + T] @ v
         off += T
     return o.reshape(1, H_q, Lq, D)
 
@@ -88,7 +88,7 @@ def no_reorder_ablation(model, tok, contexts: list[int], essay_dir=None, repeats
         cfg = model.config
         H_q, D = cfg.num_attention_heads, getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
         q = torch.randn(1, H_q, 1, D, generator=torch.Generator().manual_seed(0))
-        scaling = D ** -0.5
+        scaling = D**-0.5
         chunk = cache.config.chunk_size
         ref = split_precision_attention_torch(q, store, scaling)
         err = float((ref - per_chunk_attention(q, store, bits, chunk, scaling)).abs().max())
@@ -96,7 +96,15 @@ def no_reorder_ablation(model, tok, contexts: list[int], essay_dir=None, repeats
             raise RuntimeError(f"no-reorder attention disagrees with the segment attention (max err {err})")
         segments_ms = _time_ms(lambda: split_precision_attention_torch(q, store, scaling), repeats)
         per_chunk_ms = _time_ms(lambda: per_chunk_attention(q, store, bits, chunk, scaling), repeats)
-        out.append({"context_tokens": n_tokens, "chunks": len(bits), "packed_chunks": sum(b != 16 for b in bits),
-                    "segments_ms": segments_ms, "per_chunk_ms": per_chunk_ms, "max_abs_diff": err})
+        out.append(
+            {
+                "context_tokens": n_tokens,
+                "chunks": len(bits),
+                "packed_chunks": sum(b != 16 for b in bits),
+                "segments_ms": segments_ms,
+                "per_chunk_ms": per_chunk_ms,
+                "max_abs_diff": err,
+            }
+        )
         del cache
     return out

@@ -161,7 +161,7 @@ def breakdown(prof, steps: int, num_layers: int) -> dict:
     for ev in prof.events():
         if not _is_label(ev):
             continue
-        label = ev.name[len(P):]
+        label = ev.name[len(P) :]
         w, o = _exclusive(ev)
         if label == "cpu_kernel":
             o = w  # the fused C++ kernel: native code, not Python (the profiler sees no ATen operator in it)
@@ -172,19 +172,28 @@ def breakdown(prof, steps: int, num_layers: int) -> dict:
             total += _dur(ev)
     rows = {}
     for cat in ORDER:
-        rows[cat] = {"ms_per_step": wall[cat] / 1000 / steps, "ops_ms_per_step": ops[cat] / 1000 / steps,
-                     "us_per_layer": wall[cat] / steps / num_layers}
-    return {"total_ms_per_step": total / 1000 / steps, "categories": rows,
-            "python_ms_per_step": sum(max(0.0, wall[c] - ops[c]) for c in ORDER) / 1000 / steps}
+        rows[cat] = {
+            "ms_per_step": wall[cat] / 1000 / steps,
+            "ops_ms_per_step": ops[cat] / 1000 / steps,
+            "us_per_layer": wall[cat] / steps / num_layers,
+        }
+    return {
+        "total_ms_per_step": total / 1000 / steps,
+        "categories": rows,
+        "python_ms_per_step": sum(max(0.0, wall[c] - ops[c]) for c in ORDER) / 1000 / steps,
+    }
 
 
 def median_breakdown(items: list[dict]) -> dict:
     """The per-category median over several profiled rounds of one method."""
     med = lambda xs: statistics.median(xs)  # noqa: E731
-    return {"total_ms_per_step": med([b["total_ms_per_step"] for b in items]),
-            "python_ms_per_step": med([b["python_ms_per_step"] for b in items]),
-            "categories": {c: {k: med([b["categories"][c][k] for b in items]) for k in items[0]["categories"][c]}
-                           for c in ORDER}}
+    return {
+        "total_ms_per_step": med([b["total_ms_per_step"] for b in items]),
+        "python_ms_per_step": med([b["python_ms_per_step"] for b in items]),
+        "categories": {
+            c: {k: med([b["categories"][c][k] for b in items]) for k in items[0]["categories"][c]} for c in ORDER
+        },
+    }
 
 
 def profile_runner(runner, model, steps: int, pad_token_id) -> dict:
@@ -196,38 +205,63 @@ def profile_runner(runner, model, steps: int, pad_token_id) -> dict:
 
 def table(results: list[dict]) -> str:
     cats = ORDER
-    head = ("| dtype | method | unprofiled ms/step | ratio vs fp16 | profiled ms/step | "
-            + " | ".join(cats) + " | Python/dispatch (not in ATen) |")
+    head = (
+        "| dtype | method | unprofiled ms/step | ratio vs fp16 | profiled ms/step | "
+        + " | ".join(cats)
+        + " | Python/dispatch (not in ATen) |"
+    )
     lines = [head, "|" + "---|" * (5 + len(cats) + 1)]
     for r in results:
         b = r["breakdown"]
         cells = [f"{b['categories'][c]['ms_per_step']:.1f}" for c in cats]
-        lines.append(f"| {r['dtype']} | {r['method']} | {r['unprofiled_ms_per_step']:.1f} | "
-                     f"{r.get('unprofiled_ratio', float('nan')):.2f} | {b['total_ms_per_step']:.1f} | "
-                     + " | ".join(cells) + f" | {b['python_ms_per_step']:.1f} |")
-    per_layer = ["", "Per layer per step (µs; the same run, layer categories only):", "",
-                 "| dtype | method | " + " | ".join(cats[:7]) + " |", "|" + "---|" * (2 + 7)]
+        lines.append(
+            f"| {r['dtype']} | {r['method']} | {r['unprofiled_ms_per_step']:.1f} | "
+            f"{r.get('unprofiled_ratio', float('nan')):.2f} | {b['total_ms_per_step']:.1f} | "
+            + " | ".join(cells)
+            + f" | {b['python_ms_per_step']:.1f} |"
+        )
+    per_layer = [
+        "",
+        "Per layer per step (µs; the same run, layer categories only):",
+        "",
+        "| dtype | method | " + " | ".join(cats[:7]) + " |",
+        "|" + "---|" * (2 + 7),
+    ]
     for r in results:
         b = r["breakdown"]
-        per_layer.append(f"| {r['dtype']} | {r['method']} | "
-                         + " | ".join(f"{b['categories'][c]['us_per_layer']:.0f}" for c in cats[:7]) + " |")
+        per_layer.append(
+            f"| {r['dtype']} | {r['method']} | "
+            + " | ".join(f"{b['categories'][c]['us_per_layer']:.0f}" for c in cats[:7])
+            + " |"
+        )
     return "\n".join(lines + per_layer)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=f"python -m {MODULE}",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--context", default="8000", help="context lengths in tokens (comma-separated)")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--methods", default="fp16,cocktail,cocktail:torch")
     p.add_argument("--steps", type=int, default=8, help="profiled decode steps per method")
-    p.add_argument("--profile-rounds", type=int, default=2,
-                   help="profiled rounds of --steps per method (alternating order); the median per category")
+    p.add_argument(
+        "--profile-rounds",
+        type=int,
+        default=2,
+        help="profiled rounds of --steps per method (alternating order); the median per category",
+    )
     p.add_argument("--warmup", type=int, default=2, help="unprofiled decode steps per method first")
     p.add_argument("--rounds", type=int, default=3, help="unprofiled alternating rounds (of --steps) per method")
-    p.add_argument("--prefill-dtype", default=None, choices=list(DTYPES),
-                   help="run the shared prefill in this dtype and cast its keys/values to each --dtypes (bfloat16 "
-                   "prefill is very slow on some CPUs; decode time does not depend on the values)")
+    p.add_argument(
+        "--prefill-dtype",
+        default=None,
+        choices=list(DTYPES),
+        help="run the shared prefill in this dtype and cast its keys/values to each --dtypes (bfloat16 "
+        "prefill is very slow on some CPUs; decode time does not depend on the values)",
+    )
     p.add_argument("--model", default="smollm2")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--essay-dir", default=None)
@@ -260,8 +294,10 @@ def main(argv=None) -> int:
                 shared = shared_prefill(model, tok, ctx, args.essay_dir)
             else:
                 shared = cast_prefill(shared_prefill(prefill_model, tok, ctx, args.essay_dir), getattr(torch, dtype))
-            print(f"{dtype} context {ctx}: prompt {shared.prompt_tokens} tokens, prefill {shared.prefill_s:.1f} s",
-                  flush=True)
+            print(
+                f"{dtype} context {ctx}: prompt {shared.prompt_tokens} tokens, prefill {shared.prefill_s:.1f} s",
+                flush=True,
+            )
             runners = [branch_runner(m, model, tok, shared) for m in args.method_list]
             prompt_tokens = shared.prompt_tokens
             del shared
@@ -275,23 +311,39 @@ def main(argv=None) -> int:
                     profiles[r.method.name].append(profile_runner(r, model, args.steps, tok.eos_token_id))
             for r in runners:
                 t = timing[r.method.name]
-                res = {"dtype": dtype, "context_tokens": ctx, "prompt_tokens": prompt_tokens,
-                       "prefill_dtype": args.prefill_dtype or dtype,
-                       "method": r.method.name, "unprofiled_ms_per_step": t["decode_ms_per_token"],
-                       "unprofiled_ratio": t.get("decode_ratio"),
-                       "unprofiled_rounds_ms": t["decode_ms_per_token_rounds"],
-                       "breakdown": median_breakdown(profiles[r.method.name]),
-                       "profile_rounds": profiles[r.method.name]}
+                res = {
+                    "dtype": dtype,
+                    "context_tokens": ctx,
+                    "prompt_tokens": prompt_tokens,
+                    "prefill_dtype": args.prefill_dtype or dtype,
+                    "method": r.method.name,
+                    "unprofiled_ms_per_step": t["decode_ms_per_token"],
+                    "unprofiled_ratio": t.get("decode_ratio"),
+                    "unprofiled_rounds_ms": t["decode_ms_per_token_rounds"],
+                    "breakdown": median_breakdown(profiles[r.method.name]),
+                    "profile_rounds": profiles[r.method.name],
+                }
                 results.append(res)
-                print(f"  {r.method.name}: {res['unprofiled_ms_per_step']:.1f} ms/step unprofiled, "
-                      f"{res['breakdown']['total_ms_per_step']:.1f} profiled", flush=True)
+                print(
+                    f"  {r.method.name}: {res['unprofiled_ms_per_step']:.1f} ms/step unprofiled, "
+                    f"{res['breakdown']['total_ms_per_step']:.1f} profiled",
+                    flush=True,
+                )
             del runners
         del model
     out = table(results)
     print(out)
     if args.out:
-        write_json(args.out, {"command": command_line(MODULE), "commit": git_commit(exclude=args.out),
-                              "hardware": run_hardware(), "steps": args.steps, "results": results})
+        write_json(
+            args.out,
+            {
+                "command": command_line(MODULE),
+                "commit": git_commit(exclude=args.out),
+                "hardware": run_hardware(),
+                "steps": args.steps,
+                "results": results,
+            },
+        )
         with open(os.path.splitext(args.out)[0] + ".md", "w", encoding="utf-8") as f:
             f.write(f"# Decode-step profile\n\n`{command_line(MODULE)}`\n\n{out}\n")
     return 0

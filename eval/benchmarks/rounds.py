@@ -44,8 +44,9 @@ def make_prompt(tok, context: str) -> tuple[str, dict]:
     """The benchmark prompt: ``context`` then the question, in the chat template when the tokenizer has one."""
     content = context + "\n\nQuestion: " + QUESTION
     if getattr(tok, "chat_template", None):
-        return tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                       add_generation_prompt=True), {"add_special_tokens": False}
+        return tok.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        ), {"add_special_tokens": False}
     return content, {}
 
 
@@ -76,8 +77,12 @@ def resolve_method(name: str) -> Method:
         raise UsageError(f"method {name!r}: the backend suffix must be one of {BACKEND_SUFFIXES}")
     if not isinstance(method, CocktailMethod):
         raise UsageError(f"method {name!r}: a backend suffix applies to Cocktail methods only")
-    return dataclasses.replace(method, name=name, description=f"{method.description} [backend={backend}]",
-                               overrides={**method.overrides, "backend": backend})
+    return dataclasses.replace(
+        method,
+        name=name,
+        description=f"{method.description} [backend={backend}]",
+        overrides={**method.overrides, "backend": backend},
+    )
 
 
 def resolve_methods(spec: str) -> list[Method]:
@@ -113,8 +118,7 @@ def shared_prefill(model, tok, context_tokens: int, essay_dir: str | None = None
     ids = tok(prompt, return_tensors="pt", **kw)["input_ids"].to(model_input_device(model))
     t0 = time.perf_counter()
     dyn, logits = prefill(model, ids)
-    return SharedPrefill(Request(prompt, context, QUESTION, "bench", kw), ids, dyn, logits,
-                         time.perf_counter() - t0)
+    return SharedPrefill(Request(prompt, context, QUESTION, "bench", kw), ids, dyn, logits, time.perf_counter() - t0)
 
 
 def cast_prefill(shared, dtype):
@@ -145,17 +149,27 @@ class Runner:
     def decode(self, model, steps: int, pad_token_id: int | None) -> float:
         """``steps`` greedy decode steps (``generate`` continuing the cache, no stop token); returns the seconds."""
         t0 = time.perf_counter()
-        out = model.generate(input_ids=self.ids, attention_mask=torch.ones_like(self.ids),
-                             **cache_kwargs(model, self.cache), max_new_tokens=steps, min_new_tokens=steps,
-                             do_sample=False, temperature=None, top_p=None, top_k=None, num_beams=1,
-                             pad_token_id=pad_token_id)
+        out = model.generate(
+            input_ids=self.ids,
+            attention_mask=torch.ones_like(self.ids),
+            **cache_kwargs(model, self.cache),
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            num_beams=1,
+            pad_token_id=pad_token_id,
+        )
         dt = time.perf_counter() - t0
         self.ids = out
         return dt
 
 
-def branch_runner(method: Method, model, tok, shared: SharedPrefill, encoder: str | None = None,
-                  batch: int = 1) -> Runner:
+def branch_runner(
+    method: Method, model, tok, shared: SharedPrefill, encoder: str | None = None, batch: int = 1
+) -> Runner:
     """``method``'s cache holding the shared prefill, for ``batch`` copies of the prompt; each sequence is the prompt
     plus the first new token (the argmax of the shared logits), so every later ``generate`` step is a decode step
     over the method's cache.
@@ -171,16 +185,21 @@ def branch_runner(method: Method, model, tok, shared: SharedPrefill, encoder: st
             cache.batch_repeat_interleave(batch)
     else:
         cache, _ = build_cache(method, model)
-        method.load_prefill(cache, [(layer.keys.expand(batch, -1, -1, -1).contiguous(),
-                                     layer.values.expand(batch, -1, -1, -1).contiguous())
-                                    for layer in shared.dyn.layers])
+        method.load_prefill(
+            cache,
+            [
+                (layer.keys.expand(batch, -1, -1, -1).contiguous(), layer.values.expand(batch, -1, -1, -1).contiguous())
+                for layer in shared.dyn.layers
+            ],
+        )
     first = shared.first_logits.argmax(-1, keepdim=True).to(shared.input_ids.device)
     ids = torch.cat([shared.input_ids, first], dim=1).expand(batch, -1).contiguous()
     return Runner(method, cache, ids, time.perf_counter() - t0)
 
 
-def alternating_rounds(runners: list[Runner], model, rounds: int, steps: int, pad_token_id: int | None,
-                       progress=None) -> None:
+def alternating_rounds(
+    runners: list[Runner], model, rounds: int, steps: int, pad_token_id: int | None, progress=None
+) -> None:
     """``rounds`` rounds of ``steps`` decode steps per runner, forward order on even rounds, reverse on odd ones."""
     for r in range(rounds):
         order = runners if r % 2 == 0 else runners[::-1]
@@ -198,12 +217,22 @@ def summarize_rounds(runners: list[Runner], steps: int, base: str = "fp16") -> l
     out = []
     for run in runners:
         ms = [1000 * s / steps for s in run.round_s]
-        row = {"method": run.method.name, "rounds": len(ms), "steps_per_round": steps,
-               "decode_ms_per_token": statistics.median(ms), "decode_ms_per_token_min": min(ms),
-               "decode_ms_per_token_rounds": ms, "setup_s": run.setup_s}
+        row = {
+            "method": run.method.name,
+            "rounds": len(ms),
+            "steps_per_round": steps,
+            "decode_ms_per_token": statistics.median(ms),
+            "decode_ms_per_token_min": min(ms),
+            "decode_ms_per_token_rounds": ms,
+            "setup_s": run.setup_s,
+        }
         if ref is not None:
             ratios = [a / b for a, b in zip(run.round_s, ref.round_s)]
-            row.update(decode_ratio=statistics.median(ratios), decode_ratio_min=min(ratios),
-                       decode_ratio_max=max(ratios), decode_ratio_rounds=ratios)
+            row.update(
+                decode_ratio=statistics.median(ratios),
+                decode_ratio_min=min(ratios),
+                decode_ratio_max=max(ratios),
+                decode_ratio_rounds=ratios,
+            )
         out.append(row)
     return out

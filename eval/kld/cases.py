@@ -34,8 +34,16 @@ def select_rows(n_rows: int, per_task: int | None, seed: int, task: str) -> list
     return sorted(random.Random(f"{seed}-{task}").sample(range(n_rows), per_task))
 
 
-def longbench_cases(tok, tasks: list[str], data_dir: str, config_dir: str, window: int, per_task: int | None,
-                    seed: int, use_chat: bool = True) -> list[KldCase]:
+def longbench_cases(
+    tok,
+    tasks: list[str],
+    data_dir: str,
+    config_dir: str,
+    window: int,
+    per_task: int | None,
+    seed: int,
+    use_chat: bool = True,
+) -> list[KldCase]:
     """The LongBench cases, interleaved across tasks (the first selected example of every task, then the second...)
     so that a run stopped early still covers every task."""
     templates, _ = load_config(config_dir)
@@ -46,8 +54,15 @@ def longbench_cases(tok, tasks: list[str], data_dir: str, config_dir: str, windo
         cases = []
         for i in select_rows(len(rows), per_task, seed, task):
             info = longbench_prompt(tok, task, rows[i], templates[task], window, use_chat=use_chat)
-            cases.append(KldCase(f"longbench/{task}/{ids[i]}", "longbench", task, info.request(ids[i]),
-                                 {"task": task, "row": i, "truncated": info.truncated, "chat": info.chat}))
+            cases.append(
+                KldCase(
+                    f"longbench/{task}/{ids[i]}",
+                    "longbench",
+                    task,
+                    info.request(ids[i]),
+                    {"task": task, "row": i, "truncated": info.truncated, "chat": info.chat},
+                )
+            )
         per.append(cases)
     out = []
     for j in range(max((len(c) for c in per), default=0)):
@@ -55,8 +70,9 @@ def longbench_cases(tok, tasks: list[str], data_dir: str, config_dir: str, windo
     return out
 
 
-def needle_cases(tok, lengths: list[int], depths: list[float], samples: int, seed: int,
-                 essay_dir: str | None = None) -> list[KldCase]:
+def needle_cases(
+    tok, lengths: list[int], depths: list[float], samples: int, seed: int, essay_dir: str | None = None
+) -> list[KldCase]:
     """Needle prompts (chat template), one per (length, depth, sample)."""
     if not lengths:
         return []
@@ -68,7 +84,13 @@ def needle_cases(tok, lengths: list[int], depths: list[float], samples: int, see
                 case = make_case(tok, essays, L, d, s, seed)
                 prompt, kw = needle_prompt(tok, case["context"])
                 key = case_key(L, d, s)
-                out.append(KldCase(f"needle/{key}", "needle", "needle",
-                                   Request(prompt, case["context"], QUESTION, key, kw),
-                                   {"length": L, "depth": d, "sample": s, "code": case["code"]}))
+                out.append(
+                    KldCase(
+                        f"needle/{key}",
+                        "needle",
+                        "needle",
+                        Request(prompt, case["context"], QUESTION, key, kw),
+                        {"length": L, "depth": d, "sample": s, "code": case["code"]},
+                    )
+                )
     return out

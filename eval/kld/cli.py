@@ -42,25 +42,46 @@ from .workers import run_parallel
 
 MODULE = "eval.kld"
 # budget3.6_had is left out: it is the same config as `recommended` (rotation="hadamard", target_bits=3.6)
-DEFAULT_METHODS = ("fp16,cocktail,int4,int2,int4_had,int2_had,cocktail_had,cocktail_hadk,cocktail_hadv,"
-                   "budget3.3_had,budget3.8_had,int2_had_g64,budget3.3_had_g64,recommended,kivi2,hqq2,hqq4")
+DEFAULT_METHODS = (
+    "fp16,cocktail,int4,int2,int4_had,int2_had,cocktail_had,cocktail_hadk,cocktail_hadv,"
+    "budget3.3_had,budget3.8_had,int2_had_g64,budget3.3_had_g64,recommended,kivi2,hqq2,hqq4"
+)
 # must match to resume: they change what a finished record means
-SETTINGS_KEYS = ("model", "dtype", "window", "chat", "encoder", "max_answer_tokens", "tail_tokens", "seed",
-                 "step_by_step")
+SETTINGS_KEYS = (
+    "model",
+    "dtype",
+    "window",
+    "chat",
+    "encoder",
+    "max_answer_tokens",
+    "tail_tokens",
+    "seed",
+    "step_by_step",
+)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=f"python -m {MODULE}",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--out-dir", required=True, help="results folder (resumable)")
     p.add_argument("--model", default="smollm2", help="'smollm2' (offline GGUF wheel) or a Hub id / local folder")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--device-map", default=None)
     p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated methods (eval/methods/registry.py)")
-    p.add_argument("--tasks", default=",".join(ENGLISH_TASKS),
-                   help="comma-separated LongBench tasks, or 'none' for needle prompts only")
-    p.add_argument("--per-task", type=int, default=None,
-                   help="LongBench examples per task, drawn with --seed (default: every example)")
+    p.add_argument(
+        "--tasks",
+        default=",".join(ENGLISH_TASKS),
+        help="comma-separated LongBench tasks, or 'none' for needle prompts only",
+    )
+    p.add_argument(
+        "--per-task",
+        type=int,
+        default=None,
+        help="LongBench examples per task, drawn with --seed (default: every example)",
+    )
     p.add_argument("--window", type=int, default=2048, help="max LongBench prompt tokens (middle truncation)")
     p.add_argument("--no-chat", action="store_true", help="never apply the chat template (LongBench)")
     p.add_argument("--data-dir", default=os.path.join(LONGBENCH_DIR, "minilongbench"))
@@ -71,17 +92,32 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--essay-dir", default=ESSAY_DIR)
     p.add_argument("--seed", type=int, default=0, help="seeds the LongBench subset and the needle passcodes")
     p.add_argument("--max-answer-tokens", type=int, default=32, help="cap on FP16's greedy answer")
-    p.add_argument("--tail-tokens", type=int, default=16,
-                   help="last prompt tokens fed through each cache in the 'tail' segment (never inside the context)")
-    p.add_argument("--step-by-step", action="store_true",
-                   help="feed every cache token by token (default: one forward where that is equivalent)")
+    p.add_argument(
+        "--tail-tokens",
+        type=int,
+        default=16,
+        help="last prompt tokens fed through each cache in the 'tail' segment (never inside the context)",
+    )
+    p.add_argument(
+        "--step-by-step",
+        action="store_true",
+        help="feed every cache token by token (default: one forward where that is equivalent)",
+    )
     p.add_argument("--encoder", default=None, help="retrieval encoder (default: the offline all-MiniLM-L6-v2)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per process (default: cores/workers)")
-    p.add_argument("--workers", type=int, default=1,
-                   help="worker processes (cases dealt round-robin; the main process writes every file)")
-    p.add_argument("--stop-after-minutes", type=float, default=None,
-                   help="start no new case after this many minutes (the report covers the finished cases; the same "
-                        "command resumes)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="worker processes (cases dealt round-robin; the main process writes every file)",
+    )
+    p.add_argument(
+        "--stop-after-minutes",
+        type=float,
+        default=None,
+        help="start no new case after this many minutes (the report covers the finished cases; the same "
+        "command resumes)",
+    )
     p.add_argument("--report-only", action="store_true", help="rewrite the summary from the records, run nothing")
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -110,8 +146,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not args.task_list and not args.length_list:
         raise UsageError("nothing to run: --tasks none and no --needle-lengths")
     if args.max_answer_tokens < 2:
-        raise UsageError(f"--max-answer-tokens must be >= 2 (the first answer token is not scored), got "
-                         f"{args.max_answer_tokens}")
+        raise UsageError(
+            f"--max-answer-tokens must be >= 2 (the first answer token is not scored), got {args.max_answer_tokens}"
+        )
     if args.tail_tokens < 0:
         raise UsageError(f"--tail-tokens must be >= 0, got {args.tail_tokens}")
     if args.stop_after_minutes is not None and args.stop_after_minutes <= 0:
@@ -126,17 +163,33 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def settings_of(args, encoder: str) -> dict:
-    return {"model": args.model, "dtype": args.dtype, "window": args.window, "chat": not args.no_chat,
-            "encoder": os.path.basename(os.path.normpath(encoder)), "max_answer_tokens": args.max_answer_tokens,
-            "tail_tokens": args.tail_tokens, "seed": args.seed, "step_by_step": args.step_by_step}
+    return {
+        "model": args.model,
+        "dtype": args.dtype,
+        "window": args.window,
+        "chat": not args.no_chat,
+        "encoder": os.path.basename(os.path.normpath(encoder)),
+        "max_answer_tokens": args.max_answer_tokens,
+        "tail_tokens": args.tail_tokens,
+        "seed": args.seed,
+        "step_by_step": args.step_by_step,
+    }
 
 
 def build_cases(args, tok) -> list[KldCase]:
     """Needle prompts first (few and short), then the LongBench examples interleaved across tasks."""
     cases = needle_cases(tok, args.length_list, args.depth_list, args.needle_samples, args.seed, args.essay_dir)
     if args.task_list:
-        cases += longbench_cases(tok, args.task_list, args.data_dir, args.config_dir, args.window, args.per_task,
-                                 args.seed, use_chat=not args.no_chat)
+        cases += longbench_cases(
+            tok,
+            args.task_list,
+            args.data_dir,
+            args.config_dir,
+            args.window,
+            args.per_task,
+            args.seed,
+            use_chat=not args.no_chat,
+        )
     return cases
 
 
@@ -152,15 +205,21 @@ def describe(args, cases: list[KldCase]) -> str:
         per = "every example" if args.per_task is None else f"{args.per_task} per task drawn with seed {args.seed}"
         parts.append(f"LongBench: {len(lb)} examples of {len(args.task_list)} tasks ({per}), window {args.window}")
     if nd:
-        parts.append(f"needle: {len(nd)} prompts (lengths {args.length_list}, depths {args.depth_list}, "
-                     f"{args.needle_samples} sample(s))")
-    return (f"# KL divergence from FP16 ({args.model}, {args.dtype})\n\n" + "; ".join(parts) +
-            f". FP16 answer capped at {args.max_answer_tokens} tokens; tail segment: last {args.tail_tokens} prompt "
-            "tokens at most.")
+        parts.append(
+            f"needle: {len(nd)} prompts (lengths {args.length_list}, depths {args.depth_list}, "
+            f"{args.needle_samples} sample(s))"
+        )
+    return (
+        f"# KL divergence from FP16 ({args.model}, {args.dtype})\n\n"
+        + "; ".join(parts)
+        + f". FP16 answer capped at {args.max_answer_tokens} tokens; tail segment: last {args.tail_tokens} prompt "
+        "tokens at most."
+    )
 
 
-def run_cases(args, argv: list[str], model, tok, encoder: str, todo: list, rec_path: str, done: dict,
-              t_start: float) -> int:
+def run_cases(
+    args, argv: list[str], model, tok, encoder: str, todo: list, rec_path: str, done: dict, t_start: float
+) -> int:
     """Measure the pending cases in order (in ``--workers`` processes), appending a record per (case, method); no
     new case starts after ``--stop-after-minutes``. Returns the number of cases finished."""
     deadline = t_start + 60 * args.stop_after_minutes if args.stop_after_minutes else None
@@ -177,8 +236,9 @@ def run_cases(args, argv: list[str], model, tok, encoder: str, todo: list, rec_p
     if args.workers > 1:
         ran = run_parallel(args.workers, argv, encoder, todo, deadline, on_record, on_case)
     else:
-        runner = KldRunner(model, tok, encoder, args.max_answer_tokens, args.tail_tokens,
-                           True if args.step_by_step else None)
+        runner = KldRunner(
+            model, tok, encoder, args.max_answer_tokens, args.tail_tokens, True if args.step_by_step else None
+        )
         ran = 0
         for case, methods in todo:
             if deadline is not None and time.time() >= deadline:
@@ -192,8 +252,10 @@ def run_cases(args, argv: list[str], model, tok, encoder: str, todo: list, rec_p
 
 
 def run_config(args, encoder: str) -> dict:
-    return {"methods": {m.name: m.config_dict(encoder) for m in args.method_list},
-            "args": {k: v for k, v in vars(args).items() if k != "method_list"}}
+    return {
+        "methods": {m.name: m.config_dict(encoder) for m in args.method_list},
+        "args": {k: v for k, v in vars(args).items() if k != "method_list"},
+    }
 
 
 def load_tokenizer(name: str):
@@ -224,18 +286,26 @@ def main(argv=None) -> int:
     todo = [(c, ms) for c, ms in todo if ms]
     ran = 0
     if not args.report_only:
-        update_run_info(args.out_dir, started_at, {"command": command_line(MODULE), "commit": commit,
-                                                   "status": "running"})
+        update_run_info(
+            args.out_dir, started_at, {"command": command_line(MODULE), "commit": commit, "status": "running"}
+        )
         ran = run_cases(args, argv, model, tok, encoder, todo, rec_path, done, t_start)
         if ran < len(todo):
-            print(f"stopped after {ran} of {len(todo)} cases (--stop-after-minutes {args.stop_after_minutes:g}); "
-                  "the same command resumes")
+            print(
+                f"stopped after {ran} of {len(todo)} cases (--stop-after-minutes {args.stop_after_minutes:g}); "
+                "the same command resumes"
+            )
     names = [m.name for m in args.method_list]
     keys = {c.key for c in cases}
     records = [r for (k, m), r in done.items() if k in keys and m in names]
     print(write_reports(args.out_dir, records, names, describe(args, cases)))
     if not args.report_only:
-        finished = {"runtime_s": round(time.time() - t_start, 1), "cases_processed": ran, "finished_at": now(),
-                    "status": "finished" if ran == len(todo) else "stopped", "cases_left": len(todo) - ran}
+        finished = {
+            "runtime_s": round(time.time() - t_start, 1),
+            "cases_processed": ran,
+            "finished_at": now(),
+            "status": "finished" if ran == len(todo) else "stopped",
+            "cases_left": len(todo) - ran,
+        }
         update_run_info(args.out_dir, started_at, finished, run_config(args, encoder))
     return 0

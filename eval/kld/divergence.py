@@ -61,6 +61,6 @@ def teacher_force(model, cache, tokens: torch.Tensor, step_by_step: bool | None 
         return out.logits[0].float()
     rows = []
     for i in range(n):
-        out = model(input_ids=tokens[:, i:i + 1], **cache_kwargs(model, cache), use_cache=True)
+        out = model(input_ids=tokens[:, i : i + 1], **cache_kwargs(model, cache), use_cache=True)
         rows.append(out.logits[0, -1].float())
     return torch.stack(rows)

@@ -46,8 +46,9 @@ def context_end(tok, request: Request) -> int:
     if not request.context:
         return len(tok(request.prompt, **request.tokenizer_kwargs)["input_ids"])
     probe = CocktailCache(CocktailConfig(uniform_bits=16))
-    probe.prepare_inputs(tok, request.prompt, contexts=request.context, queries=request.query,
-                         **request.tokenizer_kwargs)
+    probe.prepare_inputs(
+        tok, request.prompt, contexts=request.context, queries=request.query, **request.tokenizer_kwargs
+    )
     end = probe.plans[0].ctx_end
     probe.reset()
     return end
@@ -92,13 +93,15 @@ def memoized_encoders(keys: set[tuple]):
             del enc.encode
 
 
-def branch_prefix(method: Method, model, tok, pairs: list, input_ids: torch.Tensor, request: Request,
-                  encoder: str | None):
+def branch_prefix(
+    method: Method, model, tok, pairs: list, input_ids: torch.Tensor, request: Request, encoder: str | None
+):
     """``method``'s cache prepared for the whole prompt and filled with the prefill ``pairs`` of its first tokens."""
     cache, inputs = build_cache(method, model, tok, request, encoder)
     if inputs is not None and not torch.equal(inputs["input_ids"].to(input_ids.device), input_ids):
-        raise RuntimeError(f"{method.name}: the cache's preparation tokenized the prompt differently from the "
-                           "shared prefill")
+        raise RuntimeError(
+            f"{method.name}: the cache's preparation tokenized the prompt differently from the shared prefill"
+        )
     method.load_prefill(cache, pairs, split_attention=True)
     return cache
 
@@ -109,19 +112,36 @@ def _pos_list(x: torch.Tensor, digits: int = 6) -> list:
 
 def _segment(prefix: str, ref: torch.Tensor, logits: torch.Tensor) -> dict:
     if ref.shape[0] == 0:
-        return {f"kl_{prefix}": None, f"top1_{prefix}": None, f"n_{prefix}": 0, f"kl_{prefix}_pos": [],
-                f"top1_{prefix}_pos": []}
+        return {
+            f"kl_{prefix}": None,
+            f"top1_{prefix}": None,
+            f"n_{prefix}": 0,
+            f"kl_{prefix}_pos": [],
+            f"top1_{prefix}_pos": [],
+        }
     kl, agree = kl_and_top1(ref, logits)
-    return {f"kl_{prefix}": float(kl.mean()), f"top1_{prefix}": float(agree.double().mean()),
-            f"n_{prefix}": int(kl.shape[0]), f"kl_{prefix}_max": float(kl.max()), f"kl_{prefix}_pos": _pos_list(kl),
-            f"top1_{prefix}_pos": [int(a) for a in agree.tolist()]}
+    return {
+        f"kl_{prefix}": float(kl.mean()),
+        f"top1_{prefix}": float(agree.double().mean()),
+        f"n_{prefix}": int(kl.shape[0]),
+        f"kl_{prefix}_max": float(kl.max()),
+        f"kl_{prefix}_pos": _pos_list(kl),
+        f"top1_{prefix}_pos": [int(a) for a in agree.tolist()],
+    }
 
 
 class KldRunner:
     """Measures cases with one model."""
 
-    def __init__(self, model, tok, encoder: str | None = None, max_answer_tokens: int = 32, tail_tokens: int = 16,
-                 step_by_step: bool | None = None):
+    def __init__(
+        self,
+        model,
+        tok,
+        encoder: str | None = None,
+        max_answer_tokens: int = 32,
+        tail_tokens: int = 16,
+        step_by_step: bool | None = None,
+    ):
         self.model, self.tok, self.encoder = model, tok, encoder
         self.max_answer_tokens, self.tail_tokens, self.step_by_step = max_answer_tokens, tail_tokens, step_by_step
         self.device = model_input_device(model)
@@ -141,24 +161,35 @@ class KldRunner:
         dyn, first_logits = prefill(model, input_ids)
         prefill_s = time.perf_counter() - t0
         ref_br = branch(REFERENCE, model, tok, dyn, input_ids, req, self.encoder)
-        answer = generate_from_branch(model, ref_br.cache, input_ids, first_logits, self.max_answer_tokens,
-                                      eos_token_id=self.eos)
+        answer = generate_from_branch(
+            model, ref_br.cache, input_ids, first_logits, self.max_answer_tokens, eos_token_id=self.eos
+        )
         del ref_br
         k = max(0, min(self.tail_tokens, L - context_end(tok, req), L - 1))
         full_pairs = [(layer.keys, layer.values) for layer in dyn.layers]
-        prefix_pairs = [(kk[:, :, :L - k], vv[:, :, :L - k]) for kk, vv in full_pairs]
+        prefix_pairs = [(kk[:, :, : L - k], vv[:, :, : L - k]) for kk, vv in full_pairs]
         answer_in = answer[:, :-1]
-        tail_in = torch.cat([input_ids[:, L - k:], answer_in], dim=1)
+        tail_in = torch.cat([input_ids[:, L - k :], answer_in], dim=1)
         ref_answer = teacher_force(model, branch(REFERENCE, model, tok, dyn, input_ids, req).cache, answer_in, False)
-        ref_tail = teacher_force(model, branch_prefix(REFERENCE, model, tok, prefix_pairs, input_ids, req, None),
-                                 tail_in, False)
-        base = {"case": case.key, "source": case.source, "stratum": case.stratum, **case.meta, "prompt_tokens": L,
-                "tail_tokens": k, "answer_tokens": int(answer.shape[1]), "answer_ids": answer[0].tolist(),
-                "answer": tok.decode(answer[0], skip_special_tokens=True),
-                # the teacher-forced FP16 logits predict FP16's own greedy answer (the alignment check on real data)
-                "ref_top1_is_answer": float((ref_answer.argmax(-1) == answer[0, 1:].to(ref_answer.device))
-                                            .double().mean()) if answer_in.shape[1] else None,
-                "shared_prefill_s": round(prefill_s, 3)}
+        ref_tail = teacher_force(
+            model, branch_prefix(REFERENCE, model, tok, prefix_pairs, input_ids, req, None), tail_in, False
+        )
+        base = {
+            "case": case.key,
+            "source": case.source,
+            "stratum": case.stratum,
+            **case.meta,
+            "prompt_tokens": L,
+            "tail_tokens": k,
+            "answer_tokens": int(answer.shape[1]),
+            "answer_ids": answer[0].tolist(),
+            "answer": tok.decode(answer[0], skip_special_tokens=True),
+            # the teacher-forced FP16 logits predict FP16's own greedy answer (the alignment check on real data)
+            "ref_top1_is_answer": float((ref_answer.argmax(-1) == answer[0, 1:].to(ref_answer.device)).double().mean())
+            if answer_in.shape[1]
+            else None,
+            "shared_prefill_s": round(prefill_s, 3),
+        }
         for method in methods:
             t1 = time.perf_counter()
             br = branch(method, model, tok, dyn, input_ids, req, self.encoder)
@@ -170,8 +201,16 @@ class KldRunner:
             cache = branch_prefix(method, model, tok, prefix_pairs, input_ids, req, self.encoder)
             logits_t = teacher_force(model, cache, tail_in, self.step_by_step)
             del cache
-            yield {**base, "method": method.name, **_segment("answer", ref_answer, logits_a),
-                   **_segment("tail", ref_tail, logits_t), "cache_tokens": seq, "kv_bytes": kv, "fp16_kv_bytes": fp16,
-                   "kv_ratio": kv / fp16, "precision_counts": None if bits is None else precision_counts(bits),
-                   "method_s": round(time.perf_counter() - t1, 3)}
+            yield {
+                **base,
+                "method": method.name,
+                **_segment("answer", ref_answer, logits_a),
+                **_segment("tail", ref_tail, logits_t),
+                "cache_tokens": seq,
+                "kv_bytes": kv,
+                "fp16_kv_bytes": fp16,
+                "kv_ratio": kv / fp16,
+                "precision_counts": None if bits is None else precision_counts(bits),
+                "method_s": round(time.perf_counter() - t1, 3),
+            }
         del dyn

@@ -14,8 +14,9 @@ import traceback
 from collections.abc import Callable
 
 
-def _worker(index: int, argv: list[str], encoder: str, work: list[tuple[str, list[str]]], deadline: float | None,
-            out) -> None:
+def _worker(
+    index: int, argv: list[str], encoder: str, work: list[tuple[str, list[str]]], deadline: float | None, out
+) -> None:
     """One worker: rebuild the run's cases from its arguments, measure ``work`` ((case key, method names) pairs)
     in order, put ``("record", rec)`` per record and ``("case", key)`` per finished case, then ``("done", index)``;
     ``("error", text)`` on any failure."""
@@ -29,8 +30,9 @@ def _worker(index: int, argv: list[str], encoder: str, work: list[tuple[str, lis
         set_threads(1, args.threads)
         model, tok = load_model_and_tokenizer(args.model, args.dtype, "cocktail", args.device_map)
         cases = {c.key: c for c in build_cases(args, tok)}
-        runner = KldRunner(model, tok, encoder, args.max_answer_tokens, args.tail_tokens,
-                           True if args.step_by_step else None)
+        runner = KldRunner(
+            model, tok, encoder, args.max_answer_tokens, args.tail_tokens, True if args.step_by_step else None
+        )
         for key, names in work:
             if deadline is not None and time.time() >= deadline:
                 break
@@ -42,8 +44,15 @@ def _worker(index: int, argv: list[str], encoder: str, work: list[tuple[str, lis
         out.put(("error", f"worker {index}: {traceback.format_exc()}"))
 
 
-def run_parallel(n_workers: int, argv: list[str], encoder: str, todo: list, deadline: float | None,
-                 on_record: Callable[[dict], None], on_case: Callable[[str], None]) -> int:
+def run_parallel(
+    n_workers: int,
+    argv: list[str],
+    encoder: str,
+    todo: list,
+    deadline: float | None,
+    on_record: Callable[[dict], None],
+    on_case: Callable[[str], None],
+) -> int:
     """Measure ``todo`` ((case, methods) pairs) in ``n_workers`` processes, case ``i`` in worker ``i % n``; calls
     ``on_record`` for every record and ``on_case`` for every finished case, in the main process. Returns the number of
     cases finished; a failing worker stops the others and raises ``RuntimeError`` with its traceback."""
@@ -52,8 +61,11 @@ def run_parallel(n_workers: int, argv: list[str], encoder: str, todo: list, dead
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     work = [[(c.key, [m.name for m in ms]) for c, ms in todo[i::n_workers]] for i in range(n_workers)]
-    procs = [ctx.Process(target=_worker, args=(i, argv, encoder, work[i], deadline, out), daemon=True)
-             for i in range(n_workers) if work[i]]
+    procs = [
+        ctx.Process(target=_worker, args=(i, argv, encoder, work[i], deadline, out), daemon=True)
+        for i in range(n_workers)
+        if work[i]
+    ]
     for p in procs:
         p.start()
     finished = ran = 0

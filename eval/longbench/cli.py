@@ -71,29 +71,44 @@ def parse_task_ints(spec: str | None, name: str) -> dict[str, int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=f"python -m {MODULE}",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--out-dir", required=True, help="results folder (resumable)")
     p.add_argument("--model", default="smollm2", help="'smollm2' (offline GGUF wheel) or a Hub id / local folder")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--device-map", default=None, help="e.g. 'auto' to spread a big model over the devices")
-    p.add_argument("--data-dir", default=os.path.join(LONGBENCH_DIR, "minilongbench"),
-                   help="folder of <task>.jsonl files in the LongBench schema")
+    p.add_argument(
+        "--data-dir",
+        default=os.path.join(LONGBENCH_DIR, "minilongbench"),
+        help="folder of <task>.jsonl files in the LongBench schema",
+    )
     p.add_argument("--hub", action="store_true", help="read the data from THUDM/LongBench on the Hub instead")
-    p.add_argument("--config-dir", default=os.path.join(LONGBENCH_DIR, "config"),
-                   help="folder with dataset2prompt.json and dataset2maxlen.json")
+    p.add_argument(
+        "--config-dir",
+        default=os.path.join(LONGBENCH_DIR, "config"),
+        help="folder with dataset2prompt.json and dataset2maxlen.json",
+    )
     p.add_argument("--tasks", default=",".join(ENGLISH_TASKS), help="comma-separated LongBench tasks")
     p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated methods (see eval/methods/registry.py)")
     p.add_argument("--window", type=int, default=2048, help="max prompt tokens (middle truncation)")
     p.add_argument("--limit", type=int, default=None, help="max examples per task (the first ones of each file)")
     p.add_argument("--task-limits", default=None, help="per-task caps, e.g. 'multi_news=3,qmsum=3'")
-    p.add_argument("--max-new-tokens-cap", default=None,
-                   help="per-task caps on the new tokens below dataset2maxlen, e.g. 'gov_report=128'")
+    p.add_argument(
+        "--max-new-tokens-cap",
+        default=None,
+        help="per-task caps on the new tokens below dataset2maxlen, e.g. 'gov_report=128'",
+    )
     p.add_argument("--no-chat", action="store_true", help="never apply the chat template")
     p.add_argument("--encoder", default=None, help="retrieval encoder (default: the offline all-MiniLM-L6-v2)")
-    p.add_argument("--preset", default=None,
-                   help="a cocktail_config.json folder or Hub id (e.g. model_cards/smollm2-135m-instruct): adds the "
-                        "method 'preset' (its encoder is replaced by --encoder / the offline MiniLM)")
+    p.add_argument(
+        "--preset",
+        default=None,
+        help="a cocktail_config.json folder or Hub id (e.g. model_cards/smollm2-135m-instruct): adds the "
+        "method 'preset' (its encoder is replaced by --encoder / the offline MiniLM)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads per process (default: cores/processes)")
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -121,8 +136,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.task_limit_map = parse_task_ints(args.task_limits, "--task-limits")
     args.new_cap_map = parse_task_ints(args.max_new_tokens_cap, "--max-new-tokens-cap")
     if not args.hub and not os.path.isdir(args.data_dir):
-        raise UsageError(f"--data-dir {args.data_dir} does not exist (the offline data lives in ../shared/data; "
-                         "or pass --hub when the Hugging Face Hub is reachable)")
+        raise UsageError(
+            f"--data-dir {args.data_dir} does not exist (the offline data lives in ../shared/data; "
+            "or pass --hub when the Hugging Face Hub is reachable)"
+        )
     return args
 
 
@@ -175,15 +192,19 @@ def run_share(args, process: int, share: list, data: RunData, encoder: str) -> N
         bar.set_postfix_str(f"{t} {i + 1}/{len(data.rows[t])}")
         info = build_prompt(tok, t, ex, data.templates[t], args.window, use_chat=not args.no_chat)
         stop = runner.eos + [newline_id] if t == "samsum" else runner.eos
-        for out in runner.run(info.request(ex_id), missing, data.max_new[t], stop,
-                              min_new_tokens=1 if t == "samsum" else 0):
+        for out in runner.run(
+            info.request(ex_id), missing, data.max_new[t], stop, min_new_tokens=1 if t == "samsum" else 0
+        ):
             append_part(args.out_dir, prediction_record(t, ex, ex_id, info, out, process), process)
     bar.close()
 
 
 def run_config(args, encoder: str, max_new: dict[str, int]) -> dict:
-    return {"methods": {m.name: m.config_dict(encoder) for m in args.method_list},
-            "args": {k: v for k, v in vars(args).items() if k != "method_list"}, "max_new_tokens": max_new}
+    return {
+        "methods": {m.name: m.config_dict(encoder) for m in args.method_list},
+        "args": {k: v for k, v in vars(args).items() if k != "method_list"},
+        "max_new_tokens": max_new,
+    }
 
 
 def main(argv=None) -> int:
@@ -195,14 +216,28 @@ def main(argv=None) -> int:
     set_threads(state.num_processes, args.threads)
     encoder = args.encoder or offline_encoder_path()
     data = load_run_data(args)
-    settings = {"model": args.model, "dtype": args.dtype, "window": args.window, "chat": not args.no_chat,
-                "encoder": os.path.basename(os.path.normpath(encoder)), "max_new_tokens_cap": args.new_cap_map}
+    settings = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "window": args.window,
+        "chat": not args.no_chat,
+        "encoder": os.path.basename(os.path.normpath(encoder)),
+        "max_new_tokens_cap": args.new_cap_map,
+    }
     os.makedirs(args.out_dir, exist_ok=True)
     if state.is_main_process:
         lock = lock_out_dir(args.out_dir)  # noqa: F841 (held until the process exits)
         check_settings(args.out_dir, settings, SETTINGS_KEYS)
-        update_run_info(args.out_dir, started_at, {"command": command_line(MODULE), "commit": commit,
-                                                   "num_processes": state.num_processes, "status": "running"})
+        update_run_info(
+            args.out_dir,
+            started_at,
+            {
+                "command": command_line(MODULE),
+                "commit": commit,
+                "num_processes": state.num_processes,
+                "status": "running",
+            },
+        )
     state.wait_for_everyone()
     if not state.is_main_process:
         check_settings(args.out_dir, settings, SETTINGS_KEYS)
@@ -214,11 +249,18 @@ def main(argv=None) -> int:
     state.wait_for_everyone()
     if state.is_main_process:
         methods = [m.name for m in args.method_list]
-        write_reports(args.out_dir, args.task_list, methods, score_run(args.out_dir, args.task_list, methods,
-                                                                       data.ids))
-        update_run_info(args.out_dir, started_at,
-                        {"runtime_s": round(time.time() - t_start, 1), "examples_processed": len(work),
-                         "finished_at": now(), "status": "finished"}, run_config(args, encoder, data.max_new))
+        write_reports(args.out_dir, args.task_list, methods, score_run(args.out_dir, args.task_list, methods, data.ids))
+        update_run_info(
+            args.out_dir,
+            started_at,
+            {
+                "runtime_s": round(time.time() - t_start, 1),
+                "examples_processed": len(work),
+                "finished_at": now(),
+                "status": "finished",
+            },
+            run_config(args, encoder, data.max_new),
+        )
         if not args.no_progress:
             with open(os.path.join(args.out_dir, "summary.md"), encoding="utf-8") as f:
                 print(f.read())

@@ -18,8 +18,10 @@ def load_config(config_dir: str) -> tuple[dict, dict]:
     m = os.path.join(config_dir, "dataset2maxlen.json")
     for f in (p, m):
         if not os.path.isfile(f):
-            raise UsageError(f"LongBench config file {f} not found (set --config-dir to the folder holding "
-                             "dataset2prompt.json and dataset2maxlen.json from the LongBench repository)")
+            raise UsageError(
+                f"LongBench config file {f} not found (set --config-dir to the folder holding "
+                "dataset2prompt.json and dataset2maxlen.json from the LongBench repository)"
+            )
     with open(p, encoding="utf-8") as f1, open(m, encoding="utf-8") as f2:
         return json.load(f1), json.load(f2)
 
@@ -35,8 +37,10 @@ def _hub_task_rows(task: str) -> list[dict]:
     try:
         z = hf_hub_download("THUDM/LongBench", "data.zip", repo_type="dataset")
     except Exception as e:  # offline, no cache
-        raise UsageError(f"--hub: could not download THUDM/LongBench data.zip ({type(e).__name__}: {e}); "
-                         "use --data-dir with local jsonl files instead") from e
+        raise UsageError(
+            f"--hub: could not download THUDM/LongBench data.zip ({type(e).__name__}: {e}); "
+            "use --data-dir with local jsonl files instead"
+        ) from e
     with zipfile.ZipFile(z) as zf:
         with zf.open(f"data/{task}.jsonl") as f:
             return [json.loads(line) for line in f.read().decode("utf-8").splitlines() if line.strip()]

@@ -102,8 +102,11 @@ def classification_score(prediction: str, ground_truth: str, **kwargs) -> float:
 
 def rouge_score(prediction: str, ground_truth: str, **kwargs) -> float:
     """ROUGE-L F-measure of one pair (via the local ``evaluate`` module)."""
-    return float(rouge_metric().compute(predictions=[prediction], references=[ground_truth],
-                                        rouge_types=["rougeL"], use_aggregator=False)["rougeL"][0])
+    return float(
+        rouge_metric().compute(
+            predictions=[prediction], references=[ground_truth], rouge_types=["rougeL"], use_aggregator=False
+        )["rougeL"][0]
+    )
 
 
 def f1_score(prediction, ground_truth, **kwargs) -> float:
@@ -159,8 +162,12 @@ def example_score(task: str, prediction: str, answers: list[str], all_classes=No
     if task in FIRST_LINE_TASKS:
         prediction = prediction.lstrip("\n").split("\n")[0]
     if metric is rouge_score and answers:  # one evaluate call for all references
-        out = rouge_metric().compute(predictions=[prediction] * len(answers), references=list(answers),
-                                     rouge_types=["rougeL"], use_aggregator=False)["rougeL"]
+        out = rouge_metric().compute(
+            predictions=[prediction] * len(answers),
+            references=list(answers),
+            rouge_types=["rougeL"],
+            use_aggregator=False,
+        )["rougeL"]
         return float(max([0.0] + list(out)))
     score = 0.0
     for ground_truth in answers:

@@ -28,8 +28,9 @@ def merged_path(out_dir: str, task: str, method: str) -> str:
 def read_records(out_dir: str, task: str, method: str) -> dict[str, dict]:
     """Finished records of (task, method): the merged file plus any per-process part files (first one wins)."""
     recs: dict[str, dict] = {}
-    files = [merged_path(out_dir, task, method)] + sorted(glob.glob(os.path.join(parts_dir(out_dir, task, method),
-                                                                                 "*.jsonl")))
+    files = [merged_path(out_dir, task, method)] + sorted(
+        glob.glob(os.path.join(parts_dir(out_dir, task, method), "*.jsonl"))
+    )
     for f in files:
         if os.path.isfile(f):
             for r in iter_jsonl(f):
@@ -54,8 +55,11 @@ def merge_records(out_dir: str, task: str, method: str, order: list[str]) -> dic
     os.replace(tmp, path)
     for p in glob.glob(os.path.join(parts_dir(out_dir, task, method), "*.jsonl")):
         os.remove(p)
-    for d in (parts_dir(out_dir, task, method), os.path.dirname(parts_dir(out_dir, task, method)),
-              os.path.join(out_dir, "parts")):
+    for d in (
+        parts_dir(out_dir, task, method),
+        os.path.dirname(parts_dir(out_dir, task, method)),
+        os.path.join(out_dir, "parts"),
+    ):
         try:
             os.rmdir(d)  # only when empty
         except OSError:
@@ -65,17 +69,35 @@ def merge_records(out_dir: str, task: str, method: str, order: list[str]) -> dic
 
 def prediction_record(task: str, ex: dict, ex_id: str, info: PromptInfo, out: Outcome, process: int) -> dict:
     """The record of one method's prediction on one example."""
-    return {"_id": ex_id, "task": task, "method": out.method.name, "pred": out.text, "answers": ex["answers"],
-            "all_classes": ex.get("all_classes"),
-            "score": example_score(task, out.text, ex["answers"], ex.get("all_classes")),
-            "length": ex.get("length"), "prompt_tokens": out.prompt_tokens,
-            "raw_prompt_tokens": info.raw_tokens, "truncated": info.truncated, "chat": info.chat,
-            "context_found": bool(info.context), "query_source": info.query_source,
-            "new_tokens": out.num_new, "cache_tokens": out.cache_tokens, "kv_bytes": out.kv_bytes,
-            "fp16_kv_bytes": out.fp16_kv_bytes, "kv_ratio": out.kv_ratio, "prefill_s": out.prefill_s,
-            "shared_prefill_s": out.shared_prefill_s, "setup_s": out.branch.setup_s, "decode_s": out.decode_s,
-            "decode_ms_per_token": out.decode_ms_per_token,
-            "precision_counts": out.branch.precision_counts, "process": process, "written_at": now()}
+    return {
+        "_id": ex_id,
+        "task": task,
+        "method": out.method.name,
+        "pred": out.text,
+        "answers": ex["answers"],
+        "all_classes": ex.get("all_classes"),
+        "score": example_score(task, out.text, ex["answers"], ex.get("all_classes")),
+        "length": ex.get("length"),
+        "prompt_tokens": out.prompt_tokens,
+        "raw_prompt_tokens": info.raw_tokens,
+        "truncated": info.truncated,
+        "chat": info.chat,
+        "context_found": bool(info.context),
+        "query_source": info.query_source,
+        "new_tokens": out.num_new,
+        "cache_tokens": out.cache_tokens,
+        "kv_bytes": out.kv_bytes,
+        "fp16_kv_bytes": out.fp16_kv_bytes,
+        "kv_ratio": out.kv_ratio,
+        "prefill_s": out.prefill_s,
+        "shared_prefill_s": out.shared_prefill_s,
+        "setup_s": out.branch.setup_s,
+        "decode_s": out.decode_s,
+        "decode_ms_per_token": out.decode_ms_per_token,
+        "precision_counts": out.branch.precision_counts,
+        "process": process,
+        "written_at": now(),
+    }
 
 
 def append_part(out_dir: str, record: dict, process: int) -> None:

@@ -28,11 +28,10 @@ class PromptInfo:
         return Request(self.prompt, self.context, self.query, example_id, self.tokenizer_kwargs)
 
 
-def _context_after_truncation(tok, prompt: str, prefix: str, suffix: str, context: str, ids, offsets,
-                              half: int) -> str:
+def _context_after_truncation(tok, prompt: str, prefix: str, suffix: str, context: str, ids, offsets, half: int) -> str:
     """The part of the original context that survives the middle truncation, as it appears in ``prompt``."""
     if prompt.startswith(prefix) and prompt.endswith(suffix) and len(prompt) >= len(prefix) + len(suffix):
-        return prompt[len(prefix):len(prompt) - len(suffix)]
+        return prompt[len(prefix) : len(prompt) - len(suffix)]
     # the cut is outside the context (in the instruction or the question): locate the context tokens by offsets
     c0, c1 = len(prefix), len(prefix) + len(context)
     n = len(ids)
@@ -45,10 +44,10 @@ def _context_after_truncation(tok, prompt: str, prefix: str, suffix: str, contex
     second = [t for t in range(n - half, n) if inside(t)]
     pieces = []
     if first and second and first[-1] == half - 1 and second[0] == n - half:
-        pieces.append(tok.decode(ids[first[0]:first[-1] + 1]) + tok.decode(ids[second[0]:second[-1] + 1]))
+        pieces.append(tok.decode(ids[first[0] : first[-1] + 1]) + tok.decode(ids[second[0] : second[-1] + 1]))
     for sel in (first, second):
         if sel:
-            pieces.append(tok.decode(ids[sel[0]:sel[-1] + 1]))
+            pieces.append(tok.decode(ids[sel[0] : sel[-1] + 1]))
     for piece in sorted(pieces, key=len, reverse=True):
         for cand in (piece, piece.strip()):
             if cand and cand in prompt:
@@ -88,8 +87,9 @@ def build_prompt(tok, task: str, ex: dict, template: str, window: int, use_chat:
     query, source = _search_query(task, template, inp, ctx)
     chat = use_chat and task not in NO_CHAT_TASKS and getattr(tok, "chat_template", None) is not None
     if chat:
-        final = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                        add_generation_prompt=True)
+        final = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
         kwargs = {"add_special_tokens": False}
     else:
         final, kwargs = prompt, {}

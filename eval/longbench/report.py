@@ -9,11 +9,13 @@ from ..records import write_json
 from .scoring import Summary
 
 CSV_COLUMNS = ["task", "method", "score", "kv_ratio", "prefill_s", "decode_ms_per_token", "n"]
-FOOTNOTE = ("kv_ratio: KV bytes of the method / bytes of an FP16 DynamicCache holding the same tokens (prompt + "
-            "generated), measured at the end of generation; full-precision parts count 2 bytes per element. "
-            "prefill_s: shared full-precision prefill + the method's own setup (search, quantization). "
-            "decode ms/token: wall time of the greedy decode divided by its steps (new tokens - 1: the first "
-            "token comes from the shared prefill).")
+FOOTNOTE = (
+    "kv_ratio: KV bytes of the method / bytes of an FP16 DynamicCache holding the same tokens (prompt + "
+    "generated), measured at the end of generation; full-precision parts count 2 bytes per element. "
+    "prefill_s: shared full-precision prefill + the method's own setup (search, quantization). "
+    "decode ms/token: wall time of the greedy decode divided by its steps (new tokens - 1: the first "
+    "token comes from the shared prefill)."
+)
 
 
 def write_reports(out_dir: str, tasks: list[str], methods: list[str], summary: Summary) -> None:
@@ -32,8 +34,17 @@ def write_csv(path: str, summary: Summary) -> None:
         w.writerow(CSV_COLUMNS)
         for r in summary.per_task + summary.average:
             dec = r["decode_ms_per_token"]
-            w.writerow([r["task"], r["method"], f"{r['score']:.2f}", f"{r['kv_ratio']:.4f}", f"{r['prefill_s']:.3f}",
-                        "" if dec is None else f"{dec:.1f}", r["n"]])
+            w.writerow(
+                [
+                    r["task"],
+                    r["method"],
+                    f"{r['score']:.2f}",
+                    f"{r['kv_ratio']:.4f}",
+                    f"{r['prefill_s']:.3f}",
+                    "" if dec is None else f"{dec:.1f}",
+                    r["n"],
+                ]
+            )
 
 
 def _score_table(tasks: list[str], present: list[str], summary: Summary) -> list[str]:
@@ -52,38 +63,54 @@ def _score_table(tasks: list[str], present: list[str], summary: Summary) -> list
 
 def _method_table(present: list[str], summary: Summary) -> list[str]:
     avg = {a["method"]: a for a in summary.average}
-    lines = ["| method | avg score | kv_ratio | prefill_s | decode ms/token | examples | tasks |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| method | avg score | kv_ratio | prefill_s | decode ms/token | examples | tasks |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for m in present:
         a = avg[m]
         dec = "-" if a["decode_ms_per_token"] is None else f"{a['decode_ms_per_token']:.0f}"
-        lines.append(f"| {m} | {a['score']:.2f} | {a['kv_ratio']:.3f} | {a['prefill_s']:.2f} | {dec} | {a['n']} | "
-                     f"{a['tasks']} |")
+        lines.append(
+            f"| {m} | {a['score']:.2f} | {a['kv_ratio']:.3f} | {a['prefill_s']:.2f} | {dec} | {a['n']} | {a['tasks']} |"
+        )
     return lines
 
 
 def _paired_table(paired: list[dict]) -> list[str]:
-    lines = ["Paired with fp16 on the same examples: difference of the LongBench average (points), 95% "
-             "bootstrap interval (examples resampled within tasks), examples scoring higher / the same / lower.",
-             "", "| method | avg - fp16 | 95% interval | higher / same / lower |", "|---|---|---|---|"]
+    lines = [
+        "Paired with fp16 on the same examples: difference of the LongBench average (points), 95% "
+        "bootstrap interval (examples resampled within tasks), examples scoring higher / the same / lower.",
+        "",
+        "| method | avg - fp16 | 95% interval | higher / same / lower |",
+        "|---|---|---|---|",
+    ]
     for p in paired:
-        lines.append(f"| {p['method']} | {p['diff']:+.2f} | [{p['ci95'][0]:+.2f}, {p['ci95'][1]:+.2f}] | "
-                     f"{p['better']} / {p['same']} / {p['worse']} |")
+        lines.append(
+            f"| {p['method']} | {p['diff']:+.2f} | [{p['ci95'][0]:+.2f}, {p['ci95'][1]:+.2f}] | "
+            f"{p['better']} / {p['same']} / {p['worse']} |"
+        )
     return lines
 
 
 def markdown(tasks: list[str], methods: list[str], summary: Summary) -> str:
     """``summary.md``: scores per task and method, the per-method table, the paired comparison with fp16."""
     present = [m for m in methods if any(r["method"] == m for r in summary.per_task)]
-    lines = ["# LongBench results", "",
-             "Score (LongBench metric x100, see eval/README.md), per task and method; `n` examples per task.", ""]
+    lines = [
+        "# LongBench results",
+        "",
+        "Score (LongBench metric x100, see eval/README.md), per task and method; `n` examples per task.",
+        "",
+    ]
     lines += _score_table(tasks, present, summary) + [""] + _method_table(present, summary)
     if summary.paired_vs_fp16:
         lines += [""] + _paired_table(summary.paired_vs_fp16)
     incomplete = [r for r in summary.per_task if r["n"] < r["n_expected"]]
     if incomplete:
-        lines += ["", "Incomplete (task, method) pairs (run still going or interrupted): " +
-                  ", ".join(f"{r['task']}/{r['method']} {r['n']}/{r['n_expected']}" for r in incomplete)]
+        lines += [
+            "",
+            "Incomplete (task, method) pairs (run still going or interrupted): "
+            + ", ".join(f"{r['task']}/{r['method']} {r['n']}/{r['n_expected']}" for r in incomplete),
+        ]
     lines += ["", FOOTNOTE]
     return "\n".join(lines) + "\n"
 
@@ -114,6 +141,7 @@ def plot_score_vs_kv(path: str, summary: Summary) -> None:
 
 def _mix_method(tasks: list[str], methods: list[str], summary: Summary) -> str | None:
     """The method whose precision mix is plotted: cocktail when it has chunks, else the first method with some."""
+
     def has_chunks(row: dict | None) -> bool:
         return row is not None and sum(row["chunks"].values()) > 0
 

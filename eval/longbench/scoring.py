@@ -29,12 +29,17 @@ def _task_row(task: str, method: str, recs: dict[str, dict], n_expected: int) ->
     # the record's own "score" is what the metric gave when it was written; it is recomputed here
     by_id = {k: example_score(task, r["pred"], r["answers"], r.get("all_classes")) for k, r in recs.items()}
     n = len(recs)
-    row = {"task": task, "method": method, "score": round(100 * sum(by_id.values()) / n, 2),
-           "kv_ratio": sum(r["kv_ratio"] for r in recs.values()) / n,
-           "prefill_s": sum(r["prefill_s"] for r in recs.values()) / n,
-           # examples that stopped after the first token (from the shared prefill) have no decode step
-           "decode_ms_per_token": mean_or_none([r["decode_ms_per_token"] for r in recs.values()]),
-           "n": n, "n_expected": n_expected}
+    row = {
+        "task": task,
+        "method": method,
+        "score": round(100 * sum(by_id.values()) / n, 2),
+        "kv_ratio": sum(r["kv_ratio"] for r in recs.values()) / n,
+        "prefill_s": sum(r["prefill_s"] for r in recs.values()) / n,
+        # examples that stopped after the first token (from the shared prefill) have no decode step
+        "decode_ms_per_token": mean_or_none([r["decode_ms_per_token"] for r in recs.values()]),
+        "n": n,
+        "n_expected": n_expected,
+    }
     mix = {"fp16": 0, "int4": 0, "int2": 0}
     for r in recs.values():
         for k in mix:
@@ -45,10 +50,16 @@ def _task_row(task: str, method: str, recs: dict[str, dict], n_expected: int) ->
 
 def _average_row(method: str, rows: list[dict]) -> dict:
     k = len(rows)
-    return {"task": "average", "method": method, "score": round(sum(r["score"] for r in rows) / k, 2),
-            "kv_ratio": sum(r["kv_ratio"] for r in rows) / k, "prefill_s": sum(r["prefill_s"] for r in rows) / k,
-            "decode_ms_per_token": mean_or_none([r["decode_ms_per_token"] for r in rows]),
-            "n": sum(r["n"] for r in rows), "tasks": k}
+    return {
+        "task": "average",
+        "method": method,
+        "score": round(sum(r["score"] for r in rows) / k, 2),
+        "kv_ratio": sum(r["kv_ratio"] for r in rows) / k,
+        "prefill_s": sum(r["prefill_s"] for r in rows) / k,
+        "decode_ms_per_token": mean_or_none([r["decode_ms_per_token"] for r in rows]),
+        "n": sum(r["n"] for r in rows),
+        "tasks": k,
+    }
 
 
 def _paired_with_fp16(tasks: list[str], methods: list[str], ex_scores: dict) -> list[dict]:

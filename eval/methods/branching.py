@@ -48,8 +48,16 @@ def precision_counts(bits: list[int]) -> dict[str, int]:
     return {"fp16": sum(b == 16 for b in bits), "int4": sum(b == 4 for b in bits), "int2": sum(b == 2 for b in bits)}
 
 
-def branch(method: Method, model, tokenizer, dyn: DynamicCache, input_ids: torch.Tensor, request: Request,
-           encoder: str | None = None, split_attention: bool = True) -> Branch:
+def branch(
+    method: Method,
+    model,
+    tokenizer,
+    dyn: DynamicCache,
+    input_ids: torch.Tensor,
+    request: Request,
+    encoder: str | None = None,
+    split_attention: bool = True,
+) -> Branch:
     """Build ``method``'s cache holding the shared prefill ``dyn`` (all prompt tokens).
 
     ``input_ids`` (1, L) must be ``tokenizer(request.prompt, **request.tokenizer_kwargs)``; ``request.context``
@@ -60,8 +68,9 @@ def branch(method: Method, model, tokenizer, dyn: DynamicCache, input_ids: torch
         raise ValueError(f"the prefill holds {dyn.get_seq_length()} tokens, expected the {L} prompt tokens")
     cache, inputs = build_cache(method, model, tokenizer, request, encoder)
     if inputs is not None and not torch.equal(inputs["input_ids"].to(input_ids.device), input_ids):
-        raise RuntimeError(f"{method.name}: the cache's preparation tokenized the prompt differently from the "
-                           "shared prefill")
+        raise RuntimeError(
+            f"{method.name}: the cache's preparation tokenized the prompt differently from the shared prefill"
+        )
     method.load_prefill(cache, [(layer.keys, layer.values) for layer in dyn.layers], split_attention)
     bits = method.precision_map(cache)
     counts = None if bits is None else precision_counts(bits)
@@ -69,9 +78,15 @@ def branch(method: Method, model, tokenizer, dyn: DynamicCache, input_ids: torch
 
 
 @torch.no_grad()
-def generate_from_branch(model, cache: Cache, input_ids: torch.Tensor, first_logits: torch.Tensor,
-                         max_new_tokens: int, eos_token_id: list[int] | None = None,
-                         min_new_tokens: int = 0) -> torch.Tensor:
+def generate_from_branch(
+    model,
+    cache: Cache,
+    input_ids: torch.Tensor,
+    first_logits: torch.Tensor,
+    max_new_tokens: int,
+    eos_token_id: list[int] | None = None,
+    min_new_tokens: int = 0,
+) -> torch.Tensor:
     """Greedy generation continuing a cache that holds the whole prompt: the first new token is the argmax of the
     prefill's ``first_logits`` (stop tokens masked when ``min_new_tokens`` >= 1), the rest comes from
     ``model.generate`` on the method's cache. Returns the new tokens ``(1, n)``."""
@@ -91,7 +106,16 @@ def generate_from_branch(model, cache: Cache, input_ids: torch.Tensor, first_log
         kwargs["pad_token_id"] = eos[0]
     if min_new_tokens > 1:
         kwargs["min_new_tokens"] = min_new_tokens - 1
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache),
-                         max_new_tokens=max_new_tokens - 1, do_sample=False, temperature=None, top_p=None,
-                         top_k=None, num_beams=1, **kwargs)
-    return out[:, input_ids.shape[1]:]
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        **cache_kwargs(model, cache),
+        max_new_tokens=max_new_tokens - 1,
+        do_sample=False,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+        num_beams=1,
+        **kwargs,
+    )
+    return out[:, input_ids.shape[1] :]

@@ -103,8 +103,15 @@ class QuantizedCacheMethod(Method):
             cache.update(k.clone(), v.clone(), i)  # it may quantize in place: the shared prefill stays intact
 
     def config_dict(self, encoder=None) -> dict[str, Any]:
-        return {**super().config_dict(encoder), "backend": self.backend, "nbits": self.bits, "q_group_size": 64,
-                "residual_length": 128, "axis_key": 0, "axis_value": 0}
+        return {
+            **super().config_dict(encoder),
+            "backend": self.backend,
+            "nbits": self.bits,
+            "q_group_size": 64,
+            "residual_length": 128,
+            "axis_key": 0,
+            "axis_value": 0,
+        }
 
 
 @dataclass(frozen=True)
@@ -117,8 +124,14 @@ class KiviMethod(Method):
         return KiviCache(_num_layers(model), self.bits, self.residual)
 
     def config_dict(self, encoder=None) -> dict[str, Any]:
-        return {**super().config_dict(encoder), "bits": self.bits, "residual_length": self.residual,
-                "key_group_tokens": KIVI_GROUP, "value_group_channels": KIVI_GROUP, "scale_dtype": "float16"}
+        return {
+            **super().config_dict(encoder),
+            "bits": self.bits,
+            "residual_length": self.residual,
+            "key_group_tokens": KIVI_GROUP,
+            "value_group_channels": KIVI_GROUP,
+            "scale_dtype": "float16",
+        }
 
 
 @dataclass(frozen=True)
@@ -138,8 +151,13 @@ class CocktailMethod(Method):
         return CocktailCache(self.cocktail_config(encoder))
 
     def prepare(self, cache, tokenizer, request) -> BatchEncoding:
-        inputs = cache.prepare_inputs(tokenizer, request.prompt, contexts=request.context or None,
-                                      queries=request.query, **request.tokenizer_kwargs)
+        inputs = cache.prepare_inputs(
+            tokenizer,
+            request.prompt,
+            contexts=request.context or None,
+            queries=request.query,
+            **request.tokenizer_kwargs,
+        )
         self.plan(cache, request.example_id)
         return inputs
 
@@ -191,8 +209,9 @@ class BudgetMatchedMethod(CocktailMethod):
         cache.run_search()
 
 
-def build_cache(method: Method, model, tokenizer=None, request: Request | None = None,
-                encoder: str | None = None) -> tuple[Cache, BatchEncoding | None]:
+def build_cache(
+    method: Method, model, tokenizer=None, request: Request | None = None, encoder: str | None = None
+) -> tuple[Cache, BatchEncoding | None]:
     """``method``'s empty cache for ``request``, and the model inputs its preparation tokenized (None for the kinds
     that need no preparation: the prompt's plain tokenization is the input)."""
     cache = method.new_cache(model, encoder)
@@ -200,8 +219,9 @@ def build_cache(method: Method, model, tokenizer=None, request: Request | None =
     return cache, inputs
 
 
-def cache_and_inputs(method: Method, model, tokenizer, request: Request,
-                     encoder: str | None = None) -> tuple[Cache, BatchEncoding]:
+def cache_and_inputs(
+    method: Method, model, tokenizer, request: Request, encoder: str | None = None
+) -> tuple[Cache, BatchEncoding]:
     """The cache and the inputs of a plain ``model.generate(**inputs, **cache_kwargs(model, cache))``."""
     cache, inputs = build_cache(method, model, tokenizer, request, encoder)
     if inputs is None:

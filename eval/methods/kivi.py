@@ -40,8 +40,7 @@ class KiviLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         B, H, _, D = key_states.shape
         empty_k = quant.quantize_pack_keys(key_states.new_zeros((H, 0, D)), self.bits, self.group, self.scale_dtype)
-        empty_v = quant.quantize_pack_values(value_states.new_zeros((H, 0, D)), self.bits, self.group,
-                                             self.scale_dtype)
+        empty_v = quant.quantize_pack_values(value_states.new_zeros((H, 0, D)), self.bits, self.group, self.scale_dtype)
         self.kq = [empty_k for _ in range(B)]
         self.vq = [empty_v for _ in range(B)]
         self.kf = key_states[:, :, :0]
@@ -62,14 +61,16 @@ class KiviLayer(CacheLayerMixin):
         nk = (self.kf.shape[2] // self.residual) * self.residual  # keys: quantize whole residual blocks
         if nk:
             for b in range(self.kf.shape[0]):
-                self.kq[b] = self._cat3(self.kq[b], quant.quantize_pack_keys(self.kf[b, :, :nk], self.bits,
-                                                                              self.group, self.scale_dtype))
+                self.kq[b] = self._cat3(
+                    self.kq[b], quant.quantize_pack_keys(self.kf[b, :, :nk], self.bits, self.group, self.scale_dtype)
+                )
             self.kf = self.kf[:, :, nk:]
         nv = self.vf.shape[2] - self.residual  # values: keep the R newest at full precision
         if nv > 0:
             for b in range(self.vf.shape[0]):
-                self.vq[b] = self._cat3(self.vq[b], quant.quantize_pack_values(self.vf[b, :, :nv], self.bits,
-                                                                                self.group, self.scale_dtype))
+                self.vq[b] = self._cat3(
+                    self.vq[b], quant.quantize_pack_values(self.vf[b, :, :nv], self.bits, self.group, self.scale_dtype)
+                )
             self.vf = self.vf[:, :, nv:]
         if first:  # the prefill attends at full precision, as in KIVI (quantization only affects later steps)
             return key_states, value_states
@@ -117,8 +118,9 @@ class KiviLayer(CacheLayerMixin):
 class KiviCache(Cache):
     """KIVI-like quantized KV cache (simulated: the quantized part is dequantized at each step for attention)."""
 
-    def __init__(self, num_layers: int, bits: int = 2, residual: int = 128, group: int = KIVI_GROUP,
-                 scale_dtype=torch.float16):
+    def __init__(
+        self, num_layers: int, bits: int = 2, residual: int = 128, group: int = KIVI_GROUP, scale_dtype=torch.float16
+    ):
         if bits not in (2, 4):
             raise ValueError(f"KiviCache bits must be 2 or 4, got {bits}")
         super().__init__(layers=[KiviLayer(bits, residual, group, scale_dtype) for _ in range(num_layers)])

@@ -15,34 +15,55 @@ from .kinds import (
     ShuffledPlanMethod,
 )
 
-METHODS: dict[str, Method] = {m.name: m for m in [
-    DynamicMethod("fp16", "DynamicCache, full precision (bytes counted at FP16)"),
-    CocktailMethod("cocktail", "Cocktail: chunk search, FP16/INT4/INT2 context chunks (alpha .6, beta .1)"),
-    CocktailMethod("int4", "every context chunk INT4 (CocktailCache uniform_bits=4)", {"uniform_bits": 4}),
-    CocktailMethod("int2", "every context chunk INT2 (CocktailCache uniform_bits=2)", {"uniform_bits": 2}),
-    ShuffledPlanMethod("nosearch", "ablation: Cocktail's precision counts, random chunk assignment"),
-    # beyond the paper (issue 7): same retrieval encoder unless said otherwise
-    BudgetMatchedMethod("int4first", "budget mode at paper-Cocktail's bits for the example, INT4 first (no FP16 "
-                        "unless all INT4 fits): target_bits=paper's, beta=0", {"beta": 0.0}),
-    CocktailMethod("bm25", "paper thresholds, chunks scored by BM25 (no encoder)", {"scorer": "bm25"}),
-    BudgetMatchedMethod("bm25_int4first", "BM25 scores, budget at paper-Cocktail's bits, INT4 first",
-                        {"beta": 0.0, "scorer": "bm25"}),
-    CocktailMethod("cocktail_nb1", "paper Cocktail + the chunks next to each FP16 chunk at FP16 (neighbors=1)",
-                   {"neighbors": 1}),
-    CocktailMethod("cocktail_a02", "paper search with alpha=0.2 (more INT4; more bytes)", {"alpha": 0.2}),
-    CocktailMethod("int2_nosink", "every context chunk INT2, no attention-sink protection (sink_tokens=0)",
-                   {"uniform_bits": 2, "sink_tokens": 0}),
-    CocktailMethod("cocktail_nosink", "paper Cocktail without attention-sink protection (sink_tokens=0)",
-                   {"sink_tokens": 0}),
-    KiviMethod("kivi2", "KIVI-like 2-bit, K per-channel / V per-token, FP residual R=128", bits=2, residual=128),
-    KiviMethod("kivi4", "KIVI-like 4-bit, K per-channel / V per-token, FP residual R=128", bits=4, residual=128),
-    KiviMethod("kivi2_r32", "KIVI-like 2-bit, FP residual R=32", bits=2, residual=32),
-    KiviMethod("kivi4_r32", "KIVI-like 4-bit, FP residual R=32", bits=4, residual=32),
-    QuantizedCacheMethod("hqq2", "transformers QuantizedCache, hqq backend, 2 bits", bits=2, backend="hqq"),
-    QuantizedCacheMethod("hqq4", "transformers QuantizedCache, hqq backend, 4 bits", bits=4, backend="hqq"),
-    QuantizedCacheMethod("quanto2", "transformers QuantizedCache, quanto backend, 2 bits", bits=2, backend="quanto"),
-    QuantizedCacheMethod("quanto4", "transformers QuantizedCache, quanto backend, 4 bits", bits=4, backend="quanto"),
-]}
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in [
+        DynamicMethod("fp16", "DynamicCache, full precision (bytes counted at FP16)"),
+        CocktailMethod("cocktail", "Cocktail: chunk search, FP16/INT4/INT2 context chunks (alpha .6, beta .1)"),
+        CocktailMethod("int4", "every context chunk INT4 (CocktailCache uniform_bits=4)", {"uniform_bits": 4}),
+        CocktailMethod("int2", "every context chunk INT2 (CocktailCache uniform_bits=2)", {"uniform_bits": 2}),
+        ShuffledPlanMethod("nosearch", "ablation: Cocktail's precision counts, random chunk assignment"),
+        # beyond the paper (issue 7): same retrieval encoder unless said otherwise
+        BudgetMatchedMethod(
+            "int4first",
+            "budget mode at paper-Cocktail's bits for the example, INT4 first (no FP16 "
+            "unless all INT4 fits): target_bits=paper's, beta=0",
+            {"beta": 0.0},
+        ),
+        CocktailMethod("bm25", "paper thresholds, chunks scored by BM25 (no encoder)", {"scorer": "bm25"}),
+        BudgetMatchedMethod(
+            "bm25_int4first",
+            "BM25 scores, budget at paper-Cocktail's bits, INT4 first",
+            {"beta": 0.0, "scorer": "bm25"},
+        ),
+        CocktailMethod(
+            "cocktail_nb1",
+            "paper Cocktail + the chunks next to each FP16 chunk at FP16 (neighbors=1)",
+            {"neighbors": 1},
+        ),
+        CocktailMethod("cocktail_a02", "paper search with alpha=0.2 (more INT4; more bytes)", {"alpha": 0.2}),
+        CocktailMethod(
+            "int2_nosink",
+            "every context chunk INT2, no attention-sink protection (sink_tokens=0)",
+            {"uniform_bits": 2, "sink_tokens": 0},
+        ),
+        CocktailMethod(
+            "cocktail_nosink", "paper Cocktail without attention-sink protection (sink_tokens=0)", {"sink_tokens": 0}
+        ),
+        KiviMethod("kivi2", "KIVI-like 2-bit, K per-channel / V per-token, FP residual R=128", bits=2, residual=128),
+        KiviMethod("kivi4", "KIVI-like 4-bit, K per-channel / V per-token, FP residual R=128", bits=4, residual=128),
+        KiviMethod("kivi2_r32", "KIVI-like 2-bit, FP residual R=32", bits=2, residual=32),
+        KiviMethod("kivi4_r32", "KIVI-like 4-bit, FP residual R=32", bits=4, residual=32),
+        QuantizedCacheMethod("hqq2", "transformers QuantizedCache, hqq backend, 2 bits", bits=2, backend="hqq"),
+        QuantizedCacheMethod("hqq4", "transformers QuantizedCache, hqq backend, 4 bits", bits=4, backend="hqq"),
+        QuantizedCacheMethod(
+            "quanto2", "transformers QuantizedCache, quanto backend, 2 bits", bits=2, backend="quanto"
+        ),
+        QuantizedCacheMethod(
+            "quanto4", "transformers QuantizedCache, quanto backend, 4 bits", bits=4, backend="quanto"
+        ),
+    ]
+}
 
 
 def _recommended_overrides() -> dict:
@@ -55,22 +76,42 @@ def _recommended_overrides() -> dict:
 HAD = {"rotation": "hadamard"}
 # rotated storage and budget mode (issue 11: told apart by the KL divergence of eval/kld); each a CocktailCache
 _ROTATION_METHODS: list[Method] = [
-    CocktailMethod("int4_had", "every context chunk INT4, Hadamard-rotated keys and values",
-                   {"uniform_bits": 4, **HAD}),
-    CocktailMethod("int2_had", "every context chunk INT2, Hadamard-rotated keys and values",
-                   {"uniform_bits": 2, **HAD}),
+    CocktailMethod(
+        "int4_had", "every context chunk INT4, Hadamard-rotated keys and values", {"uniform_bits": 4, **HAD}
+    ),
+    CocktailMethod(
+        "int2_had", "every context chunk INT2, Hadamard-rotated keys and values", {"uniform_bits": 2, **HAD}
+    ),
     CocktailMethod("cocktail_had", "paper Cocktail, Hadamard-rotated keys and values", dict(HAD)),
     CocktailMethod("cocktail_hadk", "paper Cocktail, Hadamard-rotated keys only", {"rotation": "hadamard_keys"}),
     CocktailMethod("cocktail_hadv", "paper Cocktail, Hadamard-rotated values only", {"rotation": "hadamard_values"}),
-    *[CocktailMethod(f"budget{b:g}_had", f"budget mode target_bits={b:g} (FP16 above T_high, then INT4 by rank, the "
-                     "rest INT2), Hadamard-rotated", {"target_bits": b, **HAD}) for b in (3.3, 3.6, 3.8)],
-    CocktailMethod("int2_had_g64", "every context chunk INT2, Hadamard-rotated, values in groups of 64 channels "
-                   "(half the value scales/zeros)", {"uniform_bits": 2, "group_size": 64, **HAD}),
-    CocktailMethod("int4_had_g64", "every context chunk INT4, Hadamard-rotated, values in groups of 64 channels",
-                   {"uniform_bits": 4, "group_size": 64, **HAD}),
-    *[CocktailMethod(f"budget{b:g}_had_g64", f"budget mode target_bits={b:g}, Hadamard-rotated, values in groups of "
-                     "64 channels (the saved scale bits buy INT4 chunks)", {"target_bits": b, "group_size": 64, **HAD})
-      for b in (3.3, 3.6)],
+    *[
+        CocktailMethod(
+            f"budget{b:g}_had",
+            f"budget mode target_bits={b:g} (FP16 above T_high, then INT4 by rank, the rest INT2), Hadamard-rotated",
+            {"target_bits": b, **HAD},
+        )
+        for b in (3.3, 3.6, 3.8)
+    ],
+    CocktailMethod(
+        "int2_had_g64",
+        "every context chunk INT2, Hadamard-rotated, values in groups of 64 channels (half the value scales/zeros)",
+        {"uniform_bits": 2, "group_size": 64, **HAD},
+    ),
+    CocktailMethod(
+        "int4_had_g64",
+        "every context chunk INT4, Hadamard-rotated, values in groups of 64 channels",
+        {"uniform_bits": 4, "group_size": 64, **HAD},
+    ),
+    *[
+        CocktailMethod(
+            f"budget{b:g}_had_g64",
+            f"budget mode target_bits={b:g}, Hadamard-rotated, values in groups of "
+            "64 channels (the saved scale bits buy INT4 chunks)",
+            {"target_bits": b, "group_size": 64, **HAD},
+        )
+        for b in (3.3, 3.6)
+    ],
 ]
 _RECOMMENDED = _recommended_overrides()
 _ROTATION_METHODS.append(CocktailMethod("recommended", f"CocktailConfig.recommended(): {_RECOMMENDED}", _RECOMMENDED))

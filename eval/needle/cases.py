@@ -30,16 +30,15 @@ def make_case(tok, essays: list[str], length: int, depth: float, sample: int, se
     ids = tok(text, add_special_tokens=False)["input_ids"]
     if len(ids) < length:
         raise UsageError(f"the haystack has only {len(ids)} tokens, fewer than --lengths {length}")
-    hay = tok.decode(ids[:max(1, length - n_needle)])
-    pos = len(tok.decode(ids[:int(round(depth * max(0, length - n_needle)))]))
+    hay = tok.decode(ids[: max(1, length - n_needle)])
+    pos = len(tok.decode(ids[: int(round(depth * max(0, length - n_needle)))]))
     if pos >= len(hay):
         cut = len(hay)
     else:  # back off to the end of the previous sentence
         cut = max(hay.rfind(". ", 0, pos), hay.rfind(".\n", 0, pos))
         cut = 0 if cut < 0 else cut + 1
     context = (hay[:cut].rstrip() + " " + needle + " " + hay[cut:].lstrip()).strip()
-    return {"length": length, "depth": depth, "sample": sample, "code": code, "context": context,
-            "needle_char": cut}
+    return {"length": length, "depth": depth, "sample": sample, "code": code, "context": context, "needle_char": cut}
 
 
 def build_prompt(tok, context: str, raw: bool = False) -> tuple[str, dict]:
@@ -49,8 +48,9 @@ def build_prompt(tok, context: str, raw: bool = False) -> tuple[str, dict]:
         return context + ASK.format(question=QUESTION), {"add_special_tokens": False}
     content = INSTRUCTION + context + ASK.format(question=QUESTION)
     if getattr(tok, "chat_template", None):
-        return tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                       add_generation_prompt=True), {"add_special_tokens": False}
+        return tok.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        ), {"add_special_tokens": False}
     return content, {}
 
 

@@ -54,37 +54,62 @@ RULER_TASK = "ruler-niah"  # settings "task" of a RULER-style folder (None: the 
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"python -m {MODULE}",
-                                description="Needle in a haystack (Paul Graham essays) per KV-cache method",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=f"python -m {MODULE}",
+        description="Needle in a haystack (Paul Graham essays) per KV-cache method",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--out-dir", required=True)
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--device-map", default=None)
     p.add_argument("--essay-dir", default=ESSAY_DIR)
-    p.add_argument("--variant", default=None,
-                   help="RULER-style needles instead of the passcode needle: comma-separated from "
-                        f"{', '.join(ruler.VARIANTS)} (RULER's " +
-                        ", ".join(v.ruler_task for v in ruler.VARIANTS.values()) + ")")
-    p.add_argument("--lengths", default="1000,2000,4000",
-                   help="haystack lengths in tokens, comma-separated; with --variant RULER's max_seq_length "
-                        f"(prompt + {ruler.TOKENS_TO_GENERATE} tokens to generate)")
-    p.add_argument("--depths", default=None,
-                   help=f"needle depths in [0, 1], comma-separated (default {CLASSIC_DEPTHS}); not with --variant "
-                        "(each needle's depth is drawn from RULER's 40 depths)")
-    p.add_argument("--samples", type=int, default=1,
-                   help="cases per (length, depth), or per (variant, length): other haystack / needles")
+    p.add_argument(
+        "--variant",
+        default=None,
+        help="RULER-style needles instead of the passcode needle: comma-separated from "
+        f"{', '.join(ruler.VARIANTS)} (RULER's " + ", ".join(v.ruler_task for v in ruler.VARIANTS.values()) + ")",
+    )
+    p.add_argument(
+        "--lengths",
+        default="1000,2000,4000",
+        help="haystack lengths in tokens, comma-separated; with --variant RULER's max_seq_length "
+        f"(prompt + {ruler.TOKENS_TO_GENERATE} tokens to generate)",
+    )
+    p.add_argument(
+        "--depths",
+        default=None,
+        help=f"needle depths in [0, 1], comma-separated (default {CLASSIC_DEPTHS}); not with --variant "
+        "(each needle's depth is drawn from RULER's 40 depths)",
+    )
+    p.add_argument(
+        "--samples",
+        type=int,
+        default=1,
+        help="cases per (length, depth), or per (variant, length): other haystack / needles",
+    )
     p.add_argument("--methods", default="fp16,cocktail,int4,int2")
-    p.add_argument("--max-new-tokens", type=int, default=None,
-                   help=f"default 16, with --variant {ruler.TOKENS_TO_GENERATE} (RULER's)")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help=f"default 16, with --variant {ruler.TOKENS_TO_GENERATE} (RULER's)",
+    )
     p.add_argument("--encoder", default=None)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--raw-prompt", action="store_true",
-                   help="haystack first, no instruction or chat template (the attention-sink study)")
-    p.add_argument("--stop-after-minutes", type=float, default=None,
-                   help="start no new case after this many minutes; the reports cover the finished cases and the "
-                        "same command resumes")
+    p.add_argument(
+        "--raw-prompt",
+        action="store_true",
+        help="haystack first, no instruction or chat template (the attention-sink study)",
+    )
+    p.add_argument(
+        "--stop-after-minutes",
+        type=float,
+        default=None,
+        help="start no new case after this many minutes; the reports cover the finished cases and the "
+        "same command resumes",
+    )
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -96,8 +121,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.task = RULER_TASK if args.variant_list else None
     if args.variant_list:
         if args.depths is not None:
-            raise UsageError("--depths is for the passcode needle; with --variant each needle's depth is drawn from "
-                             "RULER's 40 depths (seeded by --seed)")
+            raise UsageError(
+                "--depths is for the passcode needle; with --variant each needle's depth is drawn from "
+                "RULER's 40 depths (seeded by --seed)"
+            )
         if args.raw_prompt:
             raise UsageError("--raw-prompt is for the passcode needle, not with --variant")
         ruler.check_lengths(args.length_list)
@@ -140,20 +167,33 @@ def read_done(path: str) -> dict[tuple[str, str], dict]:
 def case_record(case: dict, prompt: str, kw: dict, out: Outcome, tok) -> dict:
     """The record of one method on one case."""
     L, d, s = case["length"], case["depth"], case["sample"]
-    return {"case": case_key(L, d, s), "length": L, "depth": d, "sample": s, "method": out.method.name,
-            "code": case["code"], "pred": out.text, "correct": int(case["code"] in out.text),
-            "prompt_tokens": out.prompt_tokens, "kv_bytes": out.kv_bytes, "fp16_kv_bytes": out.fp16_kv_bytes,
-            "kv_ratio": out.kv_ratio, "prefill_s": out.prefill_s, "decode_s": out.decode_s,
-            "precision_counts": out.branch.precision_counts,
-            "needle_chunk_bits": needle_chunk_bits(tok, prompt, kw, case, out.branch.cache)}
+    return {
+        "case": case_key(L, d, s),
+        "length": L,
+        "depth": d,
+        "sample": s,
+        "method": out.method.name,
+        "code": case["code"],
+        "pred": out.text,
+        "correct": int(case["code"] in out.text),
+        "prompt_tokens": out.prompt_tokens,
+        "kv_bytes": out.kv_bytes,
+        "fp16_kv_bytes": out.fp16_kv_bytes,
+        "kv_ratio": out.kv_ratio,
+        "prefill_s": out.prefill_s,
+        "decode_s": out.decode_s,
+        "precision_counts": out.branch.precision_counts,
+        "needle_chunk_bits": needle_chunk_bits(tok, prompt, kw, case, out.branch.cache),
+    }
 
 
 def _out_of_time(deadline: float | None) -> bool:
     return deadline is not None and time.time() > deadline
 
 
-def run_cases(args, todo: list, essays: list[str], encoder: str, rec_path: str, done: dict,
-              deadline: float | None = None) -> int:
+def run_cases(
+    args, todo: list, essays: list[str], encoder: str, rec_path: str, done: dict, deadline: float | None = None
+) -> int:
     """The passcode cases of ``todo``, until ``deadline`` (checked before each case); returns how many ran."""
     model, tok = load_model_and_tokenizer(args.model, args.dtype, "cocktail", args.device_map)
     runner = CaseRunner(model, tok, encoder)
@@ -173,23 +213,45 @@ def run_cases(args, todo: list, essays: list[str], encoder: str, rec_path: str, 
 def ruler_record(case: dict, out: Outcome, tok) -> dict:
     """The record of one method on one RULER-style case; ``score`` is RULER's string_match_all."""
     prompt, kw, cache = case["prompt"], case["tokenizer_kwargs"], out.branch.cache
-    asked = {ruler.NEEDLE.format(key=k, value=v) for k, vs in zip(case["keys"], case["values"])
-             if k in case["queries"] for v in vs}
-    needles = [{**n, "asked": n["text"] in asked,
-                "chunk_bits": ruler.span_chunk_bits(tok, prompt, kw, n["text"], cache)} for n in case["needles"]]
-    return {"case": ruler.case_key(case["variant"], case["length"], case["sample"]), "variant": case["variant"],
-            "ruler_task": case["ruler_task"], "length": case["length"], "sample": case["sample"],
-            "method": out.method.name, "queries": case["queries"], "expected": case["expected"], "pred": out.text,
-            "score": ruler.string_match_all(out.text, case["expected"]), "needles": needles,
-            "asked_needle_bits": ([n["chunk_bits"] for n in needles if n["asked"]]
-                                  if isinstance(cache, CocktailCache) else None),
-            "prompt_tokens": out.prompt_tokens, "new_tokens": out.num_new, "kv_bytes": out.kv_bytes,
-            "fp16_kv_bytes": out.fp16_kv_bytes, "kv_ratio": out.kv_ratio, "prefill_s": out.prefill_s,
-            "decode_s": out.decode_s, "precision_counts": out.branch.precision_counts}
+    asked = {
+        ruler.NEEDLE.format(key=k, value=v)
+        for k, vs in zip(case["keys"], case["values"])
+        if k in case["queries"]
+        for v in vs
+    }
+    needles = [
+        {**n, "asked": n["text"] in asked, "chunk_bits": ruler.span_chunk_bits(tok, prompt, kw, n["text"], cache)}
+        for n in case["needles"]
+    ]
+    return {
+        "case": ruler.case_key(case["variant"], case["length"], case["sample"]),
+        "variant": case["variant"],
+        "ruler_task": case["ruler_task"],
+        "length": case["length"],
+        "sample": case["sample"],
+        "method": out.method.name,
+        "queries": case["queries"],
+        "expected": case["expected"],
+        "pred": out.text,
+        "score": ruler.string_match_all(out.text, case["expected"]),
+        "needles": needles,
+        "asked_needle_bits": (
+            [n["chunk_bits"] for n in needles if n["asked"]] if isinstance(cache, CocktailCache) else None
+        ),
+        "prompt_tokens": out.prompt_tokens,
+        "new_tokens": out.num_new,
+        "kv_bytes": out.kv_bytes,
+        "fp16_kv_bytes": out.fp16_kv_bytes,
+        "kv_ratio": out.kv_ratio,
+        "prefill_s": out.prefill_s,
+        "decode_s": out.decode_s,
+        "precision_counts": out.branch.precision_counts,
+    }
 
 
-def run_ruler_cases(args, todo: list, essays: list[str], encoder: str, rec_path: str, done: dict,
-                    deadline: float | None = None) -> int:
+def run_ruler_cases(
+    args, todo: list, essays: list[str], encoder: str, rec_path: str, done: dict, deadline: float | None = None
+) -> int:
     """The RULER-style cases of ``todo``, until ``deadline`` (checked before each case); returns how many ran."""
     model, tok = load_model_and_tokenizer(args.model, args.dtype, "cocktail", args.device_map)
     runner = CaseRunner(model, tok, encoder)
@@ -197,8 +259,9 @@ def run_ruler_cases(args, todo: list, essays: list[str], encoder: str, rec_path:
         if _out_of_time(deadline):
             return n
         case = ruler.make_case(tok, essays, v, L, s, args.seed)
-        request = Request(case["prompt"], case["context"], case["question"], ruler.case_key(v, L, s),
-                          case["tokenizer_kwargs"])
+        request = Request(
+            case["prompt"], case["context"], case["question"], ruler.case_key(v, L, s), case["tokenizer_kwargs"]
+        )
         for out in runner.run(request, methods, args.max_new_tokens):
             rec = ruler_record(case, out, tok)
             append_jsonl(rec_path, rec)
@@ -220,9 +283,14 @@ def model_max_positions(name: str) -> int | None:
 def run_config(args, methods, encoder: str) -> dict:
     cfg = {"methods": {m.name: m.config_dict(encoder) for m in methods}, "args": dict(vars(args))}
     if args.variant_list:
-        return {**cfg, "needle": ruler.NEEDLE, "template": ruler.TEMPLATE, "answer_prefix": ruler.ANSWER_PREFIX,
-                "tokens_to_generate_in_length": ruler.TOKENS_TO_GENERATE,
-                "variants": {v: vars(ruler.VARIANTS[v]) for v in args.variant_list}}
+        return {
+            **cfg,
+            "needle": ruler.NEEDLE,
+            "template": ruler.TEMPLATE,
+            "answer_prefix": ruler.ANSWER_PREFIX,
+            "tokens_to_generate_in_length": ruler.TOKENS_TO_GENERATE,
+            "variants": {v: vars(ruler.VARIANTS[v]) for v in args.variant_list},
+        }
     return {**cfg, "needle": NEEDLE, "question": QUESTION}
 
 
@@ -239,8 +307,7 @@ def main(argv=None) -> int:
         ruler.check_lengths(args.length_list, model_max_positions(args.model))
     check_resume_settings(args)
     lock = lock_out_dir(args.out_dir)  # noqa: F841 (held until the process exits)
-    update_run_info(args.out_dir, started_at, {"command": command_line(MODULE), "commit": commit,
-                                               "status": "running"})
+    update_run_info(args.out_dir, started_at, {"command": command_line(MODULE), "commit": commit, "status": "running"})
     rec_path = os.path.join(args.out_dir, "records.jsonl")
     done = read_done(rec_path)
     if args.variant_list:
@@ -253,21 +320,36 @@ def main(argv=None) -> int:
     todo = [(c, [m for m in methods if (key(*c), m.name) not in done]) for c in cases]
     todo = [(c, ms) for c, ms in todo if ms]
     deadline = t_start + 60 * args.stop_after_minutes if args.stop_after_minutes else None
-    ran = (run_ruler_cases if args.variant_list else run_cases)(args, todo, essays, encoder, rec_path, done,
-                                                                 deadline) if todo else 0
+    ran = (
+        (run_ruler_cases if args.variant_list else run_cases)(args, todo, essays, encoder, rec_path, done, deadline)
+        if todo
+        else 0
+    )
     if ran < len(todo):
-        print(f"stopped after {ran} of {len(todo)} cases (--stop-after-minutes {args.stop_after_minutes:g}); the "
-              "same command resumes")
+        print(
+            f"stopped after {ran} of {len(todo)} cases (--stop-after-minutes {args.stop_after_minutes:g}); the "
+            "same command resumes"
+        )
     keys = [key(*c) for c in cases]
     rows = [done[(k, m.name)] for k in keys for m in methods if (k, m.name) in done]
     if args.variant_list:
-        print(write_ruler_reports(args.out_dir, rows, [m.name for m in methods], args.variant_list,
-                                  args.length_list, args.samples))
+        print(
+            write_ruler_reports(
+                args.out_dir, rows, [m.name for m in methods], args.variant_list, args.length_list, args.samples
+            )
+        )
     else:
-        print(write_reports(args.out_dir, rows, [m.name for m in methods], args.length_list, args.depth_list,
-                            args.samples))
-    finished = {"runtime_s": round(time.time() - t_start, 1), "cases_processed": ran, "finished_at": now(),
-                "status": "finished"}
+        print(
+            write_reports(
+                args.out_dir, rows, [m.name for m in methods], args.length_list, args.depth_list, args.samples
+            )
+        )
+    finished = {
+        "runtime_s": round(time.time() - t_start, 1),
+        "cases_processed": ran,
+        "finished_at": now(),
+        "status": "finished",
+    }
     if ran < len(todo):
         finished.update(status="stopped", cases_left=len(todo) - ran)
     update_run_info(args.out_dir, started_at, finished, run_config(args, methods, encoder))

@@ -11,8 +11,9 @@ import numpy as np
 CSV_COLUMNS = ["length", "depth", "sample", "method", "correct", "kv_ratio", "code", "pred", "needle_chunk_bits"]
 
 
-def write_reports(out_dir: str, rows: list[dict], methods: list[str], lengths: list[int], depths: list[float],
-                  samples: int) -> str:
+def write_reports(
+    out_dir: str, rows: list[dict], methods: list[str], lengths: list[int], depths: list[float], samples: int
+) -> str:
     """Write every report of ``rows`` (the records of the requested cases); returns the accuracy table."""
     write_csv(os.path.join(out_dir, "needle.csv"), rows)
     table = accuracy_table(rows, methods, depths, samples)
@@ -30,8 +31,19 @@ def write_csv(path: str, rows: list[dict]) -> None:
         w = csv.writer(f)
         w.writerow(CSV_COLUMNS)
         for r in rows:
-            w.writerow([r["length"], r["depth"], r["sample"], r["method"], r["correct"], f"{r['kv_ratio']:.4f}",
-                        r["code"], r["pred"], r.get("needle_chunk_bits")])
+            w.writerow(
+                [
+                    r["length"],
+                    r["depth"],
+                    r["sample"],
+                    r["method"],
+                    r["correct"],
+                    f"{r['kv_ratio']:.4f}",
+                    r["code"],
+                    r["pred"],
+                    r.get("needle_chunk_bits"),
+                ]
+            )
 
 
 def _correct_among(rs: list[dict], chunks_holding_needle) -> str:
@@ -45,23 +57,30 @@ def _method_line(m: str, rs: list[dict]) -> str:
     kvr = sum(r["kv_ratio"] for r in rs) / len(rs)
     nb = [r.get("needle_chunk_bits") for r in rs if r.get("needle_chunk_bits")]
     fp = f"{sum(16 in b for b in nb)}/{len(nb)}" if nb else "-"
-    return (f"| {m} | {100 * acc:.1f}% | {sum(r['correct'] for r in rs)}/{len(rs)} | {kvr:.3f} | {fp} | "
-            f"{_correct_among(rs, lambda n: n == 1)} | {_correct_among(rs, lambda n: n > 1)} |")
+    return (
+        f"| {m} | {100 * acc:.1f}% | {sum(r['correct'] for r in rs)}/{len(rs)} | {kvr:.3f} | {fp} | "
+        f"{_correct_among(rs, lambda n: n == 1)} | {_correct_among(rs, lambda n: n > 1)} |"
+    )
 
 
 def accuracy_table(rows: list[dict], methods: list[str], depths: list[float], samples: int) -> str:
-    lines = ["| method | accuracy | correct / cases | kv_ratio | needle chunk at FP16 | acc. needle in 1 chunk | "
-             "acc. needle split over 2 chunks |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| method | accuracy | correct / cases | kv_ratio | needle chunk at FP16 | acc. needle in 1 chunk | "
+        "acc. needle split over 2 chunks |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for m in methods:
         rs = [r for r in rows if r["method"] == m]
         if rs:
             lines.append(_method_line(m, rs))
     lens = sorted({r["length"] for r in rows})
-    header = (f"Needle in a haystack (Paul Graham essays), lengths {lens} tokens, depths {sorted(set(depths))}, "
-              f"{samples} sample(s) per cell; kv_ratio = KV bytes / FP16 DynamicCache bytes of the same tokens. "
-              "'needle chunk at FP16': cases where a chunk holding the needle sentence got FP16 (CocktailCache kinds); "
-              "the last two columns split the cases by whether the needle sentence lies in one chunk or straddles "
-              "two.")
+    header = (
+        f"Needle in a haystack (Paul Graham essays), lengths {lens} tokens, depths {sorted(set(depths))}, "
+        f"{samples} sample(s) per cell; kv_ratio = KV bytes / FP16 DynamicCache bytes of the same tokens. "
+        "'needle chunk at FP16': cases where a chunk holding the needle sentence got FP16 (CocktailCache kinds); "
+        "the last two columns split the cases by whether the needle sentence lies in one chunk or straddles "
+        "two."
+    )
     return header + "\n\n" + "\n".join(lines) + "\n"
 
 

@@ -38,9 +38,11 @@ from ..cli import UsageError
 TOKENS_TO_GENERATE = 128  # RULER's niah tokens_to_generate: part of the length budget
 MIN_LENGTH = 512
 NEEDLE = "One of the special magic numbers for {key} is: {value}."
-TEMPLATE = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. I will quiz "
-            "you about the numbers afterwards.\n{context}\nWhat are all the special magic numbers for {query} "
-            "mentioned in the provided text?")
+TEMPLATE = (
+    "Some special magic numbers are hidden within the following text. Make sure to memorize it. I will quiz "
+    "you about the numbers afterwards.\n{context}\nWhat are all the special magic numbers for {query} "
+    "mentioned in the provided text?"
+)
 ANSWER_PREFIX = " The special magic numbers for {query} mentioned in the provided text are"
 DEPTHS = [round(100 * i / 39) / 100 for i in range(40)]  # RULER: np.round(np.linspace(0, 100, num=40))
 SENTENCE_END = re.compile(r"[.!?][\"')\]]*\s+")
@@ -55,12 +57,15 @@ class Variant:
     num_q: int
 
 
-VARIANTS: dict[str, Variant] = {v.name: v for v in [
-    Variant("single", "niah_single_2", 1, 1, 1),
-    Variant("multikey", "niah_multikey_1", 4, 1, 1),
-    Variant("multivalue", "niah_multivalue", 1, 4, 1),
-    Variant("multiquery", "niah_multiquery", 4, 1, 4),
-]}
+VARIANTS: dict[str, Variant] = {
+    v.name: v
+    for v in [
+        Variant("single", "niah_single_2", 1, 1, 1),
+        Variant("multikey", "niah_multikey_1", 4, 1, 1),
+        Variant("multivalue", "niah_multivalue", 1, 4, 1),
+        Variant("multiquery", "niah_multiquery", 4, 1, 4),
+    ]
+}
 
 ADJECTIVES = """able acid angry amused brave bright broad calm cheap clean clever cold crazy curly damp dark deep
 dizzy dry eager early easy empty fancy fast fierce flat fresh funny gentle giant glad grumpy happy heavy hollow huge
@@ -88,8 +93,9 @@ def parse_variants(spec: str) -> list[str]:
         raise UsageError(f"--variant is empty; choose from {', '.join(VARIANTS)}")
     bad = [n for n in names if n not in VARIANTS]
     if bad:
-        raise UsageError(f"unknown --variant {', '.join(repr(b) for b in bad)}; choose from {', '.join(VARIANTS)} "
-                         "(comma-separated)")
+        raise UsageError(
+            f"unknown --variant {', '.join(repr(b) for b in bad)}; choose from {', '.join(VARIANTS)} (comma-separated)"
+        )
     if len(set(names)) != len(names):
         raise UsageError(f"--variant lists a variant twice: {names}")
     return names
@@ -99,13 +105,16 @@ def check_lengths(lengths: list[int], max_positions: int | None = None) -> None:
     """RULER lengths: at least :data:`MIN_LENGTH` tokens, at most the model's window (``max_positions``)."""
     small = [x for x in lengths if x < MIN_LENGTH]
     if small:
-        raise UsageError(f"--lengths {small}: RULER variants need lengths >= {MIN_LENGTH} tokens (the template, the "
-                         f"needles and the {TOKENS_TO_GENERATE} tokens to generate take ~350)")
+        raise UsageError(
+            f"--lengths {small}: RULER variants need lengths >= {MIN_LENGTH} tokens (the template, the "
+            f"needles and the {TOKENS_TO_GENERATE} tokens to generate take ~350)"
+        )
     if max_positions:
         big = [x for x in lengths if x > max_positions]
         if big:
-            raise UsageError(f"--lengths {big} exceed the model's window of {max_positions} tokens "
-                             "(max_position_embeddings)")
+            raise UsageError(
+                f"--lengths {big} exceed the model's window of {max_positions} tokens (max_position_embeddings)"
+            )
 
 
 def string_match_all(pred: str, refs: list[str]) -> float:
@@ -117,9 +126,11 @@ def _template(single_answer: bool) -> tuple[str, str]:
     """RULER's template and answer prefix; with one expected value RULER rewrites them to the singular."""
     template, prefix = TEMPLATE, ANSWER_PREFIX
     if single_answer:
+
         def sing(t):
             t = t.replace("Some", "A").replace("are all", "is").replace("are", "is").replace("answers", "answer")
             return t.replace("numbers", "number")
+
         template, prefix = sing(template), sing(prefix)
     return template, prefix
 
@@ -164,7 +175,7 @@ def insert_needles(hay: str, needles: list[str], depths: list[float]) -> tuple[s
     order = sorted(range(len(needles)), key=lambda i: (spots[i], depths[i]))
     parts, prev = [], 0
     for i in order:
-        parts.append(hay[prev:spots[i]].strip())
+        parts.append(hay[prev : spots[i]].strip())
         parts.append(needles[i])
         prev = spots[i]
     parts.append(hay[prev:].strip())
@@ -191,17 +202,26 @@ def build_prompt(tok, context: str, query_keys: list[str], single_answer: bool) 
     template, prefix = _template(single_answer)
     query = join_query(query_keys)
     content = template.format(context=context, query=query)
-    question = content[content.rindex("\n") + 1:]
+    question = content[content.rindex("\n") + 1 :]
     answer_prefix = prefix.format(query=query).lstrip()
     if getattr(tok, "chat_template", None):
-        chat = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                       add_generation_prompt=True)
+        chat = tok.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        )
         return chat + answer_prefix, question, {"add_special_tokens": False}
     return content + " " + answer_prefix, question, {}
 
 
-def make_case(tok, essays: list[str], variant: str, length: int, sample: int, seed: int = 0,
-              depths: list[float] | None = None, tolerance: int = 8) -> dict:
+def make_case(
+    tok,
+    essays: list[str],
+    variant: str,
+    length: int,
+    sample: int,
+    seed: int = 0,
+    depths: list[float] | None = None,
+    tolerance: int = 8,
+) -> dict:
     """One RULER case: ``prompt_tokens + TOKENS_TO_GENERATE`` within ``tolerance`` tokens below ``length`` (never
     above). ``depths``: one per needle (default: drawn without replacement from RULER's 40 depths)."""
     spec = VARIANTS[variant]
@@ -227,7 +247,7 @@ def make_case(tok, essays: list[str], variant: str, length: int, sample: int, se
         cut = offsets[max(0, n_hay - 1)][1]
         hay = src[:cut]
         if cut < len(src) and not src[cut].isspace() and " " in hay:  # end on a word boundary
-            hay = hay[:hay.rindex(" ")]
+            hay = hay[: hay.rindex(" ")]
         context, fracs = insert_needles(hay, needles, depths)
         prompt, question, kw = build_prompt(tok, context, queries, single)
         n = len(tok(prompt, **kw)["input_ids"])
@@ -239,11 +259,22 @@ def make_case(tok, essays: list[str], variant: str, length: int, sample: int, se
     if best is None:
         raise UsageError(f"could not fit a prompt into --lengths {length}")
     n, context, fracs, prompt, question, kw = best
-    return {"variant": variant, "ruler_task": spec.ruler_task, "length": length, "sample": sample, "keys": keys,
-            "values": values, "queries": queries, "expected": expected, "context": context, "prompt": prompt,
-            "question": question, "tokenizer_kwargs": kw, "prompt_tokens": n,
-            "needles": [{"text": t, "depth": d, "haystack_frac": round(f, 4)}
-                        for t, d, f in zip(needles, depths, fracs)]}
+    return {
+        "variant": variant,
+        "ruler_task": spec.ruler_task,
+        "length": length,
+        "sample": sample,
+        "keys": keys,
+        "values": values,
+        "queries": queries,
+        "expected": expected,
+        "context": context,
+        "prompt": prompt,
+        "question": question,
+        "tokenizer_kwargs": kw,
+        "prompt_tokens": n,
+        "needles": [{"text": t, "depth": d, "haystack_frac": round(f, 4)} for t, d, f in zip(needles, depths, fracs)],
+    }
 
 
 def span_chunk_bits(tok, prompt: str, tokenizer_kwargs: dict, text: str, cache) -> list[int] | None:

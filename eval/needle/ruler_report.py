@@ -27,10 +27,18 @@ def summarize(rows: list[dict], methods: list[str], variants: list[str], lengths
 
     def add(variant, task, length, method, rs):
         if rs:
-            out.append({"variant": variant, "ruler_task": task, "length": length, "method": method,
-                        "accuracy": round(100 * _mean([r["score"] for r in rs]), 2), "n": len(rs),
-                        "kv_ratio": round(_mean([r["kv_ratio"] for r in rs]), 4),
-                        "asked_needles_fp16": _fp16_share(rs)})
+            out.append(
+                {
+                    "variant": variant,
+                    "ruler_task": task,
+                    "length": length,
+                    "method": method,
+                    "accuracy": round(100 * _mean([r["score"] for r in rs]), 2),
+                    "n": len(rs),
+                    "kv_ratio": round(_mean([r["kv_ratio"] for r in rs]), 4),
+                    "asked_needles_fp16": _fp16_share(rs),
+                }
+            )
 
     for v in variants:
         task = next((r["ruler_task"] for r in rows if r["variant"] == v), "")
@@ -52,15 +60,17 @@ def write_csv(path: str, summary: list[dict]) -> None:
         w.writerows(summary)
 
 
-def markdown(summary: list[dict], methods: list[str], variants: list[str], lengths: list[int],
-             samples: int) -> str:
+def markdown(summary: list[dict], methods: list[str], variants: list[str], lengths: list[int], samples: int) -> str:
     """Accuracy table per method (rows) x variant and length (columns), then kv_ratio and the FP16 share."""
     cell = {(s["variant"], s["length"], s["method"]): s for s in summary}
     cols = [(v, L) for v in [*variants, "average"] for L in [*lengths, "all"]]
     cols = [c for c in cols if any((c[0], c[1], m) in cell for m in methods)]
     n = {c: max(cell[(*c, m)]["n"] for m in methods if (*c, m) in cell) for c in cols}
-    head = ("| method | " + " | ".join(f"{v} {L} (n={n[(v, L)]})" for v, L in cols)
-            + " | kv_ratio | asked needles at FP16 |")
+    head = (
+        "| method | "
+        + " | ".join(f"{v} {L} (n={n[(v, L)]})" for v, L in cols)
+        + " | kv_ratio | asked needles at FP16 |"
+    )
     lines = [head, "|---" * (len(cols) + 3) + "|"]
     for m in methods:
         if not any((c[0], c[1], m) in cell for c in cols):
@@ -70,12 +80,14 @@ def markdown(summary: list[dict], methods: list[str], variants: list[str], lengt
         kvr = f"{tot['kv_ratio']:.3f}" if tot else "-"
         fp = tot["asked_needles_fp16"] if tot else "-"
         lines.append(f"| {m} | " + " | ".join(vals) + f" | {kvr} | {fp} |")
-    note = (f"RULER-style needles (Paul Graham essays), accuracy = RULER's string_match_all x 100 (share of the "
-            f"expected values found in the output), {samples} sample(s) per variant and length; column "
-            "'<variant> <length> (n=cases)' (length = prompt + 128 tokens to generate, RULER's max_seq_length; "
-            "'all': every length); 'average': mean over the cases of every variant. kv_ratio = KV bytes / FP16 "
-            "DynamicCache bytes of the same tokens. 'asked needles at FP16': asked needles whose chunks all got "
-            "FP16 / asked needles (Cocktail kinds).")
+    note = (
+        f"RULER-style needles (Paul Graham essays), accuracy = RULER's string_match_all x 100 (share of the "
+        f"expected values found in the output), {samples} sample(s) per variant and length; column "
+        "'<variant> <length> (n=cases)' (length = prompt + 128 tokens to generate, RULER's max_seq_length; "
+        "'all': every length); 'average': mean over the cases of every variant. kv_ratio = KV bytes / FP16 "
+        "DynamicCache bytes of the same tokens. 'asked needles at FP16': asked needles whose chunks all got "
+        "FP16 / asked needles (Cocktail kinds)."
+    )
     return note + "\n\n" + "\n".join(lines) + "\n"
 
 
@@ -90,8 +102,13 @@ def plot(path: str, summary: list[dict], methods: list[str], variants: list[str]
     panels = [L for L in [*lengths, "all"] if any(("average", L, m) in cell for m in methods)]
     groups = [*variants, "average"]
     ms = [m for m in methods if any(("average", "all", m) == k for k in cell)]
-    fig, axes = plt.subplots(1, len(panels), figsize=(1.2 + 0.45 * len(groups) * max(1, len(ms)) * len(panels) / 2.2,
-                                                      3.6), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(
+        1,
+        len(panels),
+        figsize=(1.2 + 0.45 * len(groups) * max(1, len(ms)) * len(panels) / 2.2, 3.6),
+        squeeze=False,
+        sharey=True,
+    )
     width = 0.8 / max(1, len(ms))
     for ax, L in zip(axes[0], panels):
         for j, m in enumerate(ms):
@@ -110,8 +127,9 @@ def plot(path: str, summary: list[dict], methods: list[str], variants: list[str]
     plt.close(fig)
 
 
-def write_reports(out_dir: str, rows: list[dict], methods: list[str], variants: list[str], lengths: list[int],
-                  samples: int) -> str:
+def write_reports(
+    out_dir: str, rows: list[dict], methods: list[str], variants: list[str], lengths: list[int], samples: int
+) -> str:
     """Write every report of ``rows`` (the records of the requested cases); returns the markdown table."""
     summary = summarize(rows, methods, variants, sorted(set(lengths)))
     write_csv(os.path.join(out_dir, "ruler_summary.csv"), summary)

@@ -57,14 +57,19 @@ class RougeLocal(evaluate.Metric):
             description=_DESCRIPTION,
             citation=_CITATION,
             inputs_description=_KWARGS_DESCRIPTION,
-            features=datasets.Features({"predictions": datasets.Value("string", id="sequence"),
-                                        "references": datasets.Value("string", id="sequence")}),
+            features=datasets.Features(
+                {
+                    "predictions": datasets.Value("string", id="sequence"),
+                    "references": datasets.Value("string", id="sequence"),
+                }
+            ),
             codebase_urls=["https://github.com/google-research/google-research/tree/master/rouge"],
             reference_urls=["https://en.wikipedia.org/wiki/ROUGE_(metric)"],
         )
 
-    def _compute(self, predictions, references, rouge_types=None, use_aggregator=True, use_stemmer=False,
-                 tokenizer=None):
+    def _compute(
+        self, predictions, references, rouge_types=None, use_aggregator=True, use_stemmer=False, tokenizer=None
+    ):
         if rouge_types is None:
             rouge_types = ["rouge1", "rouge2", "rougeL", "rougeLsum"]
         if tokenizer is not None and not hasattr(tokenizer, "tokenize"):
