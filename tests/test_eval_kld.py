@@ -200,7 +200,7 @@ def test_one_forward_equals_token_by_token_for_cocktail(tiny_llama, tiny_tokeniz
 
 # ---------------------------------------------------------------- the summary
 def _rec(method, stratum, kl, top1=1.0, kv=0.5, source="longbench"):
-    return {"case": f"{stratum}/{kl}", "method": method, "source": source, "stratum": stratum, "kv_ratio": kv,
+    return {"case": f"{source}/{stratum}", "method": method, "source": source, "stratum": stratum, "kv_ratio": kv,
             "kl_answer": kl, "top1_answer": top1, "n_answer": 3, "kl_tail": kl, "top1_tail": top1, "n_tail": 5}
 
 
@@ -226,10 +226,24 @@ def test_summary_and_bootstrap(tmp_path):
     assert lb["top1_answer"] == 0.75 and lb["positions_answer"] == 6
     assert by[("longbench", "fp16")]["kld_answer"] == 0.0
     md = write_reports(str(tmp_path), recs, ["fp16", "int2"], "# header")
-    assert md.startswith("# header") and "| int2 | 0.260 | 0.3000 [" in md
+    assert md.startswith("# header") and "| int2 | 3 | 0.260 | 0.3000 [" in md
     assert (tmp_path / "summary.csv").read_text().splitlines()[0].startswith("source,method,examples,kv_ratio")
     pytest.importorskip("matplotlib")
     assert (tmp_path / "kld_vs_bytes.png").stat().st_size > 1000
+
+
+def test_paired_with_the_paper():
+    from eval.kld.report import paired, paired_markdown
+
+    recs = [_rec("cocktail", "t1", 0.2), _rec("cocktail", "t2", 0.4), _rec("cocktail", "t3", 0.1),
+            _rec("had", "t1", 0.1), _rec("had", "t2", 0.2), _rec("had", "t3", 0.15), _rec("had", "t4", 9.0)]
+    (row,) = paired(recs, ["cocktail", "had"])
+    assert row["examples"] == 3  # t4 has no cocktail record
+    assert row["diff"] == pytest.approx((-0.1 - 0.2 + 0.05) / 3)
+    assert row["diff_lo"] <= row["diff"] <= row["diff_hi"]
+    assert (row["lower"], row["higher"]) == (2, 1) and row["ratio"] == pytest.approx(0.45 / 0.7)
+    assert "| longbench | had | 3 | -0.0833 [" in "\n".join(paired_markdown([row]))
+    assert paired(recs, ["had"], ref="cocktail") == paired(recs, ["had"])
 
 
 # ---------------------------------------------------------------- CLI

@@ -1,5 +1,10 @@
 """Summary of a KLD run: per source (LongBench, needle) and method, the mean KL divergence with a 95% bootstrap
-interval, the top-1 agreement and the mean KV bytes ratio; ``summary.md``, ``summary.csv`` and ``kld_vs_bytes.png``."""
+interval, the top-1 agreement and the mean KV bytes ratio, and each method paired with the paper's Cocktail on the
+same examples; ``summary.md``, ``summary.csv``, ``paired.csv`` and ``kld_vs_bytes.png``.
+
+The bootstrap resamples examples with replacement within each source (LongBench, needle; for the ``all`` rows both
+keep their sizes). It does not stratify by LongBench task: runs of 1-2 examples per task would leave nothing to
+resample."""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ CSV_COLUMNS = ["source", "method", "examples", "kv_ratio", "kld_answer", "kld_an
                "top1_answer", "positions_answer", "kld_tail", "kld_tail_lo", "kld_tail_hi", "top1_tail",
                "positions_tail"]
 FOOTNOTE = ("KLD: mean over examples of the mean KL(P_fp16 || P_method) in nats over the example's teacher-forced "
-            "positions (float64 log_softmax); 95% CI: bootstrap over examples within strata (LongBench task, needle). "
+            "positions (float64 log_softmax); 95% CI: bootstrap over the examples (2000 resamples). "
             "answer: FP16's greedy answer fed after the shared full-precision prefill (the positions predicting answer "
             "tokens 2..n). tail: the prompt minus its last k tokens (k <= 16, never inside the context) prefilled and "
             "branched, then the last k prompt tokens and the answer fed. top-1: share of positions where the method's "
@@ -58,7 +63,7 @@ def summarize(records: list[dict], methods: list[str], n_boot: int = 2000) -> li
                 top1 = []
                 for r in mine:
                     if r.get(f"kl_{seg}") is not None:
-                        strata[r["stratum"]].append(r[f"kl_{seg}"])
+                        strata[r["source"]].append(r[f"kl_{seg}"])
                         top1.append(r[f"top1_{seg}"])
                 mean, lo, hi = bootstrap_mean(strata, n_boot)
                 row.update({f"kld_{seg}": mean, f"kld_{seg}_lo": lo, f"kld_{seg}_hi": hi,
@@ -66,6 +71,52 @@ def summarize(records: list[dict], methods: list[str], n_boot: int = 2000) -> li
                             f"positions_{seg}": sum(r[f"n_{seg}"] for r in mine)})
             rows.append(row)
     return rows
+
+
+PAIRED_REF = "cocktail"
+PAIRED_COLUMNS = ["source", "method", "reference", "examples", "diff", "diff_lo", "diff_hi", "lower", "higher",
+                  "ratio"]
+
+
+def paired(records: list[dict], methods: list[str], ref: str = PAIRED_REF, seg: str = "answer",
+           n_boot: int = 2000) -> list[dict]:
+    """Each method against ``ref`` on the examples both have: the mean per-example difference of KLD (method -
+    reference; negative = closer to FP16) with a 95% bootstrap interval, how many examples are lower / higher, and
+    the ratio of the two means. Per source, like :func:`summarize`."""
+    kl = {(r["source"], r["case"], r["method"]): r.get(f"kl_{seg}") for r in records}
+    out = []
+    sources = [s for s in ("longbench", "needle") if any(k[0] == s for k in kl)]
+    for source in sources:
+        for m in methods:
+            if m == ref:
+                continue
+            pairs = [(kl[(s, c, m)], kl[(s, c, ref)]) for (s, c, mm) in kl
+                     if s == source and mm == m and kl.get((s, c, ref)) is not None and kl[(s, c, m)] is not None]
+            if not pairs:
+                continue
+            diff, lo, hi = bootstrap_mean({source: [a - b for a, b in pairs]}, n_boot)
+            ref_mean = sum(b for _, b in pairs) / len(pairs)
+            out.append({"source": source, "method": m, "reference": ref, "examples": len(pairs), "diff": diff,
+                        "diff_lo": lo, "diff_hi": hi, "lower": sum(a < b for a, b in pairs),
+                        "higher": sum(a > b for a, b in pairs),
+                        "ratio": (sum(a for a, _ in pairs) / len(pairs)) / ref_mean if ref_mean > 0 else None})
+    return out
+
+
+def paired_markdown(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    lines = ["", f"### Paired with `{rows[0]['reference']}` (the paper), answer segment", "",
+             "| source | method | examples | KLD difference [95% CI] | lower / higher | KLD ratio |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        lines.append(f"| {r['source']} | {r['method']} | {r['examples']} | {r['diff']:+.4f} [{r['diff_lo']:+.4f}, "
+                     f"{r['diff_hi']:+.4f}] | {r['lower']} / {r['higher']} | {ratio} |")
+    lines += ["", "Difference: mean over the common examples of (method's KLD - the reference's KLD), negative = "
+              "closer to FP16; interval: bootstrap over the examples; lower / higher: examples where the method's KLD "
+              "is below / above the reference's; ratio: the method's mean KLD / the reference's."]
+    return lines
 
 
 def _fmt(x, spec: str) -> str:
@@ -94,11 +145,12 @@ def markdown(rows: list[dict], header: str = "") -> str:
     lines = [header] if header else []
     for source in dict.fromkeys(r["source"] for r in rows):
         mine = [r for r in rows if r["source"] == source]
-        lines += ["", f"### {source} ({max(r['examples'] for r in mine)} examples)", "",
-                  "| method | kv_ratio | KLD answer [95% CI] | top-1 answer | KLD tail [95% CI] | top-1 tail |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["", f"### {source} (up to {max(r['examples'] for r in mine)} examples)", "",
+                  "| method | examples | kv_ratio | KLD answer [95% CI] | top-1 answer | KLD tail [95% CI] | "
+                  "top-1 tail |",
+                  "|---|---|---|---|---|---|---|"]
         for r in mine:
-            lines.append(f"| {r['method']} | {r['kv_ratio']:.3f} | {_kld_cell(r, 'answer')} | "
+            lines.append(f"| {r['method']} | {r['examples']} | {r['kv_ratio']:.3f} | {_kld_cell(r, 'answer')} | "
                          f"{_fmt(r['top1_answer'], '.3f') or '-'} | {_kld_cell(r, 'tail')} | "
                          f"{_fmt(r['top1_tail'], '.3f') or '-'} |")
     lines += ["", FOOTNOTE, ""]
@@ -144,10 +196,16 @@ def plot(path: str, rows: list[dict]) -> bool:
 
 
 def write_reports(out_dir: str, records: list[dict], methods: list[str], header: str = "") -> str:
-    """Write ``summary.csv``, ``summary.md`` and ``kld_vs_bytes.png``; returns the markdown."""
+    """Write ``summary.csv``, ``paired.csv``, ``summary.md`` and ``kld_vs_bytes.png``; returns the markdown."""
     rows = summarize(records, methods)
     write_csv(os.path.join(out_dir, "summary.csv"), rows)
-    md = markdown(rows, header)
+    pairs = paired(records, methods) if PAIRED_REF in methods else []
+    with open(os.path.join(out_dir, "paired.csv"), "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(PAIRED_COLUMNS)
+        for r in pairs:
+            w.writerow([r[c] if not isinstance(r[c], float) else f"{r[c]:.6g}" for c in PAIRED_COLUMNS])
+    md = markdown(rows, header) + "\n".join(paired_markdown(pairs)) + ("\n" if pairs else "")
     with open(os.path.join(out_dir, "summary.md"), "w", encoding="utf-8") as f:
         f.write(md)
     plot(os.path.join(out_dir, "kld_vs_bytes.png"), rows)
