@@ -248,6 +248,7 @@ def main(argv=None) -> int:
     out = table(summary)
     print(out)
     if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         write_json(
             args.out,
             {

@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 from ..cli import UsageError, parse_int_list, run_cli
 from ..essays import essay_prefix
 from ..kv_bytes import cache_kv_bytes, fp16_kv_bytes
+from ..methods.kinds import CocktailMethod
 from ..models import DTYPES, load_model_and_tokenizer, set_threads
 from ..records import write_json
 from ..run_info import command_line, git_commit
@@ -59,6 +60,14 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=4, help="decode steps per (budget, method) and round")
     p.add_argument("--warmup-steps", type=int, default=1)
     p.add_argument("--max-batch", type=int, default=64, help="cap on the batch (memory of this machine)")
+    p.add_argument(
+        "--max-setup-s",
+        type=float,
+        default=150.0,
+        help="skip a (budget, method) whose batch would take longer than this to build, estimated as batch "
+        "x its measured batch-1 setup (hqq's quantizer: ~30 s per 4K-token sequence here); Cocktail kinds "
+        "quantize once and repeat the rows",
+    )
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--threads", type=int, default=2)
@@ -87,6 +96,7 @@ def per_sequence_bytes(method, model, tok, shared, generated: int) -> dict:
         "cache_tokens": seq,
         "kv_ratio_prompt": prompt_bytes / fp16_kv_bytes(model.config, seq),
         "per_sequence_bytes": prompt_bytes + generated * fp16_token,
+        "setup_s_batch1": run.setup_s,
     }
 
 
@@ -142,13 +152,25 @@ def main(argv=None) -> int:
     print(f"prompt {shared.prompt_tokens} tokens, shared prefill {shared.prefill_s:.1f} s", flush=True)
     generated = 1 + args.warmup_steps + args.rounds * args.steps
     sizes = {m.name: per_sequence_bytes(m, model, tok, shared, generated) for m in args.method_list}
-    runners, meta = [], []
+    runners, meta, skipped = [], [], []
     for budget in args.budget_list:
         for m in args.method_list:
             size = sizes[m.name]
             batch = min(args.max_batch, (budget * MIB) // size["per_sequence_bytes"])
             if batch < 1:
                 print(f"budget {budget} MiB: {m.name} does not fit one sequence", flush=True)
+                skipped.append(
+                    {"budget_mib": budget, "method": m.name, "batch": 0, **size, "skipped": "does not fit one sequence"}
+                )
+                continue
+            build_s = size["setup_s_batch1"] * (1 if isinstance(m, CocktailMethod) else batch)
+            if build_s > args.max_setup_s:
+                why = (
+                    f"building batch {batch} would take ~{build_s:.0f} s (> --max-setup-s {args.max_setup_s:g}; "
+                    f"{size['setup_s_batch1']:.1f} s per sequence)"
+                )
+                print(f"budget {budget} MiB: {m.name} skipped: {why}", flush=True)
+                skipped.append({"budget_mib": budget, "method": m.name, "batch": batch, **size, "skipped": why})
                 continue
             r = branch_runner(m, model, tok, shared, batch=batch)
             if args.warmup_steps:
@@ -182,8 +204,13 @@ def main(argv=None) -> int:
             }
         )
     out = table(results)
+    if skipped:
+        out += "\n\nNot measured: " + "; ".join(
+            f"{x['method']} at {x['budget_mib']} MiB ({x['skipped']})" for x in skipped
+        )
     print(out)
     if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         base = os.path.splitext(args.out)[0]
         write_json(
             args.out,

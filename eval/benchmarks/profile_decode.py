@@ -334,6 +334,7 @@ def main(argv=None) -> int:
     out = table(results)
     print(out)
     if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         write_json(
             args.out,
             {
