@@ -118,8 +118,14 @@ def test_which_caches_are_fed_token_by_token():
     assert not needs_steps(DynamicCache(), 40)
     assert not needs_steps(CocktailCache(), 40)
     assert needs_steps(KiviCache(num_layers=1), 2)  # its residual windows move with every token
-    cfg = LlamaConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=1,
-                      intermediate_size=64, vocab_size=10)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_hidden_layers=1,
+        intermediate_size=64,
+        vocab_size=10,
+    )
     try:
         from transformers import QuantizedCache
 
@@ -146,8 +152,12 @@ def test_segments_on_a_tiny_model(tiny_llama, tiny_tokenizer):
 
     prompt, ctx, query = make_prompt(150, seed=5)
     case = KldCase("t/1", "test", "s", Request(prompt, ctx, query, "1"))
-    recs = {r["method"]: r for r in _tiny_runner(tiny_llama, tiny_tokenizer).run(
-        case, [METHODS["fp16"], METHODS["int2"], METHODS["int2_had"]])}
+    recs = {
+        r["method"]: r
+        for r in _tiny_runner(tiny_llama, tiny_tokenizer).run(
+            case, [METHODS["fp16"], METHODS["int2"], METHODS["int2_had"]]
+        )
+    }
     fp = recs["fp16"]
     # FP16 against itself: exactly 0 and full agreement, in both segments
     assert fp["kl_answer"] == 0.0 and fp["top1_answer"] == 1.0 and fp["kl_tail"] == 0.0 and fp["top1_tail"] == 1.0
@@ -193,15 +203,27 @@ def test_one_forward_equals_token_by_token_for_cocktail(tiny_llama, tiny_tokeniz
     feed = ids[:, 10:22]
     for name in ("int2", "int2_had"):
         one = teacher_force(tiny_llama, branch(METHODS[name], tiny_llama, tiny_tokenizer, dyn, ids, req).cache, feed)
-        steps = teacher_force(tiny_llama, branch(METHODS[name], tiny_llama, tiny_tokenizer, dyn, ids, req).cache,
-                              feed, step_by_step=True)
+        steps = teacher_force(
+            tiny_llama, branch(METHODS[name], tiny_llama, tiny_tokenizer, dyn, ids, req).cache, feed, step_by_step=True
+        )
         assert torch.allclose(one, steps, atol=1e-4, rtol=1e-4), name
 
 
 # ---------------------------------------------------------------- the summary
 def _rec(method, stratum, kl, top1=1.0, kv=0.5, source="longbench"):
-    return {"case": f"{source}/{stratum}", "method": method, "source": source, "stratum": stratum, "kv_ratio": kv,
-            "kl_answer": kl, "top1_answer": top1, "n_answer": 3, "kl_tail": kl, "top1_tail": top1, "n_tail": 5}
+    return {
+        "case": f"{source}/{stratum}",
+        "method": method,
+        "source": source,
+        "stratum": stratum,
+        "kv_ratio": kv,
+        "kl_answer": kl,
+        "top1_answer": top1,
+        "n_answer": 3,
+        "kl_tail": kl,
+        "top1_tail": top1,
+        "n_tail": 5,
+    }
 
 
 def test_summary_and_bootstrap(tmp_path):
@@ -212,14 +234,23 @@ def test_summary_and_bootstrap(tmp_path):
     mean, lo, hi = bootstrap_mean({"a": [0.0, 1.0, 2.0, 3.0], "b": [10.0, 11.0]})
     assert mean == pytest.approx(27 / 6) and lo < mean < hi
     assert bootstrap_mean({}) == (None, None, None)
-    recs = [_rec("fp16", "t1", 0.0, kv=1.0), _rec("fp16", "t2", 0.0, kv=1.0),
-            _rec("int2", "t1", 0.2, 0.5, 0.25), _rec("int2", "t2", 0.4, 1.0, 0.27),
-            _rec("int2", "needle", 0.1, 1.0, 0.2, source="needle")]
+    recs = [
+        _rec("fp16", "t1", 0.0, kv=1.0),
+        _rec("fp16", "t2", 0.0, kv=1.0),
+        _rec("int2", "t1", 0.2, 0.5, 0.25),
+        _rec("int2", "t2", 0.4, 1.0, 0.27),
+        _rec("int2", "needle", 0.1, 1.0, 0.2, source="needle"),
+    ]
     recs.append({**_rec("int2", "t3", None, kv=0.26), "kl_answer": None, "top1_answer": None, "n_answer": 0})
     rows = summarize(recs, ["fp16", "int2"])
     by = {(r["source"], r["method"]): r for r in rows}
-    assert set(by) == {("longbench", "fp16"), ("longbench", "int2"), ("needle", "int2"), ("all", "fp16"),
-                       ("all", "int2")}
+    assert set(by) == {
+        ("longbench", "fp16"),
+        ("longbench", "int2"),
+        ("needle", "int2"),
+        ("all", "fp16"),
+        ("all", "int2"),
+    }
     lb = by[("longbench", "int2")]
     assert lb["examples"] == 3 and lb["kv_ratio"] == pytest.approx(0.26)
     assert lb["kld_answer"] == pytest.approx(0.3)  # the record without answer positions
@@ -235,8 +266,15 @@ def test_summary_and_bootstrap(tmp_path):
 def test_paired_with_the_paper():
     from eval.kld.report import paired, paired_markdown
 
-    recs = [_rec("cocktail", "t1", 0.2), _rec("cocktail", "t2", 0.4), _rec("cocktail", "t3", 0.1),
-            _rec("had", "t1", 0.1), _rec("had", "t2", 0.2), _rec("had", "t3", 0.15), _rec("had", "t4", 9.0)]
+    recs = [
+        _rec("cocktail", "t1", 0.2),
+        _rec("cocktail", "t2", 0.4),
+        _rec("cocktail", "t3", 0.1),
+        _rec("had", "t1", 0.1),
+        _rec("had", "t2", 0.2),
+        _rec("had", "t3", 0.15),
+        _rec("had", "t4", 9.0),
+    ]
     (row,) = paired(recs, ["cocktail", "had"])
     assert row["examples"] == 3  # t4 has no cocktail record
     assert row["diff"] == pytest.approx((-0.1 - 0.2 + 0.05) / 3)
@@ -247,20 +285,23 @@ def test_paired_with_the_paper():
 
 
 # ---------------------------------------------------------------- CLI
-@pytest.mark.parametrize("argv, msg", [
-    (["--per-task", "0"], "--per-task must be >= 1"),
-    (["--tasks", "qasper,dureader"], "unknown or unsupported task"),
-    (["--tasks", "none"], "nothing to run"),
-    (["--methods", "fp16,nope"], "unknown method"),
-    (["--methods", "fp16,fp16"], "lists a method twice"),
-    (["--max-answer-tokens", "1"], "--max-answer-tokens must be >= 2"),
-    (["--tail-tokens", "-1"], "--tail-tokens must be >= 0"),
-    (["--tasks", "none", "--needle-lengths", "2000", "--needle-depths", "0.5,1.5"], "--needle-depths must lie"),
-    (["--tasks", "none", "--needle-lengths", "32"], "--needle-lengths must be >= 64"),
-    (["--needle-lengths", "2000,x"], "comma-separated list of integers"),
-    (["--stop-after-minutes", "0"], "--stop-after-minutes must be > 0"),
-    (["--data-dir", "/nonexistent/lb"], "does not exist"),
-])
+@pytest.mark.parametrize(
+    "argv, msg",
+    [
+        (["--per-task", "0"], "--per-task must be >= 1"),
+        (["--tasks", "qasper,dureader"], "unknown or unsupported task"),
+        (["--tasks", "none"], "nothing to run"),
+        (["--methods", "fp16,nope"], "unknown method"),
+        (["--methods", "fp16,fp16"], "lists a method twice"),
+        (["--max-answer-tokens", "1"], "--max-answer-tokens must be >= 2"),
+        (["--tail-tokens", "-1"], "--tail-tokens must be >= 0"),
+        (["--tasks", "none", "--needle-lengths", "2000", "--needle-depths", "0.5,1.5"], "--needle-depths must lie"),
+        (["--tasks", "none", "--needle-lengths", "32"], "--needle-lengths must be >= 64"),
+        (["--needle-lengths", "2000,x"], "comma-separated list of integers"),
+        (["--stop-after-minutes", "0"], "--stop-after-minutes must be > 0"),
+        (["--data-dir", "/nonexistent/lb"], "does not exist"),
+    ],
+)
 def test_cli_errors(argv, msg):
     from eval.kld.cli import parse_args
 
@@ -273,8 +314,17 @@ def test_cli_refuses_other_settings(tmp_path):
 
     out = tmp_path / "run"
     out.mkdir()
-    old = {"model": "smollm2", "dtype": "float32", "window": 2048, "chat": True, "encoder": "x",
-           "max_answer_tokens": 32, "tail_tokens": 16, "seed": 0, "step_by_step": False}
+    old = {
+        "model": "smollm2",
+        "dtype": "float32",
+        "window": 2048,
+        "chat": True,
+        "encoder": "x",
+        "max_answer_tokens": 32,
+        "tail_tokens": 16,
+        "seed": 0,
+        "step_by_step": False,
+    }
     (out / "settings.json").write_text(json.dumps(old))
     with pytest.raises(UsageError, match="other settings"):
         main(["--out-dir", str(out), "--tasks", "none", "--needle-lengths", "100", "--tail-tokens", "8"])
@@ -282,15 +332,23 @@ def test_cli_refuses_other_settings(tmp_path):
 
 def test_cli_exit_status():
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    res = subprocess.run([sys.executable, "-m", "eval.kld", "--out-dir", "/tmp/unused", "--methods", "nope"],
-                         cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "eval.kld", "--out-dir", "/tmp/unused", "--methods", "nope"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert res.returncode == 2
     assert res.stderr.strip().startswith("error: unknown method") and "Traceback" not in res.stderr
 
 
 @pytest.mark.slow  # two runs of spawned processes: ~1-3 min on a small shared CPU
-@pytest.mark.skipif(not os.path.isdir(os.path.join(REPO_ROOT, "..", "shared", "data", "paul_graham_essays")),
-                    reason="needs the essays in ../shared/data")
+@pytest.mark.skipif(
+    not os.path.isdir(os.path.join(REPO_ROOT, "..", "shared", "data", "paul_graham_essays")),
+    reason="needs the essays in ../shared/data",
+)
 def test_two_workers_give_the_records_of_one(tmp_path, tiny_tokenizer):
     """--workers 2 (spawned processes, a tiny Llama saved as a local model) writes the same records as one process,
     and a rerun of the same command has nothing left to do."""
@@ -301,13 +359,34 @@ def test_two_workers_give_the_records_of_one(tmp_path, tiny_tokenizer):
     model.generation_config.eos_token_id = 0  # <pad>: a stop token the tiny vocabulary lacks
     model.save_pretrained(model_dir)
     tiny_tokenizer.save_pretrained(model_dir)
-    common = ["--model", str(model_dir), "--tasks", "none", "--needle-lengths", "300", "--needle-depths", "0.2,0.7",
-              "--methods", "fp16,int2", "--max-answer-tokens", "4", "--threads", "1", "--no-progress"]
+    common = [
+        "--model",
+        str(model_dir),
+        "--tasks",
+        "none",
+        "--needle-lengths",
+        "300",
+        "--needle-depths",
+        "0.2,0.7",
+        "--methods",
+        "fp16,int2",
+        "--max-answer-tokens",
+        "4",
+        "--threads",
+        "1",
+        "--no-progress",
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
     def run(out, *extra):
-        res = subprocess.run([sys.executable, "-m", "eval.kld", "--out-dir", str(out), *common, *extra],
-                             cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=600)
+        res = subprocess.run(
+            [sys.executable, "-m", "eval.kld", "--out-dir", str(out), *common, *extra],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+        )
         assert res.returncode == 0, res.stderr[-3000:]
         recs = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
         return {(r["case"], r["method"]): r for r in recs}, res

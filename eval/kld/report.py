@@ -14,16 +14,31 @@ import random
 from collections import defaultdict
 
 SEGMENTS = ("answer", "tail")
-CSV_COLUMNS = ["source", "method", "examples", "kv_ratio", "kld_answer", "kld_answer_lo", "kld_answer_hi",
-               "top1_answer", "positions_answer", "kld_tail", "kld_tail_lo", "kld_tail_hi", "top1_tail",
-               "positions_tail"]
-FOOTNOTE = ("KLD: mean over examples of the mean KL(P_fp16 || P_method) in nats over the example's teacher-forced "
-            "positions (float64 log_softmax); 95% CI: bootstrap over the examples (2000 resamples). "
-            "answer: FP16's greedy answer fed after the shared full-precision prefill (the positions predicting answer "
-            "tokens 2..n). tail: the prompt minus its last k tokens (k <= 16, never inside the context) prefilled and "
-            "branched, then the last k prompt tokens and the answer fed. top-1: share of positions where the method's "
-            "argmax equals FP16's. kv_ratio: the method's KV bytes / an FP16 DynamicCache of the same tokens (prompt "
-            "+ answer), full-precision tensors at 2 bytes per element.")
+CSV_COLUMNS = [
+    "source",
+    "method",
+    "examples",
+    "kv_ratio",
+    "kld_answer",
+    "kld_answer_lo",
+    "kld_answer_hi",
+    "top1_answer",
+    "positions_answer",
+    "kld_tail",
+    "kld_tail_lo",
+    "kld_tail_hi",
+    "top1_tail",
+    "positions_tail",
+]
+FOOTNOTE = (
+    "KLD: mean over examples of the mean KL(P_fp16 || P_method) in nats over the example's teacher-forced "
+    "positions (float64 log_softmax); 95% CI: bootstrap over the examples (2000 resamples). "
+    "answer: FP16's greedy answer fed after the shared full-precision prefill (the positions predicting answer "
+    "tokens 2..n). tail: the prompt minus its last k tokens (k <= 16, never inside the context) prefilled and "
+    "branched, then the last k prompt tokens and the answer fed. top-1: share of positions where the method's "
+    "argmax equals FP16's. kv_ratio: the method's KV bytes / an FP16 DynamicCache of the same tokens (prompt "
+    "+ answer), full-precision tensors at 2 bytes per element."
+)
 
 
 def bootstrap_mean(values_by_stratum: dict[str, list[float]], n_boot: int = 2000, seed: int = 0) -> tuple:
@@ -56,8 +71,12 @@ def summarize(records: list[dict], methods: list[str], n_boot: int = 2000) -> li
             mine = [r for r in recs if r["method"] == m]
             if not mine:
                 continue
-            row = {"source": source, "method": m, "examples": len(mine),
-                   "kv_ratio": sum(r["kv_ratio"] for r in mine) / len(mine)}
+            row = {
+                "source": source,
+                "method": m,
+                "examples": len(mine),
+                "kv_ratio": sum(r["kv_ratio"] for r in mine) / len(mine),
+            }
             for seg in SEGMENTS:
                 strata: dict[str, list[float]] = defaultdict(list)
                 top1 = []
@@ -66,20 +85,26 @@ def summarize(records: list[dict], methods: list[str], n_boot: int = 2000) -> li
                         strata[r["source"]].append(r[f"kl_{seg}"])
                         top1.append(r[f"top1_{seg}"])
                 mean, lo, hi = bootstrap_mean(strata, n_boot)
-                row.update({f"kld_{seg}": mean, f"kld_{seg}_lo": lo, f"kld_{seg}_hi": hi,
-                            f"top1_{seg}": sum(top1) / len(top1) if top1 else None,
-                            f"positions_{seg}": sum(r[f"n_{seg}"] for r in mine)})
+                row.update(
+                    {
+                        f"kld_{seg}": mean,
+                        f"kld_{seg}_lo": lo,
+                        f"kld_{seg}_hi": hi,
+                        f"top1_{seg}": sum(top1) / len(top1) if top1 else None,
+                        f"positions_{seg}": sum(r[f"n_{seg}"] for r in mine),
+                    }
+                )
             rows.append(row)
     return rows
 
 
 PAIRED_REF = "cocktail"
-PAIRED_COLUMNS = ["source", "method", "reference", "examples", "diff", "diff_lo", "diff_hi", "lower", "higher",
-                  "ratio"]
+PAIRED_COLUMNS = ["source", "method", "reference", "examples", "diff", "diff_lo", "diff_hi", "lower", "higher", "ratio"]
 
 
-def paired(records: list[dict], methods: list[str], ref: str = PAIRED_REF, seg: str = "answer",
-           n_boot: int = 2000) -> list[dict]:
+def paired(
+    records: list[dict], methods: list[str], ref: str = PAIRED_REF, seg: str = "answer", n_boot: int = 2000
+) -> list[dict]:
     """Each method against ``ref`` on the examples both have: the mean per-example difference of KLD (method -
     reference; negative = closer to FP16) with a 95% bootstrap interval, how many examples are lower / higher, and
     the ratio of the two means. Per source, like :func:`summarize`."""
@@ -90,32 +115,54 @@ def paired(records: list[dict], methods: list[str], ref: str = PAIRED_REF, seg: 
         for m in methods:
             if m == ref:
                 continue
-            pairs = [(kl[(s, c, m)], kl[(s, c, ref)]) for (s, c, mm) in kl
-                     if s == source and mm == m and kl.get((s, c, ref)) is not None and kl[(s, c, m)] is not None]
+            pairs = [
+                (kl[(s, c, m)], kl[(s, c, ref)])
+                for (s, c, mm) in kl
+                if s == source and mm == m and kl.get((s, c, ref)) is not None and kl[(s, c, m)] is not None
+            ]
             if not pairs:
                 continue
             diff, lo, hi = bootstrap_mean({source: [a - b for a, b in pairs]}, n_boot)
             ref_mean = sum(b for _, b in pairs) / len(pairs)
-            out.append({"source": source, "method": m, "reference": ref, "examples": len(pairs), "diff": diff,
-                        "diff_lo": lo, "diff_hi": hi, "lower": sum(a < b for a, b in pairs),
-                        "higher": sum(a > b for a, b in pairs),
-                        "ratio": (sum(a for a, _ in pairs) / len(pairs)) / ref_mean if ref_mean > 0 else None})
+            out.append(
+                {
+                    "source": source,
+                    "method": m,
+                    "reference": ref,
+                    "examples": len(pairs),
+                    "diff": diff,
+                    "diff_lo": lo,
+                    "diff_hi": hi,
+                    "lower": sum(a < b for a, b in pairs),
+                    "higher": sum(a > b for a, b in pairs),
+                    "ratio": (sum(a for a, _ in pairs) / len(pairs)) / ref_mean if ref_mean > 0 else None,
+                }
+            )
     return out
 
 
 def paired_markdown(rows: list[dict]) -> list[str]:
     if not rows:
         return []
-    lines = ["", f"### Paired with `{rows[0]['reference']}` (the paper), answer segment", "",
-             "| source | method | examples | KLD difference [95% CI] | lower / higher | KLD ratio |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "",
+        f"### Paired with `{rows[0]['reference']}` (the paper), answer segment",
+        "",
+        "| source | method | examples | KLD difference [95% CI] | lower / higher | KLD ratio |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
-        lines.append(f"| {r['source']} | {r['method']} | {r['examples']} | {r['diff']:+.4f} [{r['diff_lo']:+.4f}, "
-                     f"{r['diff_hi']:+.4f}] | {r['lower']} / {r['higher']} | {ratio} |")
-    lines += ["", "Difference: mean over the common examples of (method's KLD - the reference's KLD), negative = "
-              "closer to FP16; interval: bootstrap over the examples; lower / higher: examples where the method's KLD "
-              "is below / above the reference's; ratio: the method's mean KLD / the reference's."]
+        lines.append(
+            f"| {r['source']} | {r['method']} | {r['examples']} | {r['diff']:+.4f} [{r['diff_lo']:+.4f}, "
+            f"{r['diff_hi']:+.4f}] | {r['lower']} / {r['higher']} | {ratio} |"
+        )
+    lines += [
+        "",
+        "Difference: mean over the common examples of (method's KLD - the reference's KLD), negative = "
+        "closer to FP16; interval: bootstrap over the examples; lower / higher: examples where the method's KLD "
+        "is below / above the reference's; ratio: the method's mean KLD / the reference's.",
+    ]
     return lines
 
 
@@ -128,11 +175,20 @@ def write_csv(path: str, rows: list[dict]) -> None:
         w = csv.writer(f)
         w.writerow(CSV_COLUMNS)
         for r in rows:
-            w.writerow([r["source"], r["method"], r["examples"], f"{r['kv_ratio']:.4f}",
-                        *[_fmt(r[f"kld_answer{x}"], ".6g") for x in ("", "_lo", "_hi")],
-                        _fmt(r["top1_answer"], ".4f"), r["positions_answer"],
-                        *[_fmt(r[f"kld_tail{x}"], ".6g") for x in ("", "_lo", "_hi")],
-                        _fmt(r["top1_tail"], ".4f"), r["positions_tail"]])
+            w.writerow(
+                [
+                    r["source"],
+                    r["method"],
+                    r["examples"],
+                    f"{r['kv_ratio']:.4f}",
+                    *[_fmt(r[f"kld_answer{x}"], ".6g") for x in ("", "_lo", "_hi")],
+                    _fmt(r["top1_answer"], ".4f"),
+                    r["positions_answer"],
+                    *[_fmt(r[f"kld_tail{x}"], ".6g") for x in ("", "_lo", "_hi")],
+                    _fmt(r["top1_tail"], ".4f"),
+                    r["positions_tail"],
+                ]
+            )
 
 
 def _kld_cell(r: dict, seg: str) -> str:
@@ -145,14 +201,19 @@ def markdown(rows: list[dict], header: str = "") -> str:
     lines = [header] if header else []
     for source in dict.fromkeys(r["source"] for r in rows):
         mine = [r for r in rows if r["source"] == source]
-        lines += ["", f"### {source} (up to {max(r['examples'] for r in mine)} examples)", "",
-                  "| method | examples | kv_ratio | KLD answer [95% CI] | top-1 answer | KLD tail [95% CI] | "
-                  "top-1 tail |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"### {source} (up to {max(r['examples'] for r in mine)} examples)",
+            "",
+            "| method | examples | kv_ratio | KLD answer [95% CI] | top-1 answer | KLD tail [95% CI] | top-1 tail |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for r in mine:
-            lines.append(f"| {r['method']} | {r['examples']} | {r['kv_ratio']:.3f} | {_kld_cell(r, 'answer')} | "
-                         f"{_fmt(r['top1_answer'], '.3f') or '-'} | {_kld_cell(r, 'tail')} | "
-                         f"{_fmt(r['top1_tail'], '.3f') or '-'} |")
+            lines.append(
+                f"| {r['method']} | {r['examples']} | {r['kv_ratio']:.3f} | {_kld_cell(r, 'answer')} | "
+                f"{_fmt(r['top1_answer'], '.3f') or '-'} | {_kld_cell(r, 'tail')} | "
+                f"{_fmt(r['top1_tail'], '.3f') or '-'} |"
+            )
     lines += ["", FOOTNOTE, ""]
     return "\n".join(lines)
 
@@ -178,8 +239,15 @@ def plot(path: str, rows: list[dict]) -> bool:
         for i, r in enumerate(mine):
             c = cmap(i % 20)
             y, lo, hi = r["kld_answer"], r["kld_answer_lo"], r["kld_answer_hi"]
-            ax.errorbar([r["kv_ratio"]], [y], yerr=[[max(y - lo, 0)], [max(hi - y, 0)]], fmt="o", color=c,
-                        capsize=3, label=r["method"])
+            ax.errorbar(
+                [r["kv_ratio"]],
+                [y],
+                yerr=[[max(y - lo, 0)], [max(hi - y, 0)]],
+                fmt="o",
+                color=c,
+                capsize=3,
+                label=r["method"],
+            )
             if (r["kld_tail"] or 0) > 0:
                 ax.plot([r["kv_ratio"]], [r["kld_tail"]], marker="o", mfc="none", color=c, linestyle="none")
             ax.annotate(r["method"], (r["kv_ratio"], y), textcoords="offset points", xytext=(4, 3), fontsize=7)
