@@ -220,8 +220,8 @@ def markdown(rows: list[dict], header: str = "") -> str:
 
 def plot(path: str, rows: list[dict]) -> bool:
     """KLD vs KV bytes ratio (log-scale y), one panel per source, answer segment with its interval (filled) and tail
-    segment (hollow); methods with KLD 0 (fp16) cannot be drawn on a log scale and are left out. False without
-    matplotlib."""
+    segment (hollow), one colour and marker per method; methods with KLD 0 (fp16) cannot be drawn on a log scale
+    and are left out. False without matplotlib."""
     try:
         import matplotlib
 
@@ -232,31 +232,36 @@ def plot(path: str, rows: list[dict]) -> bool:
     sources = [s for s in dict.fromkeys(r["source"] for r in rows) if s != "all"]
     if not sources:
         return False
-    fig, axes = plt.subplots(1, len(sources), figsize=(7.5 * len(sources), 6), squeeze=False)
+    fig, axes = plt.subplots(1, len(sources), figsize=(6.5 * len(sources) + 2.5, 6), squeeze=False)
+    cmap, markers = plt.get_cmap("tab20"), "osD^vP*Xph<>"
+    methods = list(dict.fromkeys(r["method"] for r in rows if (r["kld_answer"] or 0) > 0))
+    style = {m: (cmap(i % 20), markers[i % len(markers)]) for i, m in enumerate(methods)}
     for ax, source in zip(axes[0], sources):
         mine = [r for r in rows if r["source"] == source and (r["kld_answer"] or 0) > 0]
-        cmap = plt.get_cmap("tab20")
-        for i, r in enumerate(mine):
-            c = cmap(i % 20)
+        for r in mine:
+            c, mk = style[r["method"]]
             y, lo, hi = r["kld_answer"], r["kld_answer_lo"], r["kld_answer_hi"]
             ax.errorbar(
                 [r["kv_ratio"]],
                 [y],
                 yerr=[[max(y - lo, 0)], [max(hi - y, 0)]],
-                fmt="o",
+                fmt=mk,
                 color=c,
                 capsize=3,
-                label=r["method"],
+                markersize=7,
+                label=f"{r['method']} ({r['examples']})",
             )
             if (r["kld_tail"] or 0) > 0:
-                ax.plot([r["kv_ratio"]], [r["kld_tail"]], marker="o", mfc="none", color=c, linestyle="none")
-            ax.annotate(r["method"], (r["kv_ratio"], y), textcoords="offset points", xytext=(4, 3), fontsize=7)
+                ax.plot([r["kv_ratio"]], [r["kld_tail"]], marker=mk, mfc="none", color=c, linestyle="none")
         ax.set_yscale("log")
         ax.set_xlabel("KV bytes / FP16 DynamicCache")
         ax.set_ylabel("mean KL(P_fp16 || P_method), nats")
         n = max((r["examples"] for r in mine), default=0)
-        ax.set_title(f"{source}: {n} examples (filled: answer, 95% CI; hollow: tail)")
+        ax.set_title(
+            f"{source}: up to {n} examples\n(filled: answer segment with 95% CI; hollow: tail segment)", fontsize=10
+        )
         ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, loc="best", ncol=2, title="method (examples)", title_fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
