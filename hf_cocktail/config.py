@@ -191,7 +191,7 @@ class CocktailConfig:
         rest). Measured on SmolLM2 (``eval/results/kld``): KLD from FP16 0.067 at 0.29x the FP16 KV bytes on 2K
         LongBench windows (the paper setting: 0.160 at 0.31x) and 0.015 at 0.26x on 2K needle prompts; 0.24x on the
         demo's 4.4K document, where it answers right and the paper setting does not. ``CocktailConfig()`` stays the
-        paper's setting. ``overrides`` replace fields (e.g. ``encoder=``).
+        paper's setting. ``overrides`` replace fields (e.g. ``encoder=``)."""
         return cls(**{**RECOMMENDED, **overrides})
 
     def packed_bits_per_element(self, bits: int) -> float:
