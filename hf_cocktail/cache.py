@@ -140,7 +140,7 @@ class CocktailCache(CacheLifecycles, Cache):
         # L may exceed the prompt (assisted decoding prefills its first candidates too): those tokens are cropable
         if search and self.prefill_len != L:
             for plan in self._plans:
-                plan.build_positions(L, self.config.chunk_size)
+                plan.build_positions(L, self.config.chunk_size, self.config.packed_bits)
             self.prefill_len = L
         return self._plans
 
@@ -148,7 +148,7 @@ class CocktailCache(CacheLifecycles, Cache):
         """Per sequence, the prompt positions of each part of a layer's store (see
         :meth:`SequencePlan.build_positions`); ``all_full``: a layer kept entirely at full precision."""
         if all_full:
-            return [plan.all_full_positions(self.prefill_len) for plan in self._plans]
+            return [plan.all_full_positions(self.prefill_len, self.config.packed_bits) for plan in self._plans]
         return [plan.positions for plan in self._plans]
 
     def run_search(self) -> None:
@@ -171,7 +171,8 @@ class CocktailCache(CacheLifecycles, Cache):
         after :meth:`prepare_inputs` and before ``generate`` (used by ablations and custom policies)."""
         if self._plans is None:
             raise RuntimeError("set_precisions() needs prepare_inputs() first")
-        for plan, row in zip(self._plans, planning.check_bits_rows(bits, self._plans)):
+        allowed = (16, *self.config.packed_bits)
+        for plan, row in zip(self._plans, planning.check_bits_rows(bits, self._plans, allowed)):
             plan.bits = row
         self._searched = True
         self.prefill_len = -1
@@ -329,7 +330,7 @@ class CocktailCache(CacheLifecycles, Cache):
         new_len = self.get_seq_length()
         if self._plans and 0 <= new_len < self.prefill_len:
             for plan in self._plans:
-                plan.build_positions(new_len, self.config.chunk_size)
+                plan.build_positions(new_len, self.config.chunk_size, self.config.packed_bits)
             self.prefill_len = new_len
 
     def reorder_cache(self, beam_idx: torch.LongTensor):

@@ -18,7 +18,8 @@ from .rotation import ROTATIONS
 FORMAT_VERSION = 1
 DEFAULT_ENCODER = "facebook/contriever"
 _BACKENDS = ("auto", "torch", "triton", "cpu")
-_UNIFORM_BITS = (None, 16, 4, 2)
+_UNIFORM_BITS = (None, 16, 4, 3, 2)
+_LOW_BITS = (2, 3)
 _SCALE_DTYPES = ("float16", "bfloat16", "float32", "model")
 _SCORERS = ("encoder", "bm25", "attention")
 
@@ -43,13 +44,16 @@ class CocktailConfig:
     Args:
         chunk_size: context tokens per chunk (C). Each chunk gets one precision; for keys the chunk is also the
             quantization group along tokens (per-channel scale/zero within the chunk).
-        alpha: ``T_low = s_min + alpha * (s_max - s_min)``; chunks with ``s <= T_low`` are INT2.
+        alpha: ``T_low = s_min + alpha * (s_max - s_min)``; chunks with ``s <= T_low`` get the low precision
+            (``low_bits``: INT2 in the paper).
         beta: ``T_high = s_max - beta * (s_max - s_min)``; chunks with ``s > T_high`` are FP16, the rest INT4.
         encoder: retrieval encoder, a Hub id or a local folder. Sentence-transformers models use their own pooling;
             plain encoders (Contriever) use mean pooling over non-padding tokens.
         group_size: values are quantized per token in groups of ``group_size`` channels (G); must divide the head dim.
-        uniform_bits: ``None`` for the Cocktail search, or 16 / 4 / 2 to force every context chunk to one precision
-            (the uniform baselines).
+        uniform_bits: ``None`` for the Cocktail search, or 16 / 4 / 3 / 2 to force every context chunk to one
+            precision (the uniform baselines).
+        low_bits: the lowest of the three precisions, given to the least relevant chunks: 2 (the paper's INT2) or 3
+            (INT3, stored as a 2-bit and a 1-bit plane; with rotation it loses ~10x less than INT2 for 1 more bit).
         backend: decode attention backend: ``"auto"`` (Triton on CUDA when installed; on CPU the fused C++ kernel of
             ``cpu_ops``, compiled on first use, or PyTorch with one warning where it cannot be built), ``"torch"``
             (the plain PyTorch reference), ``"triton"``, ``"cpu"`` (the fused CPU kernel, an error if unavailable).
@@ -62,10 +66,10 @@ class CocktailConfig:
             attention from the query's tokens to each chunk, summed over heads and layers, mean per token; needs
             ``attn_implementation="cocktail"``; quantization then waits for the first decode step).
         target_bits: budget mode (``None``: the paper's alpha/beta thresholds). Average bits per context K/V element,
-            scales and zeros included (INT2 costs ``2 + 16/C + 16/G`` bits, INT4 ``4 + 16/C + 16/G``, FP16 16 counted
-            as in an FP16 deployment). Chunks above ``T_high`` get FP16, then INT4 goes to the best-ranked remaining
-            chunks while the budget allows, the rest INT2; budget left once all are INT4 buys FP16 in rank order. Must
-            lie in ``[bits of all-INT2, 16]``.
+            scales and zeros included (INT2 costs ``2 + 16/C + 16/G`` bits, INT3 ``3 + ...``, INT4 ``4 + ...``, FP16 16
+            counted as in an FP16 deployment). Chunks above ``T_high`` get FP16, then INT4 goes to the best-ranked
+            remaining chunks while the budget allows, the rest the low precision (``low_bits``); budget left once all
+            are INT4 buys FP16 in rank order. Must lie in ``[bits of all-low, 16]``.
         sink_tokens: the first ``sink_tokens`` tokens of each prompt always stay at full precision, even inside the
             context (attention sinks).
         recent_tokens: the last ``recent_tokens`` context tokens always stay at full precision.
@@ -88,6 +92,7 @@ class CocktailConfig:
     encoder: str = DEFAULT_ENCODER
     group_size: int = 32
     uniform_bits: int | None = None
+    low_bits: int = 2
     backend: str = "auto"
     scale_dtype: str = "float16"
     encoder_batch_size: int = 64
@@ -124,7 +129,11 @@ class CocktailConfig:
         )
         _check(
             self.uniform_bits is None or (_is_int(self.uniform_bits) and self.uniform_bits in _UNIFORM_BITS),
-            f"uniform_bits must be one of None, 16, 4, 2, got {self.uniform_bits!r}",
+            f"uniform_bits must be one of None, 16, 4, 3, 2, got {self.uniform_bits!r}",
+        )
+        _check(
+            _is_int(self.low_bits) and self.low_bits in _LOW_BITS,
+            f"low_bits must be one of {_LOW_BITS}, got {self.low_bits!r}",
         )
         _check(self.backend in _BACKENDS, f"backend must be one of {_BACKENDS}, got {self.backend!r}")
         _check(self.scorer in _SCORERS, f"scorer must be one of {_SCORERS}, got {self.scorer!r}")
@@ -150,10 +159,11 @@ class CocktailConfig:
             f"keep_context_copy must be True or False, got {self.keep_context_copy!r}",
         )
         if self.target_bits is not None:
-            lo = self.packed_bits_per_element(2)
+            lo = self.packed_bits_per_element(self.low_bits)
             _check(
                 _is_real(self.target_bits) and lo <= self.target_bits <= 16,
-                f"target_bits must be None or a number in [{lo:g}, 16] (all-INT2 costs {lo:g} bits per element "
+                f"target_bits must be None or a number in [{lo:g}, 16] (all-INT{self.low_bits} costs {lo:g} bits "
+                f"per element "
                 f"with chunk_size={self.chunk_size}, group_size={self.group_size}), got {self.target_bits!r}",
             )
         _check(
@@ -193,6 +203,13 @@ class CocktailConfig:
         demo's 4.4K document, where it answers right and the paper setting does not. ``CocktailConfig()`` stays the
         paper's setting. ``overrides`` replace fields (e.g. ``encoder=``)."""
         return cls(**{**RECOMMENDED, **overrides})
+
+    @property
+    def packed_bits(self) -> tuple[int, ...]:
+        """The packed precisions a layer's store holds, in storage order: INT4 and the low precision (the uniform
+        one's with ``uniform_bits`` 3 or 2)."""
+        low = self.uniform_bits if self.uniform_bits in (2, 3) else self.low_bits
+        return (4, low)
 
     def packed_bits_per_element(self, bits: int) -> float:
         """Storage bits per K/V element of a ``bits``-bit chunk, scales and zeros included (K: 2 per C tokens per

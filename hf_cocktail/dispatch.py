@@ -45,8 +45,8 @@ def cpu_kernel_available() -> bool:
         return True
     _warn_once(
         "cpu-ops",
-        f"the fused CPU attention kernel is unavailable ({cpu_ops.unavailable_reason()}): using "
-        "the slower PyTorch path",
+        f"the fused CPU kernels (attention, quantization) are unavailable ({cpu_ops.unavailable_reason()}): "
+        "using the slower PyTorch path",
     )
     return False
 
@@ -90,11 +90,18 @@ def _warn_once(key: str, message: str) -> None:
 
 
 def quantizers(backend: str, device: torch.device) -> tuple[Callable, Callable]:
-    """``(quantize_pack_keys, quantize_pack_values)`` of the backend (same signatures as :mod:`.quant`)."""
-    if resolve_backend(backend, device) == "triton":
+    """``(quantize_pack_keys, quantize_pack_values)`` of the backend (same signatures as :mod:`.quant`, same
+    codes, scales and zeros): the Triton kernels, the fused CPU quantizers of ``cpu_ops`` (``"auto"`` on CPU where
+    the extension builds, as for attention) or the PyTorch reference."""
+    chosen = resolve_backend(backend, device)
+    if chosen == "triton":
         import triton_ops
 
         return triton_ops.quantize_pack_keys, triton_ops.quantize_pack_values
+    if chosen == "cpu":
+        import cpu_ops
+
+        return cpu_ops.quantize_pack_keys, cpu_ops.quantize_pack_values
     return quant.quantize_pack_keys, quant.quantize_pack_values
 
 
@@ -132,9 +139,29 @@ def _cpu_attention(query: torch.Tensor, store: LayerStore, scaling: float, out_d
     )
 
 
+def _kernel_bits(chosen: str) -> tuple[int, ...]:
+    """The packed bit widths the chosen kernel package reads."""
+    if chosen == "triton":
+        from triton_ops import checks
+
+        return checks.SUPPORTED_BITS
+    from cpu_ops import attention
+
+    return attention.SUPPORTED_BITS
+
+
 def split_precision_attention(query: torch.Tensor, store: LayerStore, scaling: float, backend: str) -> torch.Tensor:
-    """Decode attention of ``query (B, H_q, L_q, D)`` over ``store`` with the chosen backend; ``(B, H_q, L_q, D)``."""
+    """Decode attention of ``query (B, H_q, L_q, D)`` over ``store`` with the chosen backend; ``(B, H_q, L_q, D)``.
+    A store holding a bit width the chosen kernel does not read takes the PyTorch path (one warning)."""
     chosen = resolve_backend(backend, query.device)
+    if chosen != "torch":
+        missing = sorted({s.bits for s in store.segments} - set(_kernel_bits(chosen)))
+        if missing:
+            _warn_once(
+                f"{chosen}-bits-{missing}",
+                f"the {chosen} kernel does not read {missing}-bit segments yet: using the PyTorch implementation",
+            )
+            chosen = "torch"
     if chosen == "triton":
         return with_rotation(_triton_attention, query, store, scaling)
     if chosen == "cpu":

@@ -107,12 +107,24 @@ def _method(config: Any) -> str:
             f"This config disables the search: every context chunk of {config.chunk_size} tokens is stored at "
             f"{config.uniform_bits} bits (a uniform baseline)."
         )
+    low = f"INT{getattr(config, 'low_bits', 2)}"
+    if getattr(config, "target_bits", None) is None:
+        rule = (
+            f"with scores in [s_min, s_max], chunks with s <= s_min + {config.alpha} * (s_max - s_min) are stored "
+            f"in {low}, chunks with s > s_max - {config.beta} * (s_max - s_min) in FP16 and the rest in INT4."
+        )
+    else:
+        rule = (
+            f"a budget of {config.target_bits} bits per context element (scales included) is spent in rank order: "
+            f"FP16 for chunks with s > s_max - {config.beta} * (s_max - s_min), then INT4, the rest {low}."
+        )
+    rotation = getattr(config, "rotation", None)
+    stored = f" Keys and values are stored rotated (`{rotation}`, an orthonormal per-head transform)."
+    stored = stored if rotation else ""
     return (
         f"The context is cut into chunks of {config.chunk_size} tokens. At prefill each chunk is scored against "
-        f"the query with the retrieval encoder `{config.encoder}`; with scores in [s_min, s_max], chunks with "
-        f"s <= s_min + {config.alpha} * (s_max - s_min) are stored in INT2, chunks with "
-        f"s > s_max - {config.beta} * (s_max - s_min) in FP16 and the rest in INT4. Values are quantized per "
-        f"token in groups of {config.group_size} channels, keys per channel within each chunk."
+        f"the query with the retrieval encoder `{config.encoder}`; {rule} Values are quantized per "
+        f"token in groups of {config.group_size} channels, keys per channel within each chunk.{stored}"
     )
 
 

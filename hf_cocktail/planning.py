@@ -41,28 +41,29 @@ class SequencePlan:
     def chunk_sizes(self, chunk_size: int) -> list[int]:
         return [b - a for a, b in (self.chunk_range(i, chunk_size) for i in range(self.num_chunks))]
 
-    def build_positions(self, prefill_len: int, chunk_size: int) -> None:
-        """Positions of each part among the first ``prefill_len`` prompt tokens (later ones are appended as new
-        tokens to the full-precision part)."""
+    def build_positions(self, prefill_len: int, chunk_size: int, packed_bits: Sequence[int] = (4, 2)) -> None:
+        """Positions of each part (``"full"`` and each of ``packed_bits``) among the first ``prefill_len`` prompt
+        tokens (later ones are appended as new tokens to the full-precision part)."""
         if prefill_len < self.ctx_end:
             raise RuntimeError(
                 f"the prefill covers {prefill_len} tokens but the context ends at token "
                 f"{self.ctx_end}: the whole context must be in the prefill"
             )
-        parts: dict = {16: [], 4: [], 2: []}
+        parts: dict = {16: [], **{b: [] for b in packed_bits}}
         for i, bits in enumerate(self.bits or []):
+            if bits not in parts:
+                raise ValueError(f"chunk {i} has {bits} bits, not one of the store's precisions {(16, *packed_bits)}")
             parts[bits].extend(range(*self.chunk_range(i, chunk_size)))
         full = list(range(self.pad, self.ctx_start)) + parts[16] + list(range(self.ctx_end, prefill_len))
         self.positions = {
             "full": torch.tensor(full, dtype=torch.long),
-            4: torch.tensor(parts[4], dtype=torch.long),
-            2: torch.tensor(parts[2], dtype=torch.long),
+            **{b: torch.tensor(parts[b], dtype=torch.long) for b in packed_bits},
         }
 
-    def all_full_positions(self, prefill_len: int) -> dict:
+    def all_full_positions(self, prefill_len: int, packed_bits: Sequence[int] = (4, 2)) -> dict:
         """Positions for a layer kept entirely at full precision (``full_precision_layers``)."""
         empty = torch.zeros(0, dtype=torch.long)
-        return {"full": torch.arange(self.pad, prefill_len), 4: empty, 2: empty}
+        return {"full": torch.arange(self.pad, prefill_len), **{b: empty for b in packed_bits}}
 
 
 def token_span(offsets: torch.Tensor, mask: torch.Tensor, first: int, char_start: int, char_end: int) -> list[int]:
@@ -148,7 +149,7 @@ def chunk_texts(prompt: str, offsets: torch.Tensor, start: int, end: int, chunk_
 
 def bits_cost(packed_bits_per_element: Callable[[int], float]) -> dict[int, float]:
     """Storage bits per element of each chunk precision (FP16 counted at 16)."""
-    return {16: 16.0, 4: packed_bits_per_element(4), 2: packed_bits_per_element(2)}
+    return {16: 16.0, **{b: packed_bits_per_element(b) for b in (4, 3, 2)}}
 
 
 def plan_bits_per_element(plan: SequencePlan, chunk_size: int, cost: dict[int, float]) -> float:
@@ -158,8 +159,11 @@ def plan_bits_per_element(plan: SequencePlan, chunk_size: int, cost: dict[int, f
     return sum(cost[x] * n for x, n in zip(plan.bits or [], sizes)) / total if total else 0.0
 
 
-def check_bits_rows(bits: Sequence[Sequence[int]], plans: Sequence[SequencePlan]) -> list[list[int]]:
-    """Validate imposed precisions: one row per plan, one entry per chunk, each in ``CHUNK_BITS``."""
+def check_bits_rows(
+    bits: Sequence[Sequence[int]], plans: Sequence[SequencePlan], allowed: Sequence[int] = (16, 4, 2)
+) -> list[list[int]]:
+    """Validate imposed precisions: one row per plan, one entry per chunk, each in ``allowed`` (the store's
+    precisions, a subset of ``CHUNK_BITS``)."""
     if len(bits) != len(plans):
         raise ValueError(f"bits must have one list per sequence ({len(plans)}), got {len(bits)}")
     rows = []
@@ -167,18 +171,18 @@ def check_bits_rows(bits: Sequence[Sequence[int]], plans: Sequence[SequencePlan]
         row = [int(x) for x in row]
         if len(row) != plan.num_chunks:
             raise ValueError(f"bits[{b}] must have {plan.num_chunks} entries (one per chunk), got {len(row)}")
-        bad = sorted({x for x in row if x not in CHUNK_BITS})
+        bad = sorted({x for x in row if x not in allowed or x not in CHUNK_BITS})
         if bad:
-            raise ValueError(f"bits[{b}] values must be 16, 4 or 2, got {bad}")
+            raise ValueError(f"bits[{b}] values must be one of {tuple(allowed)}, got {bad}")
         rows.append(row)
     return rows
 
 
-def assign_precisions(scores: torch.Tensor, alpha: float, beta: float) -> list[int]:
+def assign_precisions(scores: torch.Tensor, alpha: float, beta: float, low_bits: int = 2) -> list[int]:
     """The paper's thresholds: ``T_low = s_min + alpha*(s_max-s_min)``, ``T_high = s_max - beta*(s_max-s_min)``;
-    ``s > T_high`` -> 16, ``T_low < s <= T_high`` -> 4, else 2.
+    ``s > T_high`` -> 16, ``T_low < s <= T_high`` -> 4, else ``low_bits`` (2 in the paper).
 
-    When every score is equal the range is 0 and, as the formula says, every chunk is INT2.
+    When every score is equal the range is 0 and, as the formula says, every chunk gets ``low_bits``.
     """
     if scores.numel() == 0:
         return []
@@ -186,25 +190,30 @@ def assign_precisions(scores: torch.Tensor, alpha: float, beta: float) -> list[i
     smin, smax = s.min(), s.max()
     t_low = smin + alpha * (smax - smin)
     t_high = smax - beta * (smax - smin)
-    bits = torch.full_like(s, 2, dtype=torch.long)
+    bits = torch.full_like(s, low_bits, dtype=torch.long)
     bits[(s > t_low) & (s <= t_high)] = 4
     bits[s > t_high] = 16
     return bits.tolist()
 
 
 def assign_budget(
-    scores: torch.Tensor, sizes: Sequence[int], target_bits: float, beta: float, bits_cost: dict[int, float]
+    scores: torch.Tensor,
+    sizes: Sequence[int],
+    target_bits: float,
+    beta: float,
+    bits_cost: dict[int, float],
+    low_bits: int = 2,
 ) -> list[int]:
     """Budget mode: meet an average of ``target_bits`` per context element as closely as possible from below.
 
     Chunks with ``s > T_high`` (``T_high = s_max - beta*(s_max-s_min)``) get FP16 in rank order while affordable; then
-    INT4 goes to the best-ranked remaining chunks while affordable, the rest stay INT2; budget still left once
-    every chunk is INT4 promotes the best-ranked INT4 chunks to FP16.
+    INT4 goes to the best-ranked remaining chunks while affordable, the rest stay at ``low_bits`` (INT2 or INT3);
+    budget still left once every chunk is INT4 promotes the best-ranked INT4 chunks to FP16.
 
     Args:
         scores: ``(n,)`` chunk scores.
         sizes: tokens per chunk (the last chunk may be partial).
-        bits_cost: storage bits per element of each precision, e.g. ``{16: 16, 4: 5, 2: 3}``.
+        bits_cost: storage bits per element of each precision, e.g. ``{16: 16, 4: 5, 3: 4, 2: 3}``.
     """
     n = scores.numel()
     if n == 0:
@@ -212,16 +221,17 @@ def assign_budget(
     s = scores if scores.is_floating_point() else scores.double()
     order = torch.argsort(s, descending=True, stable=True).tolist()
     t_high = s.max() - beta * (s.max() - s.min())
-    bits = [2] * n
-    left = target_bits * sum(sizes) - bits_cost[2] * sum(sizes) + 1e-9
+    low = low_bits
+    bits = [low] * n
+    left = target_bits * sum(sizes) - bits_cost[low] * sum(sizes) + 1e-9
     for i in order:
-        if s[i] > t_high and (bits_cost[16] - bits_cost[2]) * sizes[i] <= left:
+        if s[i] > t_high and (bits_cost[16] - bits_cost[low]) * sizes[i] <= left:
             bits[i] = 16
-            left -= (bits_cost[16] - bits_cost[2]) * sizes[i]
+            left -= (bits_cost[16] - bits_cost[low]) * sizes[i]
     for i in order:
-        if bits[i] == 2 and (bits_cost[4] - bits_cost[2]) * sizes[i] <= left:
+        if bits[i] == low and (bits_cost[4] - bits_cost[low]) * sizes[i] <= left:
             bits[i] = 4
-            left -= (bits_cost[4] - bits_cost[2]) * sizes[i]
+            left -= (bits_cost[4] - bits_cost[low]) * sizes[i]
     for i in order:  # budget left once everything is INT4: promote the best-ranked chunks to FP16
         if bits[i] == 4 and (bits_cost[16] - bits_cost[4]) * sizes[i] <= left:
             bits[i] = 16

@@ -2,8 +2,11 @@
 
 Storage format of one precision segment (INT4 or INT2) of one layer, tokens of one or more sequences laid end to end:
 
-* codes: ``uint8`` of shape ``(H_kv, N, D * bits // 8)``. Channel ``d`` of a token is stored in byte ``d // per``
-  (``per = 8 // bits``) at bit offset ``(d % per) * bits`` (little end first).
+* codes: ``uint8`` of shape ``(H_kv, N, D * bits // 8)``. INT4 / INT2: channel ``d`` of a token is stored in byte
+  ``d // per`` (``per = 8 // bits``) at bit offset ``(d % per) * bits`` (little end first). INT3 is stored as two bit
+  planes: the low two bits of every channel packed exactly as INT2 (``D // 4`` bytes), then the high bit of every
+  channel, 8 channels per byte (channel ``d`` in byte ``D // 4 + d // 8`` at bit ``d % 8``): ``D * 3 // 8`` bytes,
+  ``D`` a multiple of 8.
 * keys are quantized **per channel within a chunk**: the chunk of C tokens is the group along tokens, so key scales
   and zeros have shape ``(H_kv, M, D)`` with ``M = ceil(N / C)`` chunks. A segment may end with one partial chunk.
 * values are quantized **per token** in groups of G channels: scales and zeros have shape ``(H_kv, N, D // G)``.
@@ -19,42 +22,65 @@ from __future__ import annotations
 
 import torch
 
-SUPPORTED_BITS = (2, 4)  # packed code widths
-PACKED_BITS = (4, 2)  # the packed segments of a layer, in storage order
+SUPPORTED_BITS = (2, 3, 4)  # packed code widths
+LOW_BITS = (2, 3)  # the choices for Cocktail's lowest precision (CocktailConfig.low_bits)
+PACKED_BITS = (4, 2)  # the packed segments of a layer with the default low precision, in storage order
 FULL_BITS = 16  # a chunk kept at full precision
-CHUNK_BITS = (FULL_BITS, *PACKED_BITS)  # every precision a context chunk can get
+CHUNK_BITS = (FULL_BITS, 4, 3, 2)  # every precision a context chunk can get
 
 
-def _check_bits(bits: int) -> int:
+def _check_bits(bits: int) -> None:
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
-    return 8 // bits
+
+
+def channel_multiple(bits: int) -> int:
+    """The head dim must be a multiple of this to pack ``bits``-bit codes into whole bytes."""
+    return 8 if bits == 3 else 8 // bits
 
 
 def _check_head_dim(D: int, bits: int, group_size: int | None = None) -> None:
-    per = 8 // bits
+    per = channel_multiple(bits)
     if D % per:
         raise ValueError(f"head dim D={D} must be a multiple of {per} to pack {bits}-bit codes into bytes")
     if group_size is not None and D % group_size:
         raise ValueError(f"group_size={group_size} must divide the head dim D={D}")
 
 
-def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack integer codes in ``[0, 2**bits)`` along the last dim: ``(..., D)`` -> ``uint8 (..., D * bits // 8)``."""
-    per = _check_bits(bits)
-    D = codes.shape[-1]
-    _check_head_dim(D, bits)
-    c = codes.to(torch.int32).reshape(*codes.shape[:-1], D // per, per)
+def _pack_plane(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """``bits`` in 1, 2, 4 (``8 // bits`` codes per byte, low bits first): ``(..., D)`` -> ``uint8 (..., D*bits//8)``"""
+    per = 8 // bits
+    c = codes.to(torch.int32).reshape(*codes.shape[:-1], codes.shape[-1] // per, per)
     shifts = torch.arange(per, device=codes.device, dtype=torch.int32) * bits
     return (c << shifts).sum(-1).to(torch.uint8)
 
 
-def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`pack_codes`: ``uint8 (..., Dp)`` -> ``uint8 (..., Dp * 8 // bits)``."""
-    per = _check_bits(bits)
+def _unpack_plane(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    per = 8 // bits
     shifts = torch.arange(per, device=packed.device, dtype=torch.uint8) * bits
     c = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
     return c.reshape(*packed.shape[:-1], packed.shape[-1] * per)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack integer codes in ``[0, 2**bits)`` along the last dim: ``(..., D)`` -> ``uint8 (..., D * bits // 8)``
+    (the layout in the module docstring; INT3 as a 2-bit plane then a 1-bit plane)."""
+    _check_bits(bits)
+    D = codes.shape[-1]
+    _check_head_dim(D, bits)
+    if bits == 3:
+        c = codes.to(torch.int32)
+        return torch.cat([_pack_plane(c & 3, 2), _pack_plane(c >> 2, 1)], dim=-1)
+    return _pack_plane(codes, bits)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: ``uint8 (..., Dp)`` -> ``uint8 (..., Dp * 8 // bits)``."""
+    _check_bits(bits)
+    if bits == 3:
+        D = packed.shape[-1] * 8 // 3
+        return _unpack_plane(packed[..., : D // 4], 2) | (_unpack_plane(packed[..., D // 4 :], 1) << 2)
+    return _unpack_plane(packed, bits)
 
 
 def _quantize_groups(x: torch.Tensor, dim: int, bits: int, scale_dtype: torch.dtype):
@@ -88,7 +114,7 @@ def quantize_pack_keys(k: torch.Tensor, bits: int, chunk_size: int, scale_dtype:
 
     Args:
         k: ``(H_kv, N, D)`` keys of chunk-ordered tokens (chunks of ``chunk_size`` tokens; the last may be partial).
-        bits: 4 or 2.
+        bits: 4, 3 or 2.
         chunk_size: C, the group size along tokens.
         scale_dtype: dtype of scales/zeros (default: ``k.dtype``).
 

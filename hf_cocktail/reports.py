@@ -39,9 +39,11 @@ def memory_report(
     rep["fp16_equivalent_bytes"] = fp16_equiv
     fp16_total = rep["codes_bytes"] + rep["scales_zeros_bytes"] + 2 * full_elements + native_fp16_bytes
     rep["ratio_to_fp16"] = fp16_total / fp16_equiv if fp16_equiv else float("nan")
-    counts = {16: 0, 4: 0, 2: 0}
+    counts = {16: 0, 4: 0, 3: 0, 2: 0}
     for bits in plan_bits:
         for b in bits or []:
             counts[b] += 1
     rep["chunks"] = {"fp16": counts[16], "int4": counts[4], "int2": counts[2]}
+    if counts[3]:  # low_bits=3 (INT3 chunks) only: the usual report keeps its three keys
+        rep["chunks"]["int3"] = counts[3]
     return rep

@@ -12,16 +12,18 @@ from .scoring import TextEncoder, bm25_scores, get_encoder, score_chunks
 
 
 def search_plan(plan: SequencePlan, cfg: CocktailConfig, encoder: TextEncoder | None = None) -> None:
-    """Set ``plan.scores`` (None with ``uniform_bits``) and ``plan.bits`` (one of 16/4/2 per chunk)."""
+    """Set ``plan.scores`` (None with ``uniform_bits``) and ``plan.bits`` (16, 4 or ``cfg.low_bits`` per chunk)."""
     if cfg.uniform_bits is not None:
         plan.scores, plan.bits = None, [cfg.uniform_bits] * plan.num_chunks
         return
     scores = chunk_scores(plan, cfg, encoder)
     if cfg.target_bits is None:
-        bits = planning.promote_neighbors(planning.assign_precisions(scores, cfg.alpha, cfg.beta), cfg.neighbors)
+        bits = planning.assign_precisions(scores, cfg.alpha, cfg.beta, cfg.low_bits)
+        bits = planning.promote_neighbors(bits, cfg.neighbors)
     else:
         cost = planning.bits_cost(cfg.packed_bits_per_element)
-        bits = planning.assign_budget(scores, plan.chunk_sizes(cfg.chunk_size), cfg.target_bits, cfg.beta, cost)
+        sizes = plan.chunk_sizes(cfg.chunk_size)
+        bits = planning.assign_budget(scores, sizes, cfg.target_bits, cfg.beta, cost, cfg.low_bits)
     plan.scores, plan.bits = scores.tolist(), bits
 
 

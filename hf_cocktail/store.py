@@ -1,11 +1,11 @@
-"""Per-layer storage of a Cocktail cache: a full-precision part plus packed INT4 and INT2 segments.
+"""Per-layer storage of a Cocktail cache: a full-precision part plus packed segments (INT4 and INT2, or INT4 and INT3).
 
 Shapes: B batch, H_kv key/value heads, D head dim, C chunk size, G value group size.
 
 * :class:`FullPart` holds every token kept at the model's precision (FP16 context chunks, the template and question
   tokens, generated tokens) as ``(B, H_kv, R, D)``, right-aligned: sequence ``b`` owns ``[start[b], R)``. Left
   padding is never stored as a valid token.
-* :class:`PackedSegment` holds the chunks of one precision (4 or 2 bits) of all sequences laid end to end along the
+* :class:`PackedSegment` holds the chunks of one precision (4, 3 or 2 bits) of all sequences laid end to end along the
   token axis: sequence ``b`` owns tokens ``[tok_off[b], tok_off[b+1])`` and chunks ``[chunk_off[b], chunk_off[b+1])``;
   within a sequence the chunks keep their original order and only the last one may be partial.
 """
@@ -123,7 +123,7 @@ class PackedSegment:
         """Quantize and pack per-sequence chunk-ordered segments ``ks[b], vs[b]: (H_kv, N_b, D)``.
 
         ``quantize_keys`` / ``quantize_values`` default to the PyTorch reference in :mod:`hf_cocktail.quant`; the
-        Triton launchers have the same signatures.
+        Triton launchers and the fused CPU quantizers (``cpu_ops``) have the same signatures.
         """
         qk = quantize_keys or quant.quantize_pack_keys
         qv = quantize_values or quant.quantize_pack_values
@@ -216,7 +216,7 @@ class LayerStore:
     """Everything one layer holds after prefill: the full-precision part and the INT4 / INT2 segments."""
 
     full: FullPart
-    segments: list[PackedSegment]  # INT4 then INT2; a segment may hold 0 tokens
+    segments: list[PackedSegment]  # INT4 then the low precision; a segment may hold 0 tokens
     rotation: Rotation | None = None  # everything stored (full part included) is rotated by it
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -247,19 +247,20 @@ class LayerStore:
         if rotation is not None:
             k, v = rotation.rotate_keys(k), rotation.rotate_values(v)
         fulls_k, fulls_v = [], []
-        segs: dict[int, tuple[list, list]] = {bits: ([], []) for bits in quant.PACKED_BITS}
+        packed_bits = [p for p in positions[0] if p != "full"] if positions else list(quant.PACKED_BITS)
+        segs: dict[int, tuple[list, list]] = {bits: ([], []) for bits in packed_bits}
         for b, pos in enumerate(positions):
             pos = {p: t.to(k.device) for p, t in pos.items()}
             fulls_k.append(k[b].index_select(1, pos["full"]))
             fulls_v.append(v[b].index_select(1, pos["full"]))
-            for bits in quant.PACKED_BITS:
+            for bits in packed_bits:
                 segs[bits][0].append(k[b].index_select(1, pos[bits]))
                 segs[bits][1].append(v[b].index_select(1, pos[bits]))
         packed = [
             PackedSegment.from_sequences(
                 *segs[bits], bits, chunk_size, group_size, scale_dtype, quantize_keys, quantize_values
             )
-            for bits in quant.PACKED_BITS
+            for bits in packed_bits
         ]
         return cls(FullPart.from_sequences(fulls_k, fulls_v), packed, rotation)
 

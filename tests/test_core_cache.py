@@ -118,7 +118,16 @@ def test_uniform16_equals_dynamic_cache_sdpa(tiny_tokenizer, kv_heads):
     assert cache.precision_map() == [[16] * cache.plans[0].num_chunks]
 
 
-@pytest.mark.parametrize("config", [cfg(uniform_bits=2), cfg(uniform_bits=4), cfg(alpha=0.3, beta=0.2)])
+@pytest.mark.parametrize(
+    "config",
+    [
+        cfg(uniform_bits=2),
+        cfg(uniform_bits=3),
+        cfg(uniform_bits=4),
+        cfg(alpha=0.3, beta=0.2),
+        cfg(alpha=0.3, beta=0.2, low_bits=3),
+    ],
+)
 def test_split_precision_decode_equals_attention_over_dequantized_cache(tiny_tokenizer, config):
     """attn 'cocktail' reads packed codes per segment; attn 'sdpa' on the same cache dequantizes everything and
     runs plain SDPA in the original token order: both must agree."""

@@ -53,7 +53,7 @@ def test_config_from_dict_errors():
 
 
 # ----------------------------------------------------------------------------- quantizer
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4])
 def test_pack_unpack_round_trip_exact(bits):
     g = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 1 << bits, (3, 7, 64), generator=g, dtype=torch.uint8)
@@ -68,6 +68,17 @@ def test_pack_layout_is_little_end_first():
     assert quant.pack_codes(torch.tensor([[5, 12]], dtype=torch.uint8), 4).tolist() == [[5 | (12 << 4)]]
 
 
+def test_int3_layout_is_a_two_bit_plane_then_a_one_bit_plane():
+    codes = torch.tensor([[7, 0, 5, 2, 1, 6, 3, 4]], dtype=torch.uint8)  # D = 8
+    packed = quant.pack_codes(codes, 3).tolist()[0]
+    low = [c & 3 for c in codes[0].tolist()]
+    high = [c >> 2 for c in codes[0].tolist()]
+    assert packed[:2] == [sum(c << (2 * i) for i, c in enumerate(low[j : j + 4])) for j in (0, 4)]
+    assert packed[2] == sum(h << i for i, h in enumerate(high))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        quant.pack_codes(torch.zeros(1, 4, dtype=torch.uint8), 3)
+
+
 def _step_bound(x_groups_min, x_groups_max, bits, dtype):
     # half a quantization step, plus the rounding of scale/zero to their storage dtype
     step = (x_groups_max - x_groups_min) / ((1 << bits) - 1)
@@ -75,7 +86,7 @@ def _step_bound(x_groups_min, x_groups_max, bits, dtype):
     return step / 2 + eps * (x_groups_max.abs() + x_groups_min.abs()) * (1 << bits)
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("N", [64, 45, 1])
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
 def test_keys_error_within_half_step_per_group(bits, N, scale_dtype):
@@ -91,7 +102,7 @@ def test_keys_error_within_half_step_per_group(bits, N, scale_dtype):
         assert ((deq[:, m * C : (m + 1) * C] - grp).abs() <= bound + 1e-6).all()
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4])
 def test_values_error_within_half_step_per_group(bits):
     G = 16
     v = torch.randn(3, 10, 64, generator=torch.Generator().manual_seed(1))
@@ -101,7 +112,7 @@ def test_values_error_within_half_step_per_group(bits):
     g = v.reshape(3, 10, 4, G)
     bound = _step_bound(g.amin(-1, keepdim=True), g.amax(-1, keepdim=True), bits, torch.float16)
     assert ((deq.reshape(3, 10, 4, G) - g).abs() <= bound + 1e-6).all()
-    # the error is not trivially zero: 2/4-bit codes really lose information
+    # the error is not trivially zero: 2/3/4-bit codes really lose information
     assert (deq - v).abs().max() > 1e-3
 
 
@@ -113,7 +124,7 @@ def test_constant_group_is_exact():
 
 def test_quantizer_errors():
     with pytest.raises(ValueError, match="bits must be one of"):
-        quant.quantize_pack_keys(torch.zeros(1, 4, 8), 3, 4)
+        quant.quantize_pack_keys(torch.zeros(1, 4, 8), 5, 4)
     with pytest.raises(ValueError, match="group_size=24 must divide"):
         quant.quantize_pack_values(torch.zeros(1, 4, 64), 2, 24)
     with pytest.raises(ValueError, match="NaN or inf"):
@@ -128,6 +139,7 @@ def test_thresholds_follow_the_paper_formula():
     # T_low = 0.6, T_high = 0.9: > 0.9 -> 16; (0.6, 0.9] -> 4; <= 0.6 -> 2
     assert assign_precisions(s, 0.6, 0.1) == [2, 2, 2, 4, 4, 16, 16]
     assert assign_precisions(s, 0.0, 0.0) == [2, 4, 4, 4, 4, 4, 4]
+    assert assign_precisions(s, 0.6, 0.1, low_bits=3) == [3, 3, 3, 4, 4, 16, 16]
 
 
 def test_all_equal_scores_give_all_int2_as_the_formula_says():

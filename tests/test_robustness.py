@@ -438,3 +438,37 @@ def test_a_dropped_cache_is_freed_without_the_garbage_collector(tiny_llama, tiny
         assert ref() is None  # no reference cycle: freed by reference counting alone
     finally:
         gc.enable()
+
+
+# ----------------------------------------------------------------------------- the low precision (INT2 or INT3)
+def test_low_bits_is_validated_and_sets_the_stores_precisions():
+    with pytest.raises(ValueError, match=r"low_bits must be one of \(2, 3\), got 4"):
+        CocktailConfig(low_bits=4)
+    assert CocktailConfig().packed_bits == (4, 2)
+    assert CocktailConfig(low_bits=3).packed_bits == (4, 3)
+    assert CocktailConfig(uniform_bits=3).packed_bits == (4, 3)  # a uniform INT3 baseline needs the INT3 segment
+    # the budget's floor is the all-low cost: INT3 = 3 + 16/32 + 16/32 = 4 bits
+    with pytest.raises(ValueError, match=r"target_bits must be None or a number in \[4, 16\] \(all-INT3 costs 4"):
+        CocktailConfig(low_bits=3, target_bits=3.5)
+
+
+def test_set_precisions_accepts_only_the_configured_low_precision(tiny_tokenizer):
+    prompt, ctx, q = make_prompt(40)
+    for low, bad in ((2, 3), (3, 2)):
+        cache = CocktailCache(cfg(low_bits=low), encoder=FakeEncoder())
+        cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q)
+        n = cache.plans[0].num_chunks
+        with pytest.raises(ValueError, match=rf"values must be one of \(16, 4, {low}\), got \[{bad}\]"):
+            cache.set_precisions([[bad] * n])
+        cache.set_precisions([[low] * n])
+
+
+def test_budget_mode_with_int3_spends_the_budget_on_int4_above_int3(tiny_llama, tiny_tokenizer):
+    prompt, ctx, q = make_prompt(200, needle_at=100)
+    # C=8, G=16: INT3 costs 3 + 2 + 1 = 6 bits, INT4 7
+    _, cache, _ = run(tiny_llama, tiny_tokenizer, prompt, ctx, q, cfg(target_bits=6.5, low_bits=3))
+    bits = cache.precision_map()[0]
+    assert set(bits) <= {16, 4, 3} and 3 in bits and 4 in bits
+    assert cache.plan_bits_per_element()[0] <= 6.5 + 1e-9
+    seg_bits = [s.bits for s in cache.layers[0].store.segments]
+    assert seg_bits == [4, 3]

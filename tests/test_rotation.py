@@ -45,7 +45,7 @@ def _outlier_kv(B, H, T, D, seed):
 
 
 @pytest.mark.parametrize("kind", [k for k in ROTATIONS if k])
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4])
 def test_split_attention_over_rotated_store_equals_sdpa_over_dequantized_unrotated(kind, bits):
     B, H, T, D, C, G = 2, 2, 70, 32, 8, 16
     k, v = _outlier_kv(B, H, T, D, 0), _outlier_kv(B, H, T, D, 1)
@@ -54,7 +54,7 @@ def test_split_attention_over_rotated_store_equals_sdpa_over_dequantized_unrotat
         {
             "full": torch.arange(T - n_full, T),
             bits: torch.arange(0, T - n_full),
-            6 - bits: torch.zeros(0, dtype=torch.long),
+            (2 if bits == 4 else 4): torch.zeros(0, dtype=torch.long),
         }
         for _ in range(B)
     ]
@@ -89,19 +89,19 @@ def test_rotated_store_keeps_rotation_through_append_and_select():
     assert store.select([1, 0]).rotation is store.rotation
 
 
-@pytest.mark.parametrize("rotation", [k for k in ROTATIONS if k])
-def test_generate_with_rotation_split_equals_dequantized_sdpa(tiny_tokenizer, rotation):
+@pytest.mark.parametrize("rotation, low_bits", [(k, 2) for k in ROTATIONS if k] + [("hadamard", 3)])
+def test_generate_with_rotation_split_equals_dequantized_sdpa(tiny_tokenizer, rotation, low_bits):
     """attn 'cocktail' (rotated query, packed rotated segments, output rotated back) == attn 'sdpa' over the
-    dequantized, un-rotated cache, for a search that picks FP16, INT4 and INT2 chunks."""
+    dequantized, un-rotated cache, for a search that picks FP16, INT4 and INT2 (or INT3) chunks."""
     prompt, ctx, q = make_prompt(120, needle_at=60)
     outs = {}
     for attn in ("cocktail", "sdpa"):
         model = make_tiny_llama(attn=attn, head_dim=32)
-        cfg = CocktailConfig(chunk_size=8, group_size=16, alpha=0.3, beta=0.3, rotation=rotation)
+        cfg = CocktailConfig(chunk_size=8, group_size=16, alpha=0.3, beta=0.3, rotation=rotation, low_bits=low_bits)
         cache = CocktailCache(cfg, encoder=FakeEncoder())
         inputs = cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q)
         outs[attn] = model.generate(**inputs, **cache_kwargs(model, cache), **GEN)
-        assert {16, 4, 2} == set(cache.precision_map()[0])
+        assert {16, 4, low_bits} == set(cache.precision_map()[0])
     assert torch.equal(outs["cocktail"].sequences, outs["sdpa"].sequences)
     torch.testing.assert_close(
         torch.stack(outs["cocktail"].logits), torch.stack(outs["sdpa"].logits), atol=1e-4, rtol=1e-4

@@ -45,7 +45,10 @@ class Branch:
 
 
 def precision_counts(bits: list[int]) -> dict[str, int]:
-    return {"fp16": sum(b == 16 for b in bits), "int4": sum(b == 4 for b in bits), "int2": sum(b == 2 for b in bits)}
+    counts = {"fp16": sum(b == 16 for b in bits), "int4": sum(b == 4 for b in bits), "int2": sum(b == 2 for b in bits)}
+    if any(b == 3 for b in bits):
+        counts["int3"] = sum(b == 3 for b in bits)
+    return counts
 
 
 def branch(
