@@ -97,12 +97,24 @@ def quantizers(backend: str, device: torch.device) -> tuple[Callable, Callable]:
     if chosen == "triton":
         import triton_ops
 
-        return triton_ops.quantize_pack_keys, triton_ops.quantize_pack_values
-    if chosen == "cpu":
+        fast = triton_ops.quantize_pack_keys, triton_ops.quantize_pack_values
+    elif chosen == "cpu":
         import cpu_ops
 
-        return cpu_ops.quantize_pack_keys, cpu_ops.quantize_pack_values
-    return quant.quantize_pack_keys, quant.quantize_pack_values
+        fast = cpu_ops.quantize_pack_keys, cpu_ops.quantize_pack_values
+    else:
+        return quant.quantize_pack_keys, quant.quantize_pack_values
+    reference = quant.quantize_pack_keys, quant.quantize_pack_values
+    return _by_bits(fast[0], reference[0], chosen), _by_bits(fast[1], reference[1], chosen)
+
+
+def _by_bits(fast: Callable, reference: Callable, chosen: str) -> Callable:
+    """``fast`` for the bit widths its kernel package quantizes, ``reference`` for the others (same signature)."""
+
+    def quantize(x: torch.Tensor, bits: int, *args, **kwargs):
+        return (fast if bits in _kernel_bits(chosen, "quantize") else reference)(x, bits, *args, **kwargs)
+
+    return quantize
 
 
 def _triton_attention(query: torch.Tensor, store: LayerStore, scaling: float, out_dtype: torch.dtype) -> torch.Tensor:
@@ -139,15 +151,15 @@ def _cpu_attention(query: torch.Tensor, store: LayerStore, scaling: float, out_d
     )
 
 
-def _kernel_bits(chosen: str) -> tuple[int, ...]:
-    """The packed bit widths the chosen kernel package reads."""
+def _kernel_bits(chosen: str, op: str = "attention") -> tuple[int, ...]:
+    """The packed bit widths the chosen kernel package reads (``op="attention"``) or writes (``"quantize"``)."""
     if chosen == "triton":
         from triton_ops import checks
 
         return checks.SUPPORTED_BITS
-    from cpu_ops import attention
+    import cpu_ops
 
-    return attention.SUPPORTED_BITS
+    return getattr(cpu_ops, op).SUPPORTED_BITS
 
 
 def split_precision_attention(query: torch.Tensor, store: LayerStore, scaling: float, backend: str) -> torch.Tensor:
