@@ -79,7 +79,7 @@ def assert_same_quantization(x, bits, group, scale_dtype, keys):
         assert torch.equal(a, b), f"{name} differ at {int((a != b).sum())} of {a.numel()} entries"
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("scale_dtype", [None, torch.float16, torch.bfloat16, torch.float32])
 def test_quantize_pack_bit_exact(bits, dtype, scale_dtype):
@@ -92,7 +92,7 @@ def test_quantize_pack_bit_exact(bits, dtype, scale_dtype):
 
 
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4])
 def test_quantize_rounding_ties_and_constant_groups(scale_dtype, bits):
     """Scales and zeros exactly halfway between two storage values (must round to even), small integers (exact
     code ties) and constant groups (scale 0 -> code 0)."""
@@ -113,13 +113,13 @@ def test_quantize_rounding_ties_and_constant_groups(scale_dtype, bits):
 
 def test_quantize_empty_segment():
     x = torch.zeros(2, 0, 64, device=DEV)
-    for bits in (2, 4):
+    for bits in (2, 3, 4):
         assert_same_quantization(x, bits, 32, torch.float16, keys=True)
         assert_same_quantization(x, bits, 32, torch.float16, keys=False)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the interpreter's fp16 cast
-@pytest.mark.parametrize("case", ["nan", "inf", "overflow", "bits", "head_dim", "group"])
+@pytest.mark.parametrize("case", ["nan", "inf", "overflow", "bits", "head_dim", "head_dim_int3", "group"])
 def test_quantize_errors_match_reference(case):
     x = torch.randn(1, 9, 64)
     bits, group, keys, sd = 2, 16, True, torch.float16
@@ -130,9 +130,11 @@ def test_quantize_errors_match_reference(case):
     elif case == "overflow":
         x[0, 3, 5] = 1e6  # scale (1e6 - min) / 3 overflows fp16
     elif case == "bits":
-        bits = 3
+        bits = 5
     elif case == "head_dim":
         x = torch.randn(1, 9, 66)  # 66 is not a multiple of 4 (2-bit codes per byte)
+    elif case == "head_dim_int3":
+        x, bits = torch.randn(1, 9, 68), 3  # 68 is a multiple of 4 but not of 8 (INT3's 1-bit plane)
     else:
         group, keys = 24, False  # does not divide 64
     fns = (
@@ -154,15 +156,16 @@ def test_quantize_errors_match_reference(case):
 def test_quantize_pack_bit_exact_gpu(dtype):
     g = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(8, 4096 + 17, 128, generator=g, device="cuda") * 3).to(dtype)
-    for bits in (2, 4):
+    for bits in (2, 3, 4):
         for scale_dtype in (torch.float16, torch.bfloat16, torch.float32):
             assert_same_quantization(x, bits, 32, scale_dtype, keys=True)
             assert_same_quantization(x, bits, 32, scale_dtype, keys=False)
 
 
 # ----------------------------------------------------------------------------- split-precision attention
-def make_store(full, int4, int2, H_kv, D, C, G, dtype=torch.float32, scale_dtype=torch.float16, seed=0):
-    """A LayerStore of ``len(full)`` sequences with the given per-sequence token counts, on DEV."""
+def make_store(full, packed, H_kv, D, C, G, dtype=torch.float32, scale_dtype=torch.float16, seed=0):
+    """A LayerStore of ``len(full)`` sequences with the given per-sequence token counts, on DEV: ``full`` for the
+    full-precision part, ``packed`` maps each packed segment's bit width to its counts (in storage order)."""
     g = torch.Generator().manual_seed(seed)
     rnd = lambda n: torch.randn(H_kv, n, D, generator=g).to(DEV)  # noqa: E731
     fp = FullPart.from_sequences([rnd(n).to(dtype) for n in full], [rnd(n).to(dtype) for n in full])
@@ -177,7 +180,7 @@ def make_store(full, int4, int2, H_kv, D, C, G, dtype=torch.float32, scale_dtype
             triton_ops.quantize_pack_keys,
             triton_ops.quantize_pack_values,
         )
-        for bits, ns in ((4, int4), (2, int2))
+        for bits, ns in packed.items()
     ]
     return LayerStore(fp, segs)
 
@@ -239,19 +242,25 @@ def check_attention(query, store, scaling, low, **kw):
 
 
 ATTN_CASES = {
-    # name: (full, int4, int2 token counts per sequence), H_kv, n_rep, D, L_q, C, G, tokens_per_split
-    "mha_ragged": (([7], [13], [21]), 2, 1, 64, 1, 8, 32, None),
-    "gqa3_batch3_empty_segments_Lq2": (([5, 9, 3], [0, 17, 8], [20, 0, 11]), 1, 3, 64, 2, 8, 16, 8),
-    "gqa4_batch3_d128": (([6, 1, 3], [19, 33, 0], [50, 7, 0]), 2, 4, 128, 1, 16, 32, None),
-    "gqa4_d128_Lq2_full_only": (([6, 4], [0, 0], [0, 0]), 2, 4, 128, 2, 16, 32, None),
-    "gqa4_d64_many_splits": (([4, 12], [30, 2], [9, 41]), 1, 4, 64, 1, 8, 32, 5),
+    # name: (full token counts per sequence, {bits: packed token counts per sequence}), H_kv, n_rep, D, L_q, C, G,
+    # tokens_per_split
+    "mha_ragged": (([7], {4: [13], 2: [21]}), 2, 1, 64, 1, 8, 32, None),
+    "gqa3_batch3_empty_segments_Lq2": (([5, 9, 3], {4: [0, 17, 8], 2: [20, 0, 11]}), 1, 3, 64, 2, 8, 16, 8),
+    "gqa4_batch3_d128": (([6, 1, 3], {4: [19, 33, 0], 2: [50, 7, 0]}), 2, 4, 128, 1, 16, 32, None),
+    "gqa4_d128_Lq2_full_only": (([6, 4], {4: [0, 0], 2: [0, 0]}), 2, 4, 128, 2, 16, 32, None),
+    "gqa4_d64_many_splits": (([4, 12], {4: [30, 2], 2: [9, 41]}), 1, 4, 64, 1, 8, 32, 5),
+    # INT3 (low_bits=3): after INT4, alone (uniform_bits=3), ragged with empty and split segments, head dim 128
+    "int4_int3_mha": (([7], {4: [13], 3: [21]}), 2, 1, 64, 1, 8, 32, None),
+    "int3_only_gqa2_batch2_Lq2": (([5, 3], {3: [17, 26]}), 1, 2, 64, 2, 8, 16, None),
+    "int4_int3_gqa4_batch3_d128": (([6, 1, 3], {4: [19, 0, 8], 3: [0, 30, 11]}), 2, 4, 128, 1, 16, 32, 8),
 }
 
 
 @pytest.mark.parametrize("name", list(ATTN_CASES))
 def test_split_attention_matches_reference(name):
-    (full, int4, int2), H_kv, n_rep, D, Lq, C, G, tps = ATTN_CASES[name]
-    store = make_store(full, int4, int2, H_kv, D, C, G, scale_dtype=torch.bfloat16 if n_rep == 3 else torch.float16)
+    (full, packed), H_kv, n_rep, D, Lq, C, G, tps = ATTN_CASES[name]
+    store = make_store(full, packed, H_kv, D, C, G, scale_dtype=torch.bfloat16 if n_rep == 3 else torch.float16)
+    assert [seg.bits for seg in store.segments] == list(packed)
     g = torch.Generator().manual_seed(1)
     query = (torch.randn(len(full), H_kv * n_rep, Lq, D, generator=g) * 2).to(DEV)
     scaling = D**-0.5
@@ -260,7 +269,7 @@ def test_split_attention_matches_reference(name):
 
 def test_split_attention_other_head_dim_falls_back(monkeypatch):
     monkeypatch.setattr(dispatch, "_warned", set())
-    store = make_store([4], [9], [5], 2, 32, 8, 16)
+    store = make_store([4], {4: [9], 2: [5]}, 2, 32, 8, 16)
     query = torch.randn(1, 4, 1, 32).to(DEV)
     with pytest.warns(RuntimeWarning, match="head dims"):
         out = dispatch.split_precision_attention(query, store, 0.2, "triton")
@@ -270,21 +279,33 @@ def test_split_attention_other_head_dim_falls_back(monkeypatch):
 
 
 def test_split_attention_rejects_bad_gqa():
-    store = make_store([4], [3], [3], 2, 64, 8, 32)
+    store = make_store([4], {4: [3], 2: [3]}, 2, 64, 8, 32)
     with pytest.raises(ValueError, match="multiple of key/value heads"):
         triton_attention(torch.randn(1, 3, 1, 64).to(DEV), store, 0.1)
+
+
+def test_split_attention_rejects_unsupported_bits():
+    store = make_store([4], {4: [3], 3: [3]}, 2, 64, 8, 32)
+    full = store.full
+    segments = [store.segments[0].kernel_args(), (5, *store.segments[1].kernel_args()[1:])]
+    with pytest.raises(ValueError, match=re.escape("bits must be one of (2, 3, 4), got 5")):
+        triton_ops.split_precision_attention(
+            torch.randn(1, 2, 1, 64).to(DEV), full.keys, full.values, full.start_tensor(), segments, 0.1
+        )
 
 
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("B,Lq", [(1, 1), (3, 2)])
-def test_split_attention_realistic_gpu(dtype, B, Lq):
-    """~4K tokens per sequence, Llama-3-8B heads (H_q 32, H_kv 8, D 128), ragged segments, fp16/bf16."""
+@pytest.mark.parametrize("low_bits", [2, 3])
+def test_split_attention_realistic_gpu(dtype, B, Lq, low_bits):
+    """~4K tokens per sequence, Llama-3-8B heads (H_q 32, H_kv 8, D 128), ragged INT4 + INT2 / INT3 segments,
+    fp16/bf16."""
     full = [420, 97, 1300][:B]
     int4 = [1210, 0, 2047][:B]
-    int2 = [2466, 3999, 700][:B]
-    store = make_store(full, int4, int2, 8, 128, 32, 32, dtype=dtype)
+    low = [2466, 3999, 700][:B]
+    store = make_store(full, {4: int4, low_bits: low}, 8, 128, 32, 32, dtype=dtype)
     g = torch.Generator(device="cuda").manual_seed(1)
     query = torch.randn(B, 32, Lq, 128, generator=g, device="cuda").to(dtype)
     check_attention(query, store, 128**-0.5, attention_sdpa(query, store, 128**-0.5, dtype))
@@ -301,10 +322,12 @@ def test_import_without_triton_gives_install_hint(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- end to end
-def test_generate_triton_backend_equals_torch_backend(tiny_tokenizer, monkeypatch):
+@pytest.mark.parametrize("low_bits", [2, 3])
+def test_generate_triton_backend_equals_torch_backend(tiny_tokenizer, monkeypatch, low_bits):
     """A tiny Llama (head dim 64, GQA 2) generating greedily for a batch of two prompts of different lengths, with
-    a search that picks FP16, INT4 and INT2 chunks: the Triton backend (quantize kernels at prefill, split attention
-    at decode) must store the same codes and produce the same tokens as the PyTorch backend."""
+    a search that picks FP16, INT4 and INT2 (or INT3, ``low_bits=3``) chunks: the Triton backend (quantize kernels
+    at prefill, split attention at decode) must store the same codes and produce the same tokens as the PyTorch
+    backend."""
     calls = {}
     for name in ("quantize_pack_keys", "quantize_pack_values", "split_precision_attention"):
 
@@ -318,7 +341,7 @@ def test_generate_triton_backend_equals_torch_backend(tiny_tokenizer, monkeypatc
     gen = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True)
     runs = {}
     for backend in ("torch", "triton"):
-        cfg = CocktailConfig(chunk_size=8, group_size=32, alpha=0.4, beta=0.2, backend=backend)
+        cfg = CocktailConfig(chunk_size=8, group_size=32, alpha=0.4, beta=0.2, low_bits=low_bits, backend=backend)
         cache = CocktailCache(cfg, encoder=FakeEncoder())
         inputs = cache.prepare_inputs(
             tiny_tokenizer,
@@ -336,7 +359,7 @@ def test_generate_triton_backend_equals_torch_backend(tiny_tokenizer, monkeypatc
         "split_precision_attention": (gen["max_new_tokens"] - 1) * layers,
     }
     assert cache_x.precision_map() == cache_t.precision_map()
-    assert {16, 4, 2} <= {b for row in cache_t.precision_map() for b in row}
+    assert {b for row in cache_t.precision_map() for b in row} == {16, 4, low_bits}
     for lt, lx in zip(cache_t.layers, cache_x.layers):
         for st, sx in zip(lt.store.segments, lx.store.segments):
             assert all(torch.equal(a, b) for a, b in zip(st.tensors(), sx.tensors()))
@@ -348,13 +371,15 @@ def test_generate_triton_backend_equals_torch_backend(tiny_tokenizer, monkeypatc
     torch.testing.assert_close(logits_x, logits_t, rtol=0, atol=tol)
 
 
-@pytest.mark.parametrize("kind", ["hadamard", "hadamard_keys", "hadamard_values"])
-def test_split_attention_rotated_store_triton_equals_torch(kind):
+@pytest.mark.parametrize(
+    "kind,low_bits", [("hadamard", 2), ("hadamard_keys", 2), ("hadamard_values", 2), ("hadamard", 3)]
+)
+def test_split_attention_rotated_store_triton_equals_torch(kind, low_bits):
     """A rotated store: the dispatcher rotates the query and the output around the Triton kernel exactly as the
     PyTorch reference does around its own attention."""
     from hf_cocktail.rotation import Rotation
 
-    store = make_store([5, 9], [17, 8], [20, 11], 2, 64, 8, 16)
+    store = make_store([5, 9], {4: [17, 8], low_bits: [20, 11]}, 2, 64, 8, 16)
     store.rotation = Rotation.make(kind, 2, 64, seed=1, device=DEV)
     query = (torch.randn(2, 6, 2, 64, generator=torch.Generator().manual_seed(2)) * 2).to(DEV)
     ref = split_precision_attention_torch(query, store, 0.125)

@@ -4,7 +4,8 @@ Shapes: B batch, H_q query heads, H_kv key/value heads (``n_rep = H_q // H_kv``)
 R length of the full-precision part, C chunk size, G value group size.
 
 Kernel 1 runs one program per (sequence, kv head, block of query rows, token split). The splits cover the
-full-precision part, then the first packed segment (INT4), then the second (INT2), each cut into pieces of
+full-precision part, then the first packed segment (INT4), then the second (INT2 or INT3; a segment's bit width is
+a compile-time constant), each cut into pieces of
 ``tokens_per_split`` tokens of that sequence; ragged sequences just leave some splits empty. A program loads the
 ``n_rep * L_q`` query rows of its kv head together (GQA without ``repeat_kv``), unpacks and dequantizes codes in
 registers and keeps an fp32 online softmax, and writes its partial (max, sum, unnormalised output). Kernel 2 merges
@@ -21,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_device
+from .checks import check_bits, check_device
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 _TILE = 8192  # elements of the (query rows x tokens x D) product held in registers (64 per thread, 4 warps)
@@ -40,6 +41,22 @@ def _online_update(acc, m_i, l_i, q, k, v, valid):
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
     return acc, m_new, l_i
+
+
+@triton.jit
+def _load_codes(row_ptr, m2, d, D: tl.constexpr, BITS: tl.constexpr):
+    """int32 codes ``(BT, D)`` of the tokens whose packed bytes start at ``row_ptr (BT, 1)`` (rows where ``m2``):
+    channel d in byte d // per at bit (d % per) * BITS; INT3 as a 2-bit plane (INT2's layout, ``D // 4`` bytes)
+    then a 1-bit plane (channel d in byte D // 4 + d // 8 at bit d % 8)."""
+    if BITS == 3:
+        lo = tl.load(row_ptr + (d // 4)[None, :], mask=m2, other=0).to(tl.int32)
+        hi = tl.load(row_ptr + (D // 4 + d // 8)[None, :], mask=m2, other=0).to(tl.int32)
+        q = ((lo >> ((d % 4) * 2)[None, :]) & 3) | (((hi >> (d % 8)[None, :]) & 1) << 2)
+    else:
+        PER: tl.constexpr = 8 // BITS
+        packed = tl.load(row_ptr + (d // PER)[None, :], mask=m2, other=0).to(tl.int32)
+        q = (packed >> ((d % PER) * BITS)[None, :]) & ((1 << BITS) - 1)
+    return q
 
 
 @triton.jit
@@ -71,13 +88,9 @@ def _packed_split(
 ):
     """Split ``j`` of sequence ``b`` in a packed segment: its tokens ``[tok_off[b] + j*TPS, ...)``. Key scales are
     per (chunk, channel), chunk = ``chunk_off[b] + (token - tok_off[b]) // C``; value scales per (token, group)."""
-    PER: tl.constexpr = 8 // BITS
-    DP: tl.constexpr = D // PER
+    DP: tl.constexpr = D * BITS // 8
     NG: tl.constexpr = D // G
-    QMAX: tl.constexpr = (1 << BITS) - 1
     d = tl.arange(0, D)
-    byte = d // PER
-    shift = (d % PER) * BITS
     grp = d // G
     t0 = tl.load(tok_ptr + b)
     c0 = tl.load(chk_ptr + b)
@@ -95,14 +108,14 @@ def _packed_split(
         tm = t < hi
         t64 = t.to(tl.int64)
         m2 = tm[:, None]
-        c_off = t64[:, None] * DP + byte[None, :]
+        c_off = t64[:, None] * DP
         k_off = (c0 + (t - t0) // C).to(tl.int64)[:, None] * D + d[None, :]
         v_off = t64[:, None] * NG + grp[None, :]
-        kq = (tl.load(kc_ptr + c_off, mask=m2, other=0).to(tl.int32) >> shift[None, :]) & QMAX
+        kq = _load_codes(kc_ptr + c_off, m2, d, D, BITS)
         k = kq.to(tl.float32) * tl.load(ks_ptr + k_off, mask=m2, other=0.0).to(tl.float32) + tl.load(
             kz_ptr + k_off, mask=m2, other=0.0
         ).to(tl.float32)
-        vq = (tl.load(vc_ptr + c_off, mask=m2, other=0).to(tl.int32) >> shift[None, :]) & QMAX
+        vq = _load_codes(vc_ptr + c_off, m2, d, D, BITS)
         v = vq.to(tl.float32) * tl.load(vs_ptr + v_off, mask=m2, other=0.0).to(tl.float32) + tl.load(
             vz_ptr + v_off, mask=m2, other=0.0
         ).to(tl.float32)
@@ -314,6 +327,7 @@ def _segment_args(seg: tuple | None, max_tokens: int | None, dummy: torch.Tensor
         z = dummy
         return [z, z, z, z, z, z, z, z, 0, 0, 1], 2, 1, 0
     bits, chunk_size, group_size, *tensors, tok, chk = seg
+    check_bits(bits)
     tensors = [t.contiguous() for t in tensors]
     if max_tokens is None:
         max_tokens = int((tok[1:] - tok[:-1]).max()) if tok.numel() > 1 else 0

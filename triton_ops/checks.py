@@ -6,17 +6,22 @@ import os
 
 import torch
 
-SUPPORTED_BITS = (2, 4)
+SUPPORTED_BITS = (2, 3, 4)  # packed code widths; INT3 as a 2-bit plane then a 1-bit plane (the reference's layout)
 
 
-def check_bits(bits: int) -> int:
+def check_bits(bits: int) -> None:
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
-    return 8 // bits
+
+
+def channel_multiple(bits: int) -> int:
+    """The head dim must be a multiple of this to pack ``bits``-bit codes into whole bytes (8 for INT3: its 1-bit
+    plane holds 8 channels per byte)."""
+    return 8 if bits == 3 else 8 // bits
 
 
 def check_head_dim(D: int, bits: int, group_size: int | None = None) -> None:
-    per = 8 // bits
+    per = channel_multiple(bits)
     if D % per:
         raise ValueError(f"head dim D={D} must be a multiple of {per} to pack {bits}-bit codes into bytes")
     if group_size is not None and D % group_size:

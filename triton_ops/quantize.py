@@ -2,7 +2,8 @@
 (``hf_cocktail.quant``, the spec; this package imports nothing from hf_cocktail).
 
 Shapes: H_kv heads, N tokens, D head dim, C chunk size (key group along tokens), G value group size (channels),
-M = ceil(N / C) chunks, Dp = D * bits // 8 packed bytes per token.
+M = ceil(N / C) chunks, Dp = D * bits // 8 packed bytes per token (bits 4, 3 or 2; INT3 as a 2-bit plane then a
+1-bit plane, the reference's layout).
 
 Bit-exactness with the reference: min/max and all arithmetic in fp32, divisions correctly rounded
 (``div_rn``, Triton's ``/`` is approximate on GPU), no FMA contraction (``enable_fp_fusion=False``), and scales /
@@ -49,11 +50,30 @@ def _quantize(x, zero, scale, BITS: tl.constexpr):
 @triton.jit
 def _pack(q, ROWS: tl.constexpr, WIDTH: tl.constexpr, BITS: tl.constexpr):
     """int32 codes ``(ROWS, WIDTH)`` (channel order) -> bytes ``(ROWS, WIDTH * BITS // 8)``: channel d in byte
-    d // per at bit (d % per) * BITS."""
+    d // per at bit (d % per) * BITS, ``per = 8 // BITS`` (BITS of 1, 2 or 4)."""
     PER: tl.constexpr = 8 // BITS
     q = tl.reshape(q, [ROWS, WIDTH // PER, PER])
     shifts = tl.arange(0, PER) * BITS
     return tl.sum(q << shifts[None, None, :], axis=2).to(tl.uint8)
+
+
+@triton.jit
+def _store_packed(row_ptr, q, rmask, ROWS: tl.constexpr, WIDTH: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """Pack int32 codes ``q (ROWS, WIDTH)`` (channels >= D are padding) and store the ``D * BITS // 8`` bytes of
+    row r at ``row_ptr[r]`` (rows where ``rmask``). INT3: the low two bits of every channel packed as INT2
+    (``D // 4`` bytes), then the high bit of every channel, 8 channels per byte (``D // 8`` bytes)."""
+    if BITS == 3:
+        lo = _pack(q & 3, ROWS, WIDTH, 2)
+        dl = tl.arange(0, WIDTH // 4)
+        tl.store(row_ptr[:, None] + dl[None, :], lo, mask=rmask[:, None] & (dl < D // 4)[None, :])
+        hi = _pack(q >> 2, ROWS, WIDTH, 1)
+        dh = tl.arange(0, WIDTH // 8)
+        tl.store(row_ptr[:, None] + (D // 4 + dh)[None, :], hi, mask=rmask[:, None] & (dh < D // 8)[None, :])
+    else:
+        PER: tl.constexpr = 8 // BITS
+        packed = _pack(q, ROWS, WIDTH, BITS)
+        dp = tl.arange(0, WIDTH // PER)
+        tl.store(row_ptr[:, None] + dp[None, :], packed, mask=rmask[:, None] & (dp < D // PER)[None, :])
 
 
 @triton.jit
@@ -76,7 +96,7 @@ def _quant_keys_kernel(
     """One program per (head, chunk): per-channel min/max over the chunk's valid tokens, then quantize and pack."""
     h = tl.program_id(0)
     m = tl.program_id(1)
-    PER: tl.constexpr = 8 // BITS
+    DP: tl.constexpr = D * BITS // 8
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
     t_lo = m * C
@@ -97,20 +117,15 @@ def _quant_keys_kernel(
     sz_off = (h.to(tl.int64) * M + m) * D + d
     tl.store(scale_ptr + sz_off, scale, mask=dmask)
     tl.store(zero_ptr + sz_off, zero, mask=dmask)
-    dp = tl.arange(0, BLOCK_D // PER)
-    c_base = codes_ptr + h.to(tl.int64) * N * (D // PER)
+    c_base = codes_ptr + h.to(tl.int64) * N * DP
     for a in range(t_lo, t_hi, BLOCK_T):
         t = a + tl.arange(0, BLOCK_T)
         tmask = t < t_hi
         x = tl.load(
             k_base + t[:, None].to(tl.int64) * s_kn + d[None, :], mask=tmask[:, None] & dmask[None, :], other=0.0
         ).to(tl.float32)
-        packed = _pack(_quantize(x, zero[None, :], scale[None, :], BITS), BLOCK_T, BLOCK_D, BITS)
-        tl.store(
-            c_base + t[:, None].to(tl.int64) * (D // PER) + dp[None, :],
-            packed,
-            mask=tmask[:, None] & (dp < D // PER)[None, :],
-        )
+        q = _quantize(x, zero[None, :], scale[None, :], BITS)
+        _store_packed(c_base + t.to(tl.int64) * DP, q, tmask, BLOCK_T, BLOCK_D, D, BITS)
 
 
 @triton.jit
@@ -131,7 +146,7 @@ def _quant_values_kernel(
 ):
     """One program per (head, block of tokens): per-token min/max over groups of G channels."""
     h = tl.program_id(0)
-    PER: tl.constexpr = 8 // BITS
+    DP: tl.constexpr = D * BITS // 8
     NG: tl.constexpr = D // G
     t = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     g = tl.arange(0, NG_P)
@@ -150,14 +165,8 @@ def _quant_values_kernel(
     sz_off = (h.to(tl.int64) * N + t64[:, None]) * NG + g[None, :]
     tl.store(scale_ptr + sz_off, scale, mask=gmask)
     tl.store(zero_ptr + sz_off, zero, mask=gmask)
-    q = _quantize(x, zero[:, :, None], scale[:, :, None], BITS)
-    packed = _pack(tl.reshape(q, [BLOCK_N, NG_P * G]), BLOCK_N, NG_P * G, BITS)
-    dp = tl.arange(0, NG_P * G // PER)
-    tl.store(
-        codes_ptr + (h.to(tl.int64) * N + t64[:, None]) * (D // PER) + dp[None, :],
-        packed,
-        mask=tmask[:, None] & (dp < D // PER)[None, :],
-    )
+    q = tl.reshape(_quantize(x, zero[:, :, None], scale[:, :, None], BITS), [BLOCK_N, NG_P * G])
+    _store_packed(codes_ptr + (h.to(tl.int64) * N + t64) * DP, q, tmask, BLOCK_N, NG_P * G, D, BITS)
 
 
 def _check_input(x: torch.Tensor, what: str, bits: int, scale_dtype) -> torch.dtype:
