@@ -18,6 +18,8 @@
 #include <c10/util/Half.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "quantize.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -222,4 +224,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("split_attention", &split_attention, "fused split-precision decode attention (see cpu_ops/attention.py)",
         py::call_guard<py::gil_scoped_release>());
   m.def("kernel_target", &kernel_target, "instruction set the kernel runs with on this CPU");
+  m.def("quantize_keys", &cpu_ops_quant::quantize_keys, "fused key quantization (see cpu_ops/quantize.py)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("quantize_values", &cpu_ops_quant::quantize_values, "fused value quantization (see cpu_ops/quantize.py)",
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -17,7 +17,8 @@ nested in it):
 * ``encoder``: ``scoring.score_chunks`` (embedding the query and every chunk, cosine similarity);
 * ``search``: the rest of ``run_search`` (thresholds / budget);
 * ``positions``: ``SequencePlan.build_positions``;
-* ``quantization``: ``quantize_pack_keys`` / ``quantize_pack_values``;
+* ``quantization``: ``quantize_pack_keys`` / ``quantize_pack_values`` (the fused ``cpu_ops`` ones on CPU, the
+  PyTorch reference ``hf_cocktail.quant`` with ``backend="torch"``);
 * ``store build``: the rest of ``LayerStore.build`` (gathering each part's tokens, the full-precision part);
 * ``rotation``: ``Rotation._apply`` (rotated storage);
 * ``model``: the rest of the forward (the model's own prefill compute).
@@ -102,6 +103,7 @@ class Timers:
 @contextlib.contextmanager
 def instrumented(timers: Timers):
     """Wrap the library's prefill-side functions in ``timers`` parts for the duration of the block."""
+    import cpu_ops
     from hf_cocktail import CocktailCache, inputs, planning, quant, scoring, store
     from hf_cocktail.rotation import Rotation
 
@@ -118,6 +120,8 @@ def instrumented(timers: Timers):
         p.method(planning.SequencePlan, "build_positions", wrap("positions"))
         p.function(quant.quantize_pack_keys, wrap("quantization"))
         p.function(quant.quantize_pack_values, wrap("quantization"))
+        p.function(cpu_ops.quantize_pack_keys, wrap("quantization"))  # the fused CPU quantizers (backend "cpu")
+        p.function(cpu_ops.quantize_pack_values, wrap("quantization"))
         p.method(store.LayerStore, "build", wrap("store build"))
         p.method(Rotation, "_apply", wrap("rotation"))
         yield

@@ -1,0 +1,24 @@
+// The fused CPU quantizers (quantize.cpp), registered by split_attention.cpp's module. Shapes and the storage format
+// are those of hf_cocktail.quant (see cpu_ops/quantize.py, the launchers that check the arguments and allocate the
+// outputs). The return value is a status: 0 done, bit 1 an input is NaN or inf, bit 2 a scale or zero overflows its
+// dtype (outputs are then incomplete; the launcher raises).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace cpu_ops_quant {
+
+constexpr int64_t kNonFinite = 1;
+constexpr int64_t kOverflow = 2;
+
+// k (H, N, D) contiguous -> codes uint8 (H, N, D * bits / 8), scale / zero (H, ceil(N / chunk_size), D).
+int64_t quantize_keys(const at::Tensor& k, int64_t bits, int64_t chunk_size, const at::Tensor& codes,
+                      const at::Tensor& scale, const at::Tensor& zero);
+
+// v (H, N, D) contiguous -> codes uint8 (H, N, D * bits / 8), scale / zero (H, N, D / group_size).
+int64_t quantize_values(const at::Tensor& v, int64_t bits, int64_t group_size, const at::Tensor& codes,
+                        const at::Tensor& scale, const at::Tensor& zero);
+
+}  // namespace cpu_ops_quant

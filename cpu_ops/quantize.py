@@ -1,0 +1,119 @@
+"""Launchers of the fused CPU quantizers: check the inputs, allocate the outputs, then call the C++ kernel.
+
+Same signatures, outputs and errors as ``hf_cocktail.quant.quantize_pack_keys`` / ``quantize_pack_values`` (the
+PyTorch reference, whose module docstring specifies the storage format); codes, scales and zeros are bit for bit
+the reference's. One pass per group for min / max and the finiteness check, one for the codes and their packing
+(``csrc/quantize.cpp``), parallel over chunks (keys) or tokens (values) on ATen's thread pool.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._build import extension
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SUPPORTED_BITS = (2, 3, 4)  # the packed widths of hf_cocktail.quant (INT3: a 2-bit plane, then a 1-bit plane)
+_NON_FINITE, _OVERFLOW = 1, 2  # status bits of the C++ quantizers (csrc/quantize.h)
+
+
+def _check_input(x, name: str, bits) -> tuple[int, int, int]:
+    """The reference's bits / head-dim checks (same messages) and the launcher's own type checks; ``(H, N, D)``."""
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_cpu:
+        raise ValueError(f"{name} must be on the CPU, got device {x.device}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} must be of dtype {' or '.join(str(d) for d in FLOAT_DTYPES)}, got {x.dtype}")
+    if x.dim() != 3:
+        raise ValueError(f"{name} must be of shape (H_kv, N, D), got shape {tuple(x.shape)}")
+    H, N, D = x.shape
+    per = 8 if bits == 3 else 8 // int(bits)
+    if D % per:
+        raise ValueError(f"head dim D={D} must be a multiple of {per} to pack {bits}-bit codes into bytes")
+    return H, N, D
+
+
+def _scale_dtype(scale_dtype, x: torch.Tensor) -> torch.dtype:
+    scale_dtype = scale_dtype or x.dtype
+    if scale_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"scale_dtype must be {' or '.join(str(d) for d in FLOAT_DTYPES)}, got {scale_dtype}")
+    return scale_dtype
+
+
+def _raise_for(status: int, x: torch.Tensor, what: str, scale_dtype: torch.dtype) -> None:
+    """The reference's errors (``hf_cocktail.quant._check_finite`` first, then the scale overflow), same text."""
+    if status & _NON_FINITE:
+        raise ValueError(
+            f"{what} contain NaN or inf; hf-cocktail refuses to quantize non-finite key/value states "
+            "(the model produced them: check its dtype, e.g. use bfloat16 or float32 instead of float16)"
+        )
+    if status & _OVERFLOW:
+        raise ValueError(
+            f"quantization scales/zeros overflow scale_dtype={scale_dtype} (key/value magnitudes up to "
+            f"{float(x.float().abs().max()):.3g}); use CocktailConfig(scale_dtype='float32')"
+        )
+
+
+def quantize_pack_keys(k: torch.Tensor, bits: int, chunk_size: int, scale_dtype: torch.dtype | None = None):
+    """Quantize a key segment per channel within each chunk and pack it (fused; see ``hf_cocktail.quant``).
+
+    Args:
+        k: ``(H_kv, N, D)`` float32 / bfloat16 / float16 CPU keys of chunk-ordered tokens (chunks of ``chunk_size``
+            tokens; the last may be partial: its scales come from its own tokens).
+        bits: 4, 3 or 2.
+        chunk_size: C >= 1, the group size along tokens.
+        scale_dtype: dtype of scales/zeros, float32 / bfloat16 / float16 (default: ``k.dtype``).
+
+    Returns:
+        ``codes uint8 (H_kv, N, D*bits//8)``, ``scale (H_kv, M, D)``, ``zero (H_kv, M, D)`` with ``M = ceil(N/C)``.
+
+    Raises:
+        ValueError: bad arguments; NaN / inf keys; scales or zeros that overflow ``scale_dtype``.
+        ImportError: the C++ extension could not be built here (the message says why and how to fix it).
+    """
+    H, N, D = _check_input(k, "keys", bits)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    scale_dtype = _scale_dtype(scale_dtype, k)
+    M = -(-N // chunk_size)
+    codes = torch.empty((H, N, D * bits // 8), dtype=torch.uint8)
+    scale = torch.empty((H, M, D), dtype=scale_dtype)
+    zero = torch.empty((H, M, D), dtype=scale_dtype)
+    if N:
+        k = k.contiguous()
+        _raise_for(extension().quantize_keys(k, int(bits), chunk_size, codes, scale, zero), k, "keys", scale_dtype)
+    return codes, scale, zero
+
+
+def quantize_pack_values(v: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype | None = None):
+    """Quantize a value segment per token in groups of ``group_size`` channels and pack it (fused; see
+    ``hf_cocktail.quant``).
+
+    Args:
+        v: ``(H_kv, N, D)`` float32 / bfloat16 / float16 CPU values; ``group_size`` (G) must divide D.
+        bits: 4, 3 or 2.
+        scale_dtype: dtype of scales/zeros, float32 / bfloat16 / float16 (default: ``v.dtype``).
+
+    Returns:
+        ``codes uint8 (H_kv, N, D*bits//8)``, ``scale (H_kv, N, D//G)``, ``zero (H_kv, N, D//G)``.
+
+    Raises:
+        ValueError: bad arguments; NaN / inf values; scales or zeros that overflow ``scale_dtype``.
+        ImportError: the C++ extension could not be built here (the message says why and how to fix it).
+    """
+    H, N, D = _check_input(v, "values", bits)
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
+    if D % group_size:
+        raise ValueError(f"group_size={group_size} must divide the head dim D={D}")
+    scale_dtype = _scale_dtype(scale_dtype, v)
+    codes = torch.empty((H, N, D * bits // 8), dtype=torch.uint8)
+    scale = torch.empty((H, N, D // group_size), dtype=scale_dtype)
+    zero = torch.empty((H, N, D // group_size), dtype=scale_dtype)
+    if N:
+        v = v.contiguous()
+        _raise_for(extension().quantize_values(v, int(bits), group_size, codes, scale, zero), v, "values", scale_dtype)
+    return codes, scale, zero
