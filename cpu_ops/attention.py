@@ -10,7 +10,7 @@ from ._build import extension
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INT32, UINT8 = (torch.int32,), (torch.uint8,)
-SUPPORTED_BITS = (2, 4)
+SUPPORTED_BITS = (2, 3, 4)
 _SEGMENT_FIELDS = (
     "bits",
     "chunk_size",
@@ -75,11 +75,12 @@ def split_precision_attention(
         full_start: int32 ``(B,)``, values in ``[0, R]``.
         segments: a list of 0 to 2 tuples ``(bits, chunk_size, group_size, k_codes, k_scale, k_zero, v_codes,
             v_scale, v_zero, tok_off, chunk_off)`` in the storage format of ``hf_cocktail.quant``:
-            bits 2 or 4; chunk_size C >= 1; group_size G a power of two dividing D; ``k_codes``, ``v_codes`` uint8
-            ``(H_kv, N, D * bits // 8)``; ``k_scale``, ``k_zero`` ``(H_kv, M, D)`` and ``v_scale``, ``v_zero``
-            ``(H_kv, N, D // G)``, all four of one dtype (float16 / bfloat16 / float32); ``tok_off``, ``chunk_off``
-            int32 ``(B + 1,)``: sequence ``b`` owns tokens ``[tok_off[b], tok_off[b+1])`` and chunks
-            ``[chunk_off[b], chunk_off[b+1])``; the chunk of token ``t`` is ``chunk_off[b] + (t - tok_off[b]) // C``.
+            bits 2, 3 or 4 (INT3: a 2-bit plane then a 1-bit plane); chunk_size C >= 1; group_size G a power of
+            two dividing D; ``k_codes``, ``v_codes`` uint8 ``(H_kv, N, D * bits // 8)``; ``k_scale``, ``k_zero``
+            ``(H_kv, M, D)`` and ``v_scale``, ``v_zero`` ``(H_kv, N, D // G)``, all four of one dtype (float16 /
+            bfloat16 / float32); ``tok_off``, ``chunk_off`` int32 ``(B + 1,)``: sequence ``b`` owns tokens
+            ``[tok_off[b], tok_off[b+1])`` and chunks ``[chunk_off[b], chunk_off[b+1])``; the chunk of token ``t``
+            is ``chunk_off[b] + (t - tok_off[b]) // C``.
             Non-contiguous segment tensors are copied (stored segments are contiguous).
         scaling: softmax scale (usually ``D ** -0.5``).
         tokens_per_item: tokens of one (sequence, kv head, source) per parallel work item (default: chosen from the

@@ -163,6 +163,13 @@ CASES = {
     "scales_fp32": dict(full=[8], segs=[(4, [70]), (2, [90])], scale_dtype=torch.float32, n_rep=3),
     "tiny_T": dict(full=[1, 1], segs=[(4, [1, 0]), (2, [0, 2])], n_rep=3),
     "long_5000": dict(full=[500], segs=[(4, [1500]), (2, [3000])], H_kv=3, n_rep=3),
+    # INT3 (2-bit plane + 1-bit plane): beside INT4, alone, ragged, and head dims with channel-order tail bytes
+    "int4_int3_gqa3": dict(full=[20], segs=[(4, [96]), (3, [250])], H_kv=3, n_rep=3),
+    "int3_only_Lq3": dict(full=[6], segs=[(3, [77])], n_rep=2, L_q=3),
+    "int3_batch3_ragged_empty": dict(full=[5, 9, 3], segs=[(4, [0, 17, 40]), (3, [70, 0, 11])], n_rep=3, C=8, G=16),
+    "int3_d40_G8_tail_bytes": dict(full=[5, 2], segs=[(4, [33, 12]), (3, [20, 41])], D=40, G=8, n_rep=3),
+    "int3_d8_G2": dict(full=[4], segs=[(3, [35])], D=8, G=2, C=4),
+    "int3_d128_scales_bf16": dict(full=[8], segs=[(3, [130])], D=128, scale_dtype=torch.bfloat16, n_rep=4),
     "long_5000_batch2_Lq3": dict(
         full=[300, 64], segs=[(4, [1700, 100]), (2, [3000, 4836])], H_kv=1, n_rep=4, L_q=3, D=128
     ),
@@ -175,7 +182,16 @@ def test_matches_fp64_reference(name):
 
 
 @pytest.mark.parametrize(
-    "name", ["Lq3_causal_gqa4_batch3", "d40_G8_tail_bytes", "d64_G4_C5_partial_chunks", "scales_bf16", "long_5000"]
+    "name",
+    [
+        "Lq3_causal_gqa4_batch3",
+        "d40_G8_tail_bytes",
+        "d64_G4_C5_partial_chunks",
+        "scales_bf16",
+        "long_5000",
+        "int4_int3_gqa3",
+        "int3_d40_G8_tail_bytes",
+    ],
 )
 def test_portable_baseline_build(name):
     """The build that runs on CPUs without AVX2 (this machine runs the AVX2 one unless told otherwise)."""
@@ -297,7 +313,7 @@ def test_invalid_arguments_name_the_argument(change, match):
 @pytest.mark.parametrize(
     "change, match",
     [
-        (dict(bits=3), r"segments\[0\].bits must be one of \(2, 4\), got 3"),
+        (dict(bits=5), r"segments\[0\].bits must be one of \(2, 3, 4\), got 5"),
         (dict(group_size=48), r"segments\[0\].group_size must be a power of two dividing D=64, got 48"),
         (dict(group_size=128), r"segments\[0\].group_size must be a power of two dividing D=64, got 128"),
         (

@@ -103,6 +103,7 @@ static inline void to_float(const void* src, DType dt, int64_t off, int64_t n, f
 // computes in this order and puts its output back in channel order at the end.
 template <int BITS>
 static std::vector<int> tile_order(int D) {
+  if constexpr (BITS == 3) return tile_order<2>(D);  // INT3: its 2-bit plane sets the order (unpack_token3)
   constexpr int PER = 8 / BITS;
   const int planar = ((D * BITS / 8) & ~7) * PER;  // channels of the whole groups of 8 bytes
   std::vector<int> perm(D);
@@ -116,8 +117,17 @@ static std::vector<int> tile_order(int D) {
 // tile lanes 8 * v ... 8 * v + 7.
 template <int BITS>
 static inline void unpack_token(const uint8_t* codes, int D, float* dst, const float* scale = nullptr,
-                                const float* zero = nullptr, const int* vgroup = nullptr) {
-  constexpr int PER = 8 / BITS, MASK = (1 << BITS) - 1;
+                                const float* zero = nullptr, const int* vgroup = nullptr);
+
+// INT3 tokens (defined below)
+static inline void unpack_token3(const uint8_t* codes, int D, float* dst, const float* scale, const float* zero,
+                                 const int* vgroup);
+
+template <int BITS>
+static inline void unpack_token(const uint8_t* codes, int D, float* dst, const float* scale, const float* zero,
+                                const int* vgroup) {
+  if constexpr (BITS == 3) return unpack_token3(codes, D, dst, scale, zero, vgroup);
+  constexpr int PER = BITS == 3 ? 1 : 8 / BITS, MASK = (1 << BITS) - 1;
   typedef typename std::conditional<BITS == 2, uint16_t, uint32_t>::type Word;  // the BITS bytes of 8 channels
   const int Dp = D * BITS / 8, whole = Dp & ~7;
   int v = 0;  // 8-lane vector of the tile
@@ -134,6 +144,37 @@ static inline void unpack_token(const uint8_t* codes, int D, float* dst, const f
     Word word;
     std::memcpy(&word, codes + b, sizeof(Word));  // little end first, as the bytes hold the channels
     put((v8i{} + static_cast<int32_t>(word)) >> (v8i{0, 1, 2, 3, 4, 5, 6, 7} * BITS));
+  }
+}
+
+// INT3 (hf_cocktail.quant's layout): the low two bits of every channel packed as INT2 (D / 4 bytes), then the high
+// bit of every channel, 8 per byte (channel d in byte D / 4 + d / 8 at bit d % 8). The low plane is unpacked in
+// INT2's tile order; in a whole group k of 8 low bytes (32 channels), lane i of vector j holds channel
+// 32k + 4i + j, whose high bit is bit 4i + j of the little-endian 32-bit word at high-plane byte 4k. Channels
+// after the whole groups are in channel order: lane i of the m-th 8 holds channel 8m + i, high bit i of byte m.
+static inline void unpack_token3(const uint8_t* codes, int D, float* dst, const float* scale = nullptr,
+                                 const float* zero = nullptr, const int* vgroup = nullptr) {
+  const int Dl = D / 4, whole = Dl & ~7;
+  const uint8_t* hi = codes + Dl;
+  int v = 0;
+  auto put = [&](v8i c) {
+    const v8f x = __builtin_convertvector(c, v8f);
+    store8(dst + 8 * v, scale ? x * scale[vgroup[v]] + zero[vgroup[v]] : x);
+    ++v;
+  };
+  const v8i lane4 = v8i{0, 4, 8, 12, 16, 20, 24, 28}, lane1 = v8i{0, 1, 2, 3, 4, 5, 6, 7};
+  for (int b = 0; b < whole; b += 8) {
+    const v8i x = load_bytes8(codes + b);
+    uint32_t word;
+    std::memcpy(&word, hi + b / 2, sizeof(word));
+    const v8i w = v8i{} + static_cast<int32_t>(word);
+    for (int j = 0; j < 4; ++j) put(((x >> (2 * j)) & 3) | ((((w >> (lane4 + j)) & 1)) << 2));
+  }
+  for (int b = whole; b < Dl; b += 2) {  // 8 channels: 2 low bytes, 1 high byte
+    uint16_t low;
+    std::memcpy(&low, codes + b, sizeof(low));
+    const v8i h = v8i{} + static_cast<int32_t>(hi[b / 2]);
+    put((((v8i{} + static_cast<int32_t>(low)) >> (lane1 * 2)) & 3) | (((h >> lane1) & 1) << 2));
   }
 }
 
@@ -270,7 +311,7 @@ static void run_item(const Problem& P, const WorkItem& w, float* m, float* l, fl
   const Segment& g = P.seg[w.src - 1];
   const int Dp = D * g.bits / 8, NG = D / g.G;
   const int64_t t0 = g.tok_off[w.b], c0 = g.chunk_off[w.b];
-  const std::vector<int> perm = g.bits == 2 ? tile_order<2>(D) : tile_order<4>(D);
+  const std::vector<int> perm = g.bits == 4 ? tile_order<4>(D) : tile_order<2>(D);  // INT3 orders as INT2
   std::vector<int> lane_g(D), vgroup(D / 8);
   bool uniform = true;  // every 8 tile lanes in one value group (G >= 8 * PER, the usual case)
   for (int p = 0; p < D; ++p) {
@@ -284,7 +325,7 @@ static void run_item(const Problem& P, const WorkItem& w, float* m, float* l, fl
     for (int p = 0; p < D; ++p) qp[r * D + p] = q[static_cast<int64_t>(r) * D + perm[p]];
   const uint8_t* kc = g.k_codes + static_cast<int64_t>(w.h) * g.N * Dp;
   const uint8_t* vc = g.v_codes + static_cast<int64_t>(w.h) * g.N * Dp;
-  auto unpack = g.bits == 2 ? unpack_block<2> : unpack_block<4>;
+  auto unpack = g.bits == 2 ? unpack_block<2> : g.bits == 3 ? unpack_block<3> : unpack_block<4>;
   int64_t chunk = -1;
   for (int64_t a = w.lo; a < w.hi;) {
     const int64_t c = c0 + (a - t0) / g.C;  // the chunk of token a; the block ends at the chunk's end
