@@ -120,12 +120,13 @@ def plot_chunks(scores, bits, path, title):
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    colors = {16: "#d62728", 4: "#ff7f0e", 2: "#1f77b4"}
+    colors = {16: "#d62728", 4: "#ff7f0e", 3: "#2ca02c", 2: "#1f77b4"}
     fig, ax = plt.subplots(figsize=(10, 3.2))
     ax.bar(range(len(scores)), scores, color=[colors[b] for b in bits], width=1.0)
     handles = [
         Patch(color=colors[b], label=f"{name} ({bits.count(b)} chunks)")
-        for b, name in ((16, "FP16"), (4, "INT4"), (2, "INT2"))
+        for b, name in ((16, "FP16"), (4, "INT4"), (3, "INT3"), (2, "INT2"))
+        if b in bits or b != 3
     ]
     ax.set_xlabel("context chunk (original order)")
     ax.set_ylabel("cosine similarity to the query")
@@ -154,7 +155,9 @@ def _describe(name, answer, seconds, cache, fp16_bytes, expected):
     ok = "" if expected is None else f"  correct: {expected in answer}"
     print(f"\n{name}: {answer!r}   [{seconds:.1f}s incl. chunk search]{ok}")
     print(
-        f"  precision mix over {len(bits)} chunks: FP16 {bits.count(16)}, INT4 {bits.count(4)}, INT2 {bits.count(2)}; "
+        f"  precision mix over {len(bits)} chunks: FP16 {bits.count(16)}, INT4 {bits.count(4)}, "
+        + (f"INT3 {bits.count(3)}, " if 3 in bits else "")
+        + f"INT2 {bits.count(2)}; "
         f"KV {rep['total_bytes'] / 2**20:.2f} MiB = {rep['total_bytes'] / fp16_bytes:.3f}x FP16 (codes "
         f"{rep['codes_bytes'] / 2**20:.2f}, scales/zeros {rep['scales_zeros_bytes'] / 2**20:.2f}, full precision "
         f"{rep['full_precision_bytes'] / 2**20:.2f} MiB)"
