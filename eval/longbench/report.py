@@ -156,16 +156,18 @@ def plot_precision_mix(path: str, tasks: list[str], methods: list[str], summary:
     if m is None:
         return
     ts = [t for t in tasks if summary.row(t, m)]
-    fr = {k: [] for k in ("fp16", "int4", "int2")}
+    fr = {k: [] for k in ("fp16", "int4", "int3", "int2")}
     for t in ts:
         c = summary.row(t, m)["chunks"]
         tot = max(1, sum(c.values()))
         for k in fr:
-            fr[k].append(c[k] / tot)
+            fr[k].append(c.get(k, 0) / tot)
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(7, 0.6 * len(ts) + 1.2), 4.5))
     bottom = [0.0] * len(ts)
-    for k, color in (("fp16", "#2b8cbe"), ("int4", "#7bccc4"), ("int2", "#f0f9e8")):
+    for k, color in (("fp16", "#2b8cbe"), ("int4", "#7bccc4"), ("int3", "#bae4bc"), ("int2", "#f0f9e8")):
+        if k == "int3" and not any(fr[k]):
+            continue
         ax.bar(ts, fr[k], bottom=bottom, label=k.upper(), color=color, edgecolor="black", linewidth=0.5)
         bottom = [b + v for b, v in zip(bottom, fr[k])]
     ax.set_ylabel("fraction of context chunks")

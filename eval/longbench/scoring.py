@@ -42,8 +42,8 @@ def _task_row(task: str, method: str, recs: dict[str, dict], n_expected: int) ->
     }
     mix = {"fp16": 0, "int4": 0, "int2": 0}
     for r in recs.values():
-        for k in mix:
-            mix[k] += (r.get("precision_counts") or {}).get(k, 0)
+        for k, n in (r.get("precision_counts") or {}).items():
+            mix[k] = mix.get(k, 0) + n  # "int3" only for low_bits=3 methods
     row["chunks"] = mix
     return row, by_id
 

@@ -113,6 +113,32 @@ _ROTATION_METHODS: list[Method] = [
         for b in (3.3, 3.6)
     ],
 ]
+L3 = {"low_bits": 3, **HAD}
+# INT3 as the low precision (2-bit + 1-bit planes): uniform, the paper's thresholds, and budgets
+_ROTATION_METHODS += [
+    CocktailMethod("int3", "every context chunk INT3 (uniform_bits=3)", {"uniform_bits": 3}),
+    CocktailMethod("int3_had", "every context chunk INT3, Hadamard-rotated", {"uniform_bits": 3, **HAD}),
+    CocktailMethod(
+        "int3_had_g64",
+        "every context chunk INT3, Hadamard-rotated, values in groups of 64 channels",
+        {"uniform_bits": 3, "group_size": 64, **HAD},
+    ),
+    CocktailMethod("cocktail_l3_had", "paper thresholds with INT3 for INT2 (low_bits=3), Hadamard-rotated", L3),
+    *[
+        CocktailMethod(
+            f"budget{b:g}_l3_had_g64",
+            f"budget mode target_bits={b:g}: FP16 above T_high, then INT4 by rank, the rest INT3; "
+            "Hadamard-rotated, values in groups of 64 channels",
+            {"target_bits": b, "group_size": 64, **L3},
+        )
+        for b in (3.8, 4.0)
+    ],
+    CocktailMethod(
+        "budget4.2_l3_had",
+        "budget mode target_bits=4.2, the rest INT3, Hadamard-rotated",
+        {"target_bits": 4.2, **L3},
+    ),
+]
 _RECOMMENDED = _recommended_overrides()
 _ROTATION_METHODS.append(CocktailMethod("recommended", f"CocktailConfig.recommended(): {_RECOMMENDED}", _RECOMMENDED))
 METHODS.update({m.name: m for m in _ROTATION_METHODS})
