@@ -177,7 +177,8 @@ def make_model_card(
         "\n".join(front),
         f"# {title}",
         "This repository holds a hf-cocktail configuration (`cocktail_config.json`), not "
-        "model weights: a chunk-adaptive mixed-precision FP16/INT4/INT2 KV cache for Hugging Face transformers, "
+        f"model weights: a chunk-adaptive mixed-precision FP16/INT4/INT{getattr(config, 'low_bits', 2)} KV cache "
+        "for Hugging Face transformers, "
         f"after *{PAPER}*. " + _method(config),
     ]
     if settings_source == "paper":

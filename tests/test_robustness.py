@@ -472,3 +472,12 @@ def test_budget_mode_with_int3_spends_the_budget_on_int4_above_int3(tiny_llama, 
     assert cache.plan_bits_per_element()[0] <= 6.5 + 1e-9
     seg_bits = [s.bits for s in cache.layers[0].store.segments]
     assert seg_bits == [4, 3]
+
+
+def test_recommended_is_rotated_int3_with_a_budget_and_takes_overrides():
+    rec = CocktailConfig.recommended()
+    assert (rec.rotation, rec.low_bits, rec.group_size, rec.target_bits) == ("hadamard", 3, 64, 3.8)
+    assert rec.packed_bits == (4, 3) and CocktailConfig().packed_bits == (4, 2)  # the paper setting is unchanged
+    assert CocktailConfig.recommended(group_size=32, target_bits=4.05).group_size == 32
+    with pytest.raises(ValueError, match=r"all-INT3 costs 4 bits"):  # 3.8 is below all-INT3 with G=32
+        CocktailConfig.recommended(group_size=32)
