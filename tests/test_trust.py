@@ -313,7 +313,7 @@ def test_mla_models_are_refused_naming_the_model_and_the_head_dims(tiny_tokenize
 # ----------------------------------------------------------------------------- item 6: smaller checks
 @pytest.mark.parametrize("value", [4.0, 16.0, 2.0])
 def test_uniform_bits_must_be_an_int(value):
-    with pytest.raises(ValueError, match=rf"uniform_bits must be one of None, 16, 4, 2, got {value!r}"):
+    with pytest.raises(ValueError, match=rf"uniform_bits must be one of None, 16, 4, 3, 2, got {value!r}"):
         CocktailConfig(uniform_bits=value)
 
 
@@ -334,7 +334,8 @@ def test_config_fields_are_validated_on_assignment():
     config = CocktailConfig()
     for name, bad in [
         ("chunk_size", 0),
-        ("uniform_bits", 3),
+        ("uniform_bits", 5),
+        ("low_bits", 4),
         ("uniform_bits", 4.0),
         ("alpha", 2.0),
         ("full_precision_layers", [-1]),
