@@ -7,6 +7,7 @@ Shapes: B batch, H_q query heads, L_q query tokens, D head dim.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import warnings
@@ -151,6 +152,7 @@ def _cpu_attention(query: torch.Tensor, store: LayerStore, scaling: float, out_d
     )
 
 
+@functools.cache  # asked at every decode step: the import and lookup once per (backend, op)
 def _kernel_bits(chosen: str, op: str = "attention") -> tuple[int, ...]:
     """The packed bit widths the chosen kernel package reads (``op="attention"``) or writes (``"quantize"``)."""
     if chosen == "triton":
@@ -167,7 +169,7 @@ def split_precision_attention(query: torch.Tensor, store: LayerStore, scaling: f
     A store holding a bit width the chosen kernel does not read takes the PyTorch path (one warning)."""
     chosen = resolve_backend(backend, query.device)
     if chosen != "torch":
-        missing = sorted({s.bits for s in store.segments} - set(_kernel_bits(chosen)))
+        missing = [s.bits for s in store.segments if s.bits not in _kernel_bits(chosen)]
         if missing:
             _warn_once(
                 f"{chosen}-bits-{missing}",
