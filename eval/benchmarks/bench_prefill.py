@@ -46,9 +46,8 @@ from ..cli import UsageError, parse_int_list, run_cli
 from ..essays import essay_prefix
 from ..methods.kinds import CocktailMethod
 from ..models import DTYPES, load_model_and_tokenizer, model_input_device, set_threads
-from ..records import write_json
-from ..run_info import command_line, git_commit
-from .harness import run_hardware
+from ..run_info import command_line
+from .harness import write_run_json
 from .instrument import patching
 from .rounds import QUESTION, make_prompt, resolve_methods
 
@@ -252,17 +251,7 @@ def main(argv=None) -> int:
     out = table(summary)
     print(out)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        write_json(
-            args.out,
-            {
-                "command": command_line(MODULE),
-                "commit": git_commit(exclude=args.out),
-                "hardware": run_hardware(),
-                "summary": summary,
-                "rounds": rows,
-            },
-        )
+        write_run_json(args.out, MODULE, {"summary": summary, "rounds": rows})
         with open(os.path.splitext(args.out)[0] + ".md", "w", encoding="utf-8") as f:
             f.write(f"# Prefill overhead vs DynamicCache\n\n`{command_line(MODULE)}`\n\n{out}\n")
     return 0

@@ -37,9 +37,8 @@ from ..essays import essay_prefix
 from ..kv_bytes import cache_kv_bytes, fp16_kv_bytes
 from ..methods.kinds import CocktailMethod
 from ..models import DTYPES, load_model_and_tokenizer, set_threads
-from ..records import write_json
-from ..run_info import command_line, git_commit
-from .harness import measure, run_hardware
+from ..run_info import command_line
+from .harness import measure, write_run_json
 from .rounds import alternating_rounds, branch_runner, resolve_methods, shared_prefill
 
 MODULE = "eval.benchmarks.bench_throughput"
@@ -210,20 +209,14 @@ def main(argv=None) -> int:
         )
     print(out)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         base = os.path.splitext(args.out)[0]
-        write_json(
-            args.out,
-            {
-                "command": command_line(MODULE),
-                "commit": git_commit(exclude=args.out),
-                "hardware": run_hardware(),
-                "prompt_tokens": shared.prompt_tokens,
-                "shared_prefill_s": shared.prefill_s,
-                "generated_tokens_per_sequence": generated,
-                "results": results,
-            },
-        )
+        payload = {
+            "prompt_tokens": shared.prompt_tokens,
+            "shared_prefill_s": shared.prefill_s,
+            "generated_tokens_per_sequence": generated,
+            "results": results,
+        }
+        write_run_json(args.out, MODULE, payload)
         plot(results, base + ".png")
         with open(base + ".md", "w", encoding="utf-8") as f:
             f.write(

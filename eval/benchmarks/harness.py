@@ -131,19 +131,17 @@ def ratio(a, b) -> float:
     return a / b if b else float("nan")
 
 
+def write_run_json(path: str, module: str, payload: dict) -> None:
+    """``payload`` as JSON at ``path`` (folders created), after the run's command, commit and hardware."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    info = {"command": command_line(module), "commit": git_commit(exclude=path), "hardware": run_hardware()}
+    write_json(path, {**info, **payload})
+
+
 def save(args, module: str, results: list[dict], table: str, title: str) -> None:
     """``--out``: the results as JSON (with command, commit, hardware) and the table as markdown next to it."""
     if not args.out:
         return
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
-    write_json(
-        args.out,
-        {
-            "command": command_line(module),
-            "commit": git_commit(exclude=args.out),
-            "hardware": run_hardware(),
-            "results": results,
-        },
-    )
+    write_run_json(args.out, module, {"results": results})
     with open(os.path.splitext(args.out)[0] + ".md", "w", encoding="utf-8") as f:
         f.write(f"# {title}\n\n`{command_line(module)}`\n\n{table}\n")

@@ -41,9 +41,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from ..cli import UsageError, parse_int_list, run_cli
 from ..models import DTYPES, load_model_and_tokenizer, set_threads
-from ..records import write_json
-from ..run_info import command_line, git_commit
-from .harness import run_hardware
+from ..run_info import command_line
+from .harness import write_run_json
 from .instrument import patching
 from .rounds import (
     alternating_rounds,
@@ -334,17 +333,7 @@ def main(argv=None) -> int:
     out = table(results)
     print(out)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        write_json(
-            args.out,
-            {
-                "command": command_line(MODULE),
-                "commit": git_commit(exclude=args.out),
-                "hardware": run_hardware(),
-                "steps": args.steps,
-                "results": results,
-            },
-        )
+        write_run_json(args.out, MODULE, {"steps": args.steps, "results": results})
         with open(os.path.splitext(args.out)[0] + ".md", "w", encoding="utf-8") as f:
             f.write(f"# Decode-step profile\n\n`{command_line(MODULE)}`\n\n{out}\n")
     return 0
