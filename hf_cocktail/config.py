@@ -13,6 +13,7 @@ import torch
 
 from .hub import CONFIG_NAME, README_NAME, download_config, hub_has_readme, upload_folder
 from .model_card import make_model_card
+from .quant import CODEBOOKS
 from .rotation import ROTATIONS
 
 FORMAT_VERSION = 1
@@ -82,6 +83,10 @@ class CocktailConfig:
             applied to the stored keys/values; attention rotates the query once and the output back once, never the
             cache. Same bytes, far less quantization error.
         rotation_seed: seed of the rotation's random signs.
+        codebook: the levels INT2 and INT3 codes stand for (:mod:`hf_cocktail.quant`): ``"uniform"`` (the paper:
+            evenly spaced between the group's min and max) or ``"lloyd"`` (anchored Lloyd-Max: the min and max kept,
+            the levels between them placed for Gaussian data, denser near the middle). Same bytes; meant for rotated
+            storage, whose values are near Gaussian. INT4 stays uniform.
         keep_context_copy: keep a full-precision copy of the prompt up to the end of the context on CPU, so that
             :meth:`CocktailCache.requery` can answer a new question about the same document without a new prefill.
     """
@@ -106,6 +111,7 @@ class CocktailConfig:
     neighbors: int = 0
     rotation: str | None = None
     rotation_seed: int = 0
+    codebook: str = "uniform"
 
     def __post_init__(self) -> None:
         _check(
@@ -179,6 +185,7 @@ class CocktailConfig:
         )
         _check(self.rotation in ROTATIONS, f"rotation must be one of {ROTATIONS}, got {self.rotation!r}")
         _check(_is_int(self.rotation_seed), f"rotation_seed must be an integer, got {self.rotation_seed!r}")
+        _check(self.codebook in CODEBOOKS, f"codebook must be one of {CODEBOOKS}, got {self.codebook!r}")
         object.__setattr__(self, "_validated", True)  # from now on, assignments are validated (__setattr__)
 
     def __setattr__(self, name: str, value: Any) -> None:

@@ -110,10 +110,19 @@ def quantizers(backend: str, device: torch.device) -> tuple[Callable, Callable]:
 
 
 def _by_bits(fast: Callable, reference: Callable, chosen: str) -> Callable:
-    """``fast`` for the bit widths its kernel package quantizes, ``reference`` for the others (same signature)."""
+    """``fast`` for the bit widths and codebooks its kernel package quantizes, ``reference`` for the others (same
+    signature; one warning)."""
 
     def quantize(x: torch.Tensor, bits: int, *args, **kwargs):
-        return (fast if bits in _kernel_bits(chosen, "quantize") else reference)(x, bits, *args, **kwargs)
+        codebook = kwargs.get("codebook", "uniform")
+        if _kernel_reads(chosen, "quantize", bits, codebook):
+            return fast(x, bits, *args, **kwargs)
+        _warn_once(
+            f"{chosen}-quantize-{bits}-{codebook}",
+            f"the {chosen} quantizer does not write {bits}-bit codes with codebook={codebook!r} yet: "
+            "using the PyTorch implementation",
+        )
+        return reference(x, bits, *args, **kwargs)
 
     return quantize
 
@@ -153,27 +162,37 @@ def _cpu_attention(query: torch.Tensor, store: LayerStore, scaling: float, out_d
 
 
 @functools.cache  # asked at every decode step: the import and lookup once per (backend, op)
-def _kernel_bits(chosen: str, op: str = "attention") -> tuple[int, ...]:
-    """The packed bit widths the chosen kernel package reads (``op="attention"``) or writes (``"quantize"``)."""
+def _kernel_formats(chosen: str, op: str = "attention") -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The packed bit widths and the codebooks the chosen kernel package reads (``op="attention"``) or writes
+    (``"quantize"``)."""
     if chosen == "triton":
-        from triton_ops import checks
+        from triton_ops import checks as module
+    else:
+        import cpu_ops
 
-        return checks.SUPPORTED_BITS
-    import cpu_ops
+        module = getattr(cpu_ops, op)
+    return module.SUPPORTED_BITS, getattr(module, "SUPPORTED_CODEBOOKS", ("uniform",))
 
-    return getattr(cpu_ops, op).SUPPORTED_BITS
+
+def _kernel_reads(chosen: str, op: str, bits: int, codebook: str) -> bool:
+    """Whether the chosen kernel package handles ``bits``-bit codes with ``codebook`` for ``op``."""
+    supported_bits, codebooks = _kernel_formats(chosen, op)
+    return bits in supported_bits and codebook in codebooks
 
 
 def split_precision_attention(query: torch.Tensor, store: LayerStore, scaling: float, backend: str) -> torch.Tensor:
     """Decode attention of ``query (B, H_q, L_q, D)`` over ``store`` with the chosen backend; ``(B, H_q, L_q, D)``.
-    A store holding a bit width the chosen kernel does not read takes the PyTorch path (one warning)."""
+    A store holding a bit width or codebook the chosen kernel does not read takes the PyTorch path (one warning)."""
     chosen = resolve_backend(backend, query.device)
     if chosen != "torch":
-        missing = [s.bits for s in store.segments if s.bits not in _kernel_bits(chosen)]
+        missing = [
+            (s.bits, s.codebook) for s in store.segments if not _kernel_reads(chosen, "attention", s.bits, s.codebook)
+        ]
         if missing:
             _warn_once(
-                f"{chosen}-bits-{missing}",
-                f"the {chosen} kernel does not read {missing}-bit segments yet: using the PyTorch implementation",
+                f"{chosen}-read-{missing}",
+                f"the {chosen} kernel does not read these (bits, codebook) segments yet: {missing}; "
+                "using the PyTorch implementation",
             )
             chosen = "torch"
     if chosen == "triton":

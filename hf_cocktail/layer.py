@@ -209,6 +209,7 @@ class CocktailLayer(CacheLayerMixin):
             quantize_k,
             quantize_v,
             rotation,
+            cfg.codebook,
         )
         if cfg.keep_context_copy and self.context_copy is None:
             end = max(p.ctx_end for p in plans)

@@ -37,10 +37,21 @@ def _dequantize_block(seg: PackedSegment, which: str, *, a: int, e: int, first_t
     first chunk is ``c0``."""
     if which == "v":
         return quant.dequantize_values(
-            seg.v_codes[:, a:e], seg.v_scale[:, a:e], seg.v_zero[:, a:e], seg.bits, seg.group_size
+            seg.v_codes[:, a:e],
+            seg.v_scale[:, a:e],
+            seg.v_zero[:, a:e],
+            seg.bits,
+            seg.group_size,
+            codebook=seg.codebook,
         )
     return quant.dequantize_keys(
-        seg.k_codes[:, a:e], seg.k_scale[:, c0:], seg.k_zero[:, c0:], seg.bits, seg.chunk_size, first_token=first_token
+        seg.k_codes[:, a:e],
+        seg.k_scale[:, c0:],
+        seg.k_zero[:, c0:],
+        seg.bits,
+        seg.chunk_size,
+        first_token=first_token,
+        codebook=seg.codebook,
     )
 
 

@@ -106,6 +106,7 @@ class PackedSegment:
     v_zero: torch.Tensor  # (H_kv, N, D//G)
     tok_off: list[int]  # (B+1,)
     chunk_off: list[int]  # (B+1,)
+    codebook: str = "uniform"  # the code -> level map of these codes (quant.CODEBOOKS); "uniform" where it is
     _dev_offsets: tuple | None = field(default=None, repr=False)
 
     @classmethod
@@ -119,15 +120,23 @@ class PackedSegment:
         scale_dtype: torch.dtype,
         quantize_keys=None,
         quantize_values=None,
+        codebook: str = "uniform",
     ) -> PackedSegment:
         """Quantize and pack per-sequence chunk-ordered segments ``ks[b], vs[b]: (H_kv, N_b, D)``.
 
         ``quantize_keys`` / ``quantize_values`` default to the PyTorch reference in :mod:`hf_cocktail.quant`; the
-        Triton launchers and the fused CPU quantizers (``cpu_ops``) have the same signatures.
+        Triton launchers and the fused CPU quantizers (``cpu_ops``) have the same signatures. ``codebook`` is
+        recorded as ``"uniform"`` where it leaves ``bits`` uniform (INT4).
         """
+        if quant.codebook_levels(codebook, bits) is None:
+            codebook = "uniform"
         qk = quantize_keys or quant.quantize_pack_keys
         qv = quantize_values or quant.quantize_pack_values
-        parts = [(qk(k, bits, chunk_size, scale_dtype), qv(v, bits, group_size, scale_dtype)) for k, v in zip(ks, vs)]
+        extra = {} if codebook == "uniform" else {"codebook": codebook}
+        parts = [
+            (qk(k, bits, chunk_size, scale_dtype, **extra), qv(v, bits, group_size, scale_dtype, **extra))
+            for k, v in zip(ks, vs)
+        ]
         cat = lambda i, j: torch.cat([p[i][j] for p in parts], dim=1)  # noqa: E731
         return cls(
             bits,
@@ -141,6 +150,7 @@ class PackedSegment:
             cat(1, 2),
             _offsets([k.shape[1] for k in ks]),
             _offsets([-(-k.shape[1] // chunk_size) for k in ks]),
+            codebook,
         )
 
     @property
@@ -162,10 +172,22 @@ class PackedSegment:
         t0, t1 = self.tok_off[b], self.tok_off[b + 1]
         c0, c1 = self.chunk_off[b], self.chunk_off[b + 1]
         k = quant.dequantize_keys(
-            self.k_codes[:, t0:t1], self.k_scale[:, c0:c1], self.k_zero[:, c0:c1], self.bits, self.chunk_size, out_dtype
+            self.k_codes[:, t0:t1],
+            self.k_scale[:, c0:c1],
+            self.k_zero[:, c0:c1],
+            self.bits,
+            self.chunk_size,
+            out_dtype,
+            codebook=self.codebook,
         )
         v = quant.dequantize_values(
-            self.v_codes[:, t0:t1], self.v_scale[:, t0:t1], self.v_zero[:, t0:t1], self.bits, self.group_size, out_dtype
+            self.v_codes[:, t0:t1],
+            self.v_scale[:, t0:t1],
+            self.v_zero[:, t0:t1],
+            self.bits,
+            self.group_size,
+            out_dtype,
+            codebook=self.codebook,
         )
         return k, v
 
@@ -179,8 +201,11 @@ class PackedSegment:
     def kernel_args(self) -> tuple:
         """The segment as the kernel packages (``triton_ops``, ``cpu_ops``) take it: ``(bits, chunk_size,
         group_size, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, tok_off, chunk_off)`` with the offsets as
-        int32 tensors ``(B+1,)`` on the segment's device."""
-        return (self.bits, self.chunk_size, self.group_size, *self.tensors(), *self.device_offsets())
+        int32 tensors ``(B+1,)`` on the segment's device; a non-uniform codebook adds its fp32 levels
+        ``(2**bits,)`` (:func:`hf_cocktail.quant.level_tensors`) as a 12th item."""
+        args = (self.bits, self.chunk_size, self.group_size, *self.tensors(), *self.device_offsets())
+        tables = quant.level_tensors(self.codebook, self.bits, self.k_codes.device)
+        return args if tables is None else (*args, tables[0])
 
     def select(self, indices: list[int]) -> PackedSegment:
         """The segment holding sequences ``indices`` (reordered / repeated) of this one."""
@@ -202,6 +227,7 @@ class PackedSegment:
             cat(self.v_zero, tok),
             _offsets([s.stop - s.start for s in tok]),
             _offsets([s.stop - s.start for s in chk]),
+            self.codebook,
         )
 
     def nbytes_codes(self) -> int:
@@ -240,10 +266,11 @@ class LayerStore:
         quantize_keys: Callable | None = None,
         quantize_values: Callable | None = None,
         rotation: Rotation | None = None,
+        codebook: str = "uniform",
     ) -> LayerStore:
         """Store a prefill: ``k, v (B, H_kv, L, D)``; ``positions[b]`` maps ``"full"`` and each packed bit width to
         the prompt positions of sequence ``b`` that go there (chunk order kept). With ``rotation`` everything is
-        stored rotated (see :mod:`.rotation`)."""
+        stored rotated (see :mod:`.rotation`); ``codebook`` maps the packed codes to levels (:mod:`.quant`)."""
         if rotation is not None:
             k, v = rotation.rotate_keys(k), rotation.rotate_values(v)
         fulls_k, fulls_v = [], []
@@ -258,7 +285,7 @@ class LayerStore:
                 segs[bits][1].append(v[b].index_select(1, pos[bits]))
         packed = [
             PackedSegment.from_sequences(
-                *segs[bits], bits, chunk_size, group_size, scale_dtype, quantize_keys, quantize_values
+                *segs[bits], bits, chunk_size, group_size, scale_dtype, quantize_keys, quantize_values, codebook
             )
             for bits in packed_bits
         ]
