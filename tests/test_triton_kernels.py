@@ -14,6 +14,7 @@ if INTERPRET:  # must be set before the first import of triton, and before trito
     os.environ["TRITON_INTERPRET"] = "1"
 
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
 
@@ -50,6 +51,7 @@ from hf_cocktail import (  # noqa: E402
 from hf_cocktail.compat import cache_kwargs  # noqa: E402
 from hf_cocktail.split_attention import split_precision_attention_torch  # noqa: E402
 from hf_cocktail.store import FullPart, LayerStore, PackedSegment  # noqa: E402
+from triton_ops import checks  # noqa: E402
 
 from .conftest import FakeEncoder, make_prompt, make_tiny_llama  # noqa: E402
 
@@ -71,12 +73,17 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 
 
 # ----------------------------------------------------------------------------- quantize + pack
-def assert_same_quantization(x, bits, group, scale_dtype, keys):
-    tri = (triton_ops.quantize_pack_keys if keys else triton_ops.quantize_pack_values)(x, bits, group, scale_dtype)
-    ref = (quant.quantize_pack_keys if keys else quant.quantize_pack_values)(x, bits, group, scale_dtype)
+def assert_same_quantization(x, bits, group, scale_dtype, keys, codebook="uniform"):
+    tri = (triton_ops.quantize_pack_keys if keys else triton_ops.quantize_pack_values)(
+        x, bits, group, scale_dtype, codebook=codebook
+    )
+    ref = (quant.quantize_pack_keys if keys else quant.quantize_pack_values)(
+        x, bits, group, scale_dtype, codebook=codebook
+    )
     for name, a, b in zip(("codes", "scale", "zero"), tri, ref):
         assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, b.dtype, a.shape, b.shape)
         assert torch.equal(a, b), f"{name} differ at {int((a != b).sum())} of {a.numel()} entries"
+    return ref
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
@@ -111,6 +118,42 @@ def test_quantize_rounding_ties_and_constant_groups(scale_dtype, bits):
     assert scale[0, 1, 8:11].tolist() == [1.0, 1 + 2 * eps, 2 + 4 * eps]  # really rounded to even
 
 
+def test_lloyd_tables_are_the_reference_tables():
+    """triton_ops keeps its own copy of the Lloyd levels (it imports nothing from hf_cocktail): same levels, and
+    bit-identical fp32 boundaries."""
+    assert checks.SUPPORTED_CODEBOOKS == quant.CODEBOOKS and checks.LLOYD_LEVELS == quant.LLOYD_LEVELS
+    for codebook in quant.CODEBOOKS:
+        for bits in (2, 3, 4):
+            ref = quant.level_tensors(codebook, bits, DEV)
+            got = checks.boundaries(codebook, bits, torch.device(DEV))
+            assert got is None if ref is None else torch.equal(got, ref[1]), (codebook, bits)
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_quantize_lloyd_bit_exact(bits, scale_dtype):
+    """Codebook "lloyd": random keys / values (37 tokens: a partial last chunk of 5), zero-range groups (scale 0:
+    code 0), and a group with scale 1 and zero 0 whose values lie exactly on each boundary (code j + 1) and one fp32
+    step below it (code j)."""
+    g = torch.Generator().manual_seed(bits)
+    x = torch.randn(2, 37, 64, generator=g) * 4 + torch.randn(1, 1, 64, generator=g) * 8
+    x[0, :8, 3] = 2.5  # key channel 3 of chunk 0 is constant
+    x[1, 36, :] = -1.5  # the last token (alone in the partial chunk): every value group constant, and key chunk 4
+    for dtype in (torch.float32, torch.bfloat16):
+        assert_same_quantization(x.to(dtype).to(DEV), bits, 8, scale_dtype, keys=True, codebook="lloyd")
+        assert_same_quantization(x.to(dtype).to(DEV), bits, 16, scale_dtype, keys=False, codebook="lloyd")
+    b = quant.level_tensors("lloyd", bits, "cpu")[1]
+    qmax = (1 << bits) - 1
+    edge = torch.cat([torch.tensor([0.0, qmax]), b, torch.nextafter(b, torch.zeros_like(b))])  # 8 or 16 values
+    T, j = len(edge), torch.arange(len(b))
+    want = torch.cat([torch.tensor([0, qmax]), j + 1, j])
+    codes = assert_same_quantization(edge.reshape(1, 1, T).to(DEV), bits, T, scale_dtype, keys=False, codebook="lloyd")
+    assert quant.unpack_codes(codes[0], bits).flatten().tolist() == want.tolist()
+    keys = edge.reshape(1, T, 1).expand(1, T, 8).contiguous().to(DEV)  # one chunk of T tokens, 8 equal channels
+    codes = assert_same_quantization(keys, bits, T, scale_dtype, keys=True, codebook="lloyd")
+    assert quant.unpack_codes(codes[0], bits)[0, :, 0].tolist() == want.tolist()
+
+
 def test_quantize_empty_segment():
     x = torch.zeros(2, 0, 64, device=DEV)
     for bits in (2, 3, 4):
@@ -119,10 +162,12 @@ def test_quantize_empty_segment():
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the interpreter's fp16 cast
-@pytest.mark.parametrize("case", ["nan", "inf", "overflow", "bits", "head_dim", "head_dim_int3", "group"])
+@pytest.mark.parametrize(
+    "case", ["nan", "inf", "overflow", "bits", "head_dim", "head_dim_int3", "group", "codebook", "codebook_values"]
+)
 def test_quantize_errors_match_reference(case):
     x = torch.randn(1, 9, 64)
-    bits, group, keys, sd = 2, 16, True, torch.float16
+    bits, group, keys, sd, codebook = 2, 16, True, torch.float16, "uniform"
     if case == "nan":
         x[0, 3, 5] = float("nan")
     elif case == "inf":
@@ -135,6 +180,8 @@ def test_quantize_errors_match_reference(case):
         x = torch.randn(1, 9, 66)  # 66 is not a multiple of 4 (2-bit codes per byte)
     elif case == "head_dim_int3":
         x, bits = torch.randn(1, 9, 68), 3  # 68 is a multiple of 4 but not of 8 (INT3's 1-bit plane)
+    elif case.startswith("codebook"):
+        codebook, keys = "Lloyd", case == "codebook"
     else:
         group, keys = 24, False  # does not divide 64
     fns = (
@@ -145,7 +192,7 @@ def test_quantize_errors_match_reference(case):
     msgs = []
     for fn in fns:
         with pytest.raises(ValueError) as e:
-            fn(x.to(DEV), bits, group, sd)
+            fn(x.to(DEV), bits, group, sd, codebook=codebook)
         msgs.append(str(e.value))
     assert msgs[0] == msgs[1]
 
@@ -153,17 +200,18 @@ def test_quantize_errors_match_reference(case):
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_quantize_pack_bit_exact_gpu(dtype):
+@pytest.mark.parametrize("codebook", ["uniform", "lloyd"])
+def test_quantize_pack_bit_exact_gpu(dtype, codebook):
     g = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(8, 4096 + 17, 128, generator=g, device="cuda") * 3).to(dtype)
     for bits in (2, 3, 4):
         for scale_dtype in (torch.float16, torch.bfloat16, torch.float32):
-            assert_same_quantization(x, bits, 32, scale_dtype, keys=True)
-            assert_same_quantization(x, bits, 32, scale_dtype, keys=False)
+            assert_same_quantization(x, bits, 32, scale_dtype, keys=True, codebook=codebook)
+            assert_same_quantization(x, bits, 32, scale_dtype, keys=False, codebook=codebook)
 
 
 # ----------------------------------------------------------------------------- split-precision attention
-def make_store(full, packed, H_kv, D, C, G, dtype=torch.float32, scale_dtype=torch.float16, seed=0):
+def make_store(full, packed, H_kv, D, C, G, dtype=torch.float32, scale_dtype=torch.float16, seed=0, codebook="uniform"):
     """A LayerStore of ``len(full)`` sequences with the given per-sequence token counts, on DEV: ``full`` for the
     full-precision part, ``packed`` maps each packed segment's bit width to its counts (in storage order)."""
     g = torch.Generator().manual_seed(seed)
@@ -179,6 +227,7 @@ def make_store(full, packed, H_kv, D, C, G, dtype=torch.float32, scale_dtype=tor
             scale_dtype,
             triton_ops.quantize_pack_keys,
             triton_ops.quantize_pack_values,
+            codebook,
         )
         for bits, ns in packed.items()
     ]
@@ -267,6 +316,53 @@ def test_split_attention_matches_reference(name):
     check_attention(query, store, scaling, split_precision_attention_torch(query, store, scaling), tokens_per_split=tps)
 
 
+def lloyd_store(B, H_kv, D, low_bits):
+    """``LayerStore.build(..., codebook="lloyd")`` with the Triton quantizers, B sequences of 60 tokens: INT4
+    (uniform) and ``low_bits`` (Lloyd levels) segments of ragged lengths (partial chunks of 8), the rest full."""
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(B, H_kv, 60, D, generator=g).to(DEV) for _ in range(2))
+    cuts = [(16, 50), (8, 40), (0, 53)][:B]  # the INT4 tokens [0, a), the low-bit ones [a, c), full [c, 60)
+    positions = [{"full": torch.arange(c, 60), 4: torch.arange(0, a), low_bits: torch.arange(a, c)} for a, c in cuts]
+    build = functools.partial(LayerStore.build, k, v, positions, 8, 32, torch.float16, codebook="lloyd")
+    store, ref = build(triton_ops.quantize_pack_keys, triton_ops.quantize_pack_values), build()
+    for seg, ref_seg in zip(store.segments, ref.segments):  # the Triton quantizers wrote the reference's bytes
+        assert all(torch.equal(a, b) for a, b in zip(seg.tensors(), ref_seg.tensors()))
+    assert [(s.bits, s.codebook, len(s.kernel_args())) for s in store.segments] == [
+        (4, "uniform", 11),
+        (low_bits, "lloyd", 12),
+    ]
+    return store
+
+
+@pytest.mark.parametrize("low_bits,B,n_rep,Lq,tps", [(2, 2, 2, 1, None), (3, 3, 1, 2, 8), (2, 1, 4, 2, 16)])
+def test_split_attention_lloyd_matches_reference(low_bits, B, n_rep, Lq, tps):
+    """A store of Lloyd INT2 / INT3 codes: the kernel dequantizes code ``c`` as ``levels[c] * scale + zero``."""
+    store = lloyd_store(B, 2, 64, low_bits)
+    query = (torch.randn(B, 2 * n_rep, Lq, 64, generator=torch.Generator().manual_seed(1)) * 2).to(DEV)
+    ref = split_precision_attention_torch(query, store, 0.125)
+    check_attention(query, store, 0.125, ref, tokens_per_split=tps)
+
+
+@pytest.mark.parametrize("bad", ["float16", "length", "device", "list", "13_items"])
+def test_split_attention_rejects_bad_levels(bad):
+    store = lloyd_store(1, 2, 64, 3)
+    full = store.full
+    *args, levels = store.segments[1].kernel_args()
+    wrong = {
+        "float16": (levels.half(),),
+        "length": (quant.level_tensors("lloyd", 2, DEV)[0],),  # INT2 levels for INT3 codes
+        "device": (levels.to("meta"),),
+        "list": (levels.tolist(),),
+        "13_items": (levels, levels),
+    }[bad]
+    segments = [store.segments[0].kernel_args(), (*args, *wrong)]
+    match = r"12 with levels, got 13" if bad == "13_items" else r"segments\[1\] levels must be a float32 tensor"
+    with pytest.raises(ValueError, match=match):
+        triton_ops.split_precision_attention(
+            torch.randn(1, 2, 1, 64).to(DEV), full.keys, full.values, full.start_tensor(), segments, 0.1
+        )
+
+
 def test_split_attention_other_head_dim_falls_back(monkeypatch):
     monkeypatch.setattr(dispatch, "_warned", set())
     store = make_store([4], {4: [9], 2: [5]}, 2, 32, 8, 16)
@@ -299,13 +395,14 @@ def test_split_attention_rejects_unsupported_bits():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("B,Lq", [(1, 1), (3, 2)])
 @pytest.mark.parametrize("low_bits", [2, 3])
-def test_split_attention_realistic_gpu(dtype, B, Lq, low_bits):
-    """~4K tokens per sequence, Llama-3-8B heads (H_q 32, H_kv 8, D 128), ragged INT4 + INT2 / INT3 segments,
-    fp16/bf16."""
+@pytest.mark.parametrize("codebook", ["uniform", "lloyd"])
+def test_split_attention_realistic_gpu(dtype, B, Lq, low_bits, codebook):
+    """~4K tokens per sequence, Llama-3-8B heads (H_q 32, H_kv 8, D 128), ragged INT4 + INT2 / INT3 segments
+    (uniform or Lloyd levels), fp16/bf16."""
     full = [420, 97, 1300][:B]
     int4 = [1210, 0, 2047][:B]
     low = [2466, 3999, 700][:B]
-    store = make_store(full, {4: int4, low_bits: low}, 8, 128, 32, 32, dtype=dtype)
+    store = make_store(full, {4: int4, low_bits: low}, 8, 128, 32, 32, dtype=dtype, codebook=codebook)
     g = torch.Generator(device="cuda").manual_seed(1)
     query = torch.randn(B, 32, Lq, 128, generator=g, device="cuda").to(dtype)
     check_attention(query, store, 128**-0.5, attention_sdpa(query, store, 128**-0.5, dtype))

@@ -8,7 +8,8 @@ full-precision part, then the first packed segment (INT4), then the second (INT2
 a compile-time constant), each cut into pieces of
 ``tokens_per_split`` tokens of that sequence; ragged sequences just leave some splits empty. A program loads the
 ``n_rep * L_q`` query rows of its kv head together (GQA without ``repeat_kv``), unpacks and dequantizes codes in
-registers and keeps an fp32 online softmax, and writes its partial (max, sum, unnormalised output). Kernel 2 merges
+registers (code ``c`` as ``c * scale + zero``, or ``levels[c] * scale + zero`` for a segment with a codebook's table
+of levels) and keeps an fp32 online softmax, and writes its partial (max, sum, unnormalised output). Kernel 2 merges
 the partials of a row with a log-sum-exp reduction and writes the output in ``query.dtype``.
 """
 
@@ -60,6 +61,16 @@ def _load_codes(row_ptr, m2, d, D: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _code_values(q, lv_ptr, LEVELS: tl.constexpr):
+    """int32 codes ``q (BT, D)`` -> their levels in code units, fp32: ``lv_ptr[q]`` with ``LEVELS``, else ``q``."""
+    if LEVELS:
+        y = tl.load(lv_ptr + q)
+    else:
+        y = q.to(tl.float32)
+    return y
+
+
+@triton.jit
 def _packed_split(
     acc,
     m_i,
@@ -78,6 +89,7 @@ def _packed_split(
     vz_ptr,
     tok_ptr,
     chk_ptr,
+    lv_ptr,
     N,
     M,
     C,
@@ -85,9 +97,11 @@ def _packed_split(
     BT: tl.constexpr,
     BITS: tl.constexpr,
     G: tl.constexpr,
+    LEVELS: tl.constexpr,
 ):
     """Split ``j`` of sequence ``b`` in a packed segment: its tokens ``[tok_off[b] + j*TPS, ...)``. Key scales are
-    per (chunk, channel), chunk = ``chunk_off[b] + (token - tok_off[b]) // C``; value scales per (token, group)."""
+    per (chunk, channel), chunk = ``chunk_off[b] + (token - tok_off[b]) // C``; value scales per (token, group).
+    With ``LEVELS``, code ``c`` stands for ``lv_ptr[c]`` (fp32, ``2**BITS`` levels)."""
     DP: tl.constexpr = D * BITS // 8
     NG: tl.constexpr = D // G
     d = tl.arange(0, D)
@@ -111,12 +125,12 @@ def _packed_split(
         c_off = t64[:, None] * DP
         k_off = (c0 + (t - t0) // C).to(tl.int64)[:, None] * D + d[None, :]
         v_off = t64[:, None] * NG + grp[None, :]
-        kq = _load_codes(kc_ptr + c_off, m2, d, D, BITS)
-        k = kq.to(tl.float32) * tl.load(ks_ptr + k_off, mask=m2, other=0.0).to(tl.float32) + tl.load(
+        kq = _code_values(_load_codes(kc_ptr + c_off, m2, d, D, BITS), lv_ptr, LEVELS)
+        k = kq * tl.load(ks_ptr + k_off, mask=m2, other=0.0).to(tl.float32) + tl.load(
             kz_ptr + k_off, mask=m2, other=0.0
         ).to(tl.float32)
-        vq = _load_codes(vc_ptr + c_off, m2, d, D, BITS)
-        v = vq.to(tl.float32) * tl.load(vs_ptr + v_off, mask=m2, other=0.0).to(tl.float32) + tl.load(
+        vq = _code_values(_load_codes(vc_ptr + c_off, m2, d, D, BITS), lv_ptr, LEVELS)
+        v = vq * tl.load(vs_ptr + v_off, mask=m2, other=0.0).to(tl.float32) + tl.load(
             vz_ptr + v_off, mask=m2, other=0.0
         ).to(tl.float32)
         acc, m_i, l_i = _online_update(acc, m_i, l_i, q, k, v, rmask[:, None] & tm[None, :])
@@ -144,6 +158,7 @@ def _split_attn_kernel(
     a_vz,
     a_tok,
     a_chk,
+    a_lv,
     a_N,
     a_M,
     a_C,
@@ -155,6 +170,7 @@ def _split_attn_kernel(
     b_vz,
     b_tok,
     b_chk,
+    b_lv,
     b_N,
     b_M,
     b_C,
@@ -175,8 +191,10 @@ def _split_attn_kernel(
     BT: tl.constexpr,
     BITS_A: tl.constexpr,
     G_A: tl.constexpr,
+    LV_A: tl.constexpr,
     BITS_B: tl.constexpr,
     G_B: tl.constexpr,
+    LV_B: tl.constexpr,
 ):
     """Grid ``(B * H_kv * n_qb, S_total)``: partial attention of one block of query rows over one token split."""
     pid = tl.program_id(0)
@@ -226,6 +244,7 @@ def _split_attn_kernel(
             a_vz,
             a_tok,
             a_chk,
+            a_lv,
             a_N,
             a_M,
             a_C,
@@ -233,6 +252,7 @@ def _split_attn_kernel(
             BT,
             BITS_A,
             G_A,
+            LV_A,
         )
     else:
         acc, m_i, l_i = _packed_split(
@@ -253,6 +273,7 @@ def _split_attn_kernel(
             b_vz,
             b_tok,
             b_chk,
+            b_lv,
             b_N,
             b_M,
             b_C,
@@ -260,6 +281,7 @@ def _split_attn_kernel(
             BT,
             BITS_B,
             G_B,
+            LV_B,
         )
     r = (pid.to(tl.int64) * S_total + sp) * BQ + tl.arange(0, BQ)
     tl.store(pm_ptr + r, m_i)
@@ -321,17 +343,34 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _segment_args(seg: tuple | None, max_tokens: int | None, dummy: torch.Tensor):
-    """Kernel arguments of a packed segment (or of an empty stand-in), its bits / group size, its longest sequence."""
+def _check_levels(lv, i: int, bits: int, device: torch.device) -> torch.Tensor:
+    """A segment's 12th item: fp32 levels ``(2**bits,)`` on ``device`` (a codebook's), made contiguous."""
+    ok = isinstance(lv, torch.Tensor) and lv.dtype == torch.float32 and lv.shape == (1 << bits,)
+    if not (ok and lv.device == device):
+        got = f"{lv.dtype} {tuple(lv.shape)} on {lv.device}" if isinstance(lv, torch.Tensor) else type(lv).__name__
+        raise ValueError(
+            f"segments[{i}] levels must be a float32 tensor of shape ({1 << bits},) on {device}, got {got}"
+        )
+    return lv.contiguous()
+
+
+def _segment_args(seg: tuple | None, i: int, max_tokens: int | None, dummy: torch.Tensor):
+    """Kernel arguments of packed segment ``i`` (or of an empty stand-in), its bits / group size, whether it has
+    levels, its longest sequence."""
     if seg is None:
         z = dummy
-        return [z, z, z, z, z, z, z, z, 0, 0, 1], 2, 1, 0
-    bits, chunk_size, group_size, *tensors, tok, chk = seg
+        return [z, z, z, z, z, z, z, z, z, 0, 0, 1], 2, 1, False, 0
+    if len(seg) not in (11, 12):
+        raise ValueError(f"segments[{i}] must have 11 items, or 12 with levels, got {len(seg)}")
+    bits, chunk_size, group_size, *tensors, tok, chk = seg[:11]
     check_bits(bits)
+    levels = _check_levels(seg[11], i, bits, dummy.device) if len(seg) == 12 else None
     tensors = [t.contiguous() for t in tensors]
     if max_tokens is None:
         max_tokens = int((tok[1:] - tok[:-1]).max()) if tok.numel() > 1 else 0
-    return [*tensors, tok, chk, tensors[0].shape[1], tensors[1].shape[1], chunk_size], bits, group_size, max_tokens
+    lv = dummy if levels is None else levels
+    args = [*tensors, tok, chk, lv, tensors[0].shape[1], tensors[1].shape[1], chunk_size]
+    return args, bits, group_size, levels is not None, max_tokens
 
 
 def split_precision_attention(
@@ -353,7 +392,9 @@ def split_precision_attention(
         full_keys, full_values: ``(B, H_kv, R, D)``; sequence ``b`` owns ``[full_start[b], R)``.
         full_start: int32 ``(B,)`` on the query's device.
         segments: at most two packed segments, each ``(bits, chunk_size, group_size, k_codes, k_scale, k_zero,
-            v_codes, v_scale, v_zero, tok_off, chunk_off)`` with int32 offsets ``(B+1,)``.
+            v_codes, v_scale, v_zero, tok_off, chunk_off[, levels])`` with int32 offsets ``(B+1,)``; ``levels``
+            (a codebook's): fp32 ``(2**bits,)`` on the query's device, code ``c`` then dequantizes as
+            ``levels[c] * scale + zero`` instead of ``c * scale + zero``.
         scaling: softmax scale (usually ``D ** -0.5``).
         max_tokens: per segment, the most tokens one sequence owns; min_full_start: ``min(full_start)``. Computed
             from the tensors when not given (a device sync).
@@ -388,7 +429,9 @@ def split_precision_attention(
     segs = list(segments) + [None] * (2 - len(segments))
     maxes = list(max_tokens) if max_tokens is not None else [None] * len(segments)
     maxes += [None] * (2 - len(maxes))
-    (a_args, bits_a, g_a, len_a), (b_args, bits_b, g_b, len_b) = (_segment_args(s, m, fk) for s, m in zip(segs, maxes))
+    (a_args, bits_a, g_a, lv_a, len_a), (b_args, bits_b, g_b, lv_b, len_b) = (
+        _segment_args(s, i, m, fk) for i, (s, m) in enumerate(zip(segs, maxes))
+    )
     len_full = R - (int(full_start.min()) if min_full_start is None else min_full_start)
     P = B * H_kv * n_qb
     if tokens_per_split is None:
@@ -442,8 +485,10 @@ def split_precision_attention(
             BT=BT,
             BITS_A=bits_a,
             G_A=g_a,
+            LV_A=lv_a,
             BITS_B=bits_b,
             G_B=g_b,
+            LV_B=lv_b,
         )
         _merge_kernel[(P,)](
             part_o,

@@ -2,16 +2,36 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
 SUPPORTED_BITS = (2, 3, 4)  # packed code widths; INT3 as a 2-bit plane then a 1-bit plane (the reference's layout)
+SUPPORTED_CODEBOOKS = ("uniform", "lloyd")  # code -> level maps (hf_cocktail.quant.CODEBOOKS; dispatch reads this)
+# hf_cocktail.quant.LLOYD_LEVELS, copied (this package imports nothing from hf_cocktail; the tests compare them)
+LLOYD_LEVELS = {2: (0.0, 1.08, 1.92, 3.0), 3: (0.0, 1.29, 2.25, 3.09, 3.91, 4.75, 5.71, 7.0)}
 
 
 def check_bits(bits: int) -> None:
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
+
+
+def check_codebook(codebook: str) -> None:
+    if codebook not in SUPPORTED_CODEBOOKS:
+        raise ValueError(f"codebook must be one of {SUPPORTED_CODEBOOKS}, got {codebook!r}")
+
+
+@functools.cache
+def boundaries(codebook: str, bits: int, device: torch.device) -> torch.Tensor | None:
+    """fp32 ``(2**bits - 1,)`` on ``device`` (cached): the midpoints of ``codebook``'s levels for ``bits``-bit codes,
+    computed as ``hf_cocktail.quant.level_tensors`` does; ``None`` where the levels are uniform (INT4 stays so)."""
+    levels = LLOYD_LEVELS.get(bits) if codebook == "lloyd" else None
+    if levels is None:
+        return None
+    table = torch.tensor(levels, dtype=torch.float32, device=device)
+    return (table[1:] + table[:-1]) * 0.5
 
 
 def channel_multiple(bits: int) -> int:
