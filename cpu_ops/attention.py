@@ -11,6 +11,7 @@ from ._build import extension
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INT32, UINT8 = (torch.int32,), (torch.uint8,)
 SUPPORTED_BITS = (2, 3, 4)
+LEVEL_TABLE_BITS = (2, 3)  # bit widths whose codes may stand for a table of levels (a segment's 12th item)
 _SEGMENT_FIELDS = (
     "bits",
     "chunk_size",
@@ -74,13 +75,15 @@ def split_precision_attention(
             ``t <= R - L_q + i``.
         full_start: int32 ``(B,)``, values in ``[0, R]``.
         segments: a list of 0 to 2 tuples ``(bits, chunk_size, group_size, k_codes, k_scale, k_zero, v_codes,
-            v_scale, v_zero, tok_off, chunk_off)`` in the storage format of ``hf_cocktail.quant``:
+            v_scale, v_zero, tok_off, chunk_off[, levels])`` in the storage format of ``hf_cocktail.quant``:
             bits 2, 3 or 4 (INT3: a 2-bit plane then a 1-bit plane); chunk_size C >= 1; group_size G a power of
             two dividing D; ``k_codes``, ``v_codes`` uint8 ``(H_kv, N, D * bits // 8)``; ``k_scale``, ``k_zero``
             ``(H_kv, M, D)`` and ``v_scale``, ``v_zero`` ``(H_kv, N, D // G)``, all four of one dtype (float16 /
             bfloat16 / float32); ``tok_off``, ``chunk_off`` int32 ``(B + 1,)``: sequence ``b`` owns tokens
             ``[tok_off[b], tok_off[b+1])`` and chunks ``[chunk_off[b], chunk_off[b+1])``; the chunk of token ``t``
-            is ``chunk_off[b] + (t - tok_off[b]) // C``.
+            is ``chunk_off[b] + (t - tok_off[b]) // C``. ``levels`` (optional, bits 2 or 3): float32 ``(2**bits,)``,
+            the level each code stands for (a codebook: ``level * scale + zero`` instead of ``code * scale +
+            zero``).
             Non-contiguous segment tensors are copied (stored segments are contiguous).
         scaling: softmax scale (usually ``D ** -0.5``).
         tokens_per_item: tokens of one (sequence, kv head, source) per parallel work item (default: chosen from the
@@ -123,13 +126,13 @@ def split_precision_attention(
 
     seg_tensors, seg_ints, tokens = [], [], 0
     for i, seg in enumerate(segments):
-        if not isinstance(seg, (list, tuple)) or len(seg) != len(_SEGMENT_FIELDS):
+        if not isinstance(seg, (list, tuple)) or len(seg) not in (len(_SEGMENT_FIELDS), len(_SEGMENT_FIELDS) + 1):
             _fail(
                 f"segments[{i}]",
-                f"a tuple {_SEGMENT_FIELDS}",
+                f"a tuple {_SEGMENT_FIELDS} (+ levels)",
                 f"{len(seg)} items" if isinstance(seg, (list, tuple)) else type(seg).__name__,
             )
-        bits, C, G, kc, ks, kz, vc, vs, vz, tok, chk = seg
+        bits, C, G, kc, ks, kz, vc, vs, vz, tok, chk = seg[: len(_SEGMENT_FIELDS)]
         if not (type(bits) is int and bits in SUPPORTED_BITS):
             _fail(f"segments[{i}].bits", f"one of {SUPPORTED_BITS}", repr(bits))
         if not (type(C) is int and C >= 1):
@@ -145,7 +148,7 @@ def split_precision_attention(
         _check_tensor((i, "v_zero"), vz, (ks.dtype,), vs.shape)
         _check_tensor((i, "tok_off"), tok, INT32, (B + 1,))
         _check_tensor((i, "chunk_off"), chk, INT32, (B + 1,))
-        seg_tensors += [t.contiguous() for t in (kc, ks, kz, vc, vs, vz, tok, chk)]
+        seg_tensors += [t.contiguous() for t in (kc, ks, kz, vc, vs, vz, tok, chk)] + [_levels(seg, i, bits)]
         seg_ints += [bits, C, G]
         tokens += N
     if tokens_per_item is None:
@@ -167,6 +170,19 @@ def split_precision_attention(
         tokens_per_item,
         isa == "baseline",
     )
+
+
+def _levels(seg, i: int, bits: int) -> torch.Tensor:
+    """A segment's optional 12th item, checked: its level table, or an empty tensor for uniform levels."""
+    if len(seg) == len(_SEGMENT_FIELDS):
+        return _NO_LEVELS
+    if bits not in LEVEL_TABLE_BITS:
+        _fail(f"segments[{i}].bits", f"one of {LEVEL_TABLE_BITS} with levels", repr(bits))
+    _check_tensor((i, "levels"), seg[-1], (torch.float32,), (1 << bits,))
+    return seg[-1].contiguous()
+
+
+_NO_LEVELS = torch.empty(0)
 
 
 def _default_tokens_per_item(pairs: int, tokens_per_pair: int) -> int:

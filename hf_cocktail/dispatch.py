@@ -93,7 +93,8 @@ def _warn_once(key: str, message: str) -> None:
 def quantizers(backend: str, device: torch.device) -> tuple[Callable, Callable]:
     """``(quantize_pack_keys, quantize_pack_values)`` of the backend (same signatures as :mod:`.quant`, same
     codes, scales and zeros): the Triton kernels, the fused CPU quantizers of ``cpu_ops`` (``"auto"`` on CPU where
-    the extension builds, as for attention) or the PyTorch reference."""
+    the extension builds, as for attention) or the PyTorch reference. A codebook reaches the kernels as its table of
+    levels (``levels=``)."""
     chosen = resolve_backend(backend, device)
     if chosen == "triton":
         import triton_ops
@@ -113,16 +114,16 @@ def _by_bits(fast: Callable, reference: Callable, chosen: str) -> Callable:
     """``fast`` for the bit widths and codebooks its kernel package quantizes, ``reference`` for the others (same
     signature; one warning)."""
 
-    def quantize(x: torch.Tensor, bits: int, *args, **kwargs):
-        codebook = kwargs.get("codebook", "uniform")
+    def quantize(x: torch.Tensor, bits: int, *args, codebook: str = "uniform"):
         if _kernel_reads(chosen, "quantize", bits, codebook):
-            return fast(x, bits, *args, **kwargs)
+            tables = quant.level_tensors(codebook, bits, x.device)
+            return fast(x, bits, *args) if tables is None else fast(x, bits, *args, levels=tables[0])
         _warn_once(
             f"{chosen}-quantize-{bits}-{codebook}",
             f"the {chosen} quantizer does not write {bits}-bit codes with codebook={codebook!r} yet: "
             "using the PyTorch implementation",
         )
-        return reference(x, bits, *args, **kwargs)
+        return reference(x, bits, *args, codebook=codebook)
 
     return quantize
 
@@ -162,22 +163,22 @@ def _cpu_attention(query: torch.Tensor, store: LayerStore, scaling: float, out_d
 
 
 @functools.cache  # asked at every decode step: the import and lookup once per (backend, op)
-def _kernel_formats(chosen: str, op: str = "attention") -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """The packed bit widths and the codebooks the chosen kernel package reads (``op="attention"``) or writes
-    (``"quantize"``)."""
+def _kernel_formats(chosen: str, op: str = "attention") -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The packed bit widths the chosen kernel package reads (``op="attention"``) or writes (``"quantize"``), and
+    those it also handles with a table of levels (a codebook's, from :func:`hf_cocktail.quant.level_tensors`)."""
     if chosen == "triton":
         from triton_ops import checks as module
     else:
         import cpu_ops
 
         module = getattr(cpu_ops, op)
-    return module.SUPPORTED_BITS, getattr(module, "SUPPORTED_CODEBOOKS", ("uniform",))
+    return module.SUPPORTED_BITS, getattr(module, "LEVEL_TABLE_BITS", ())
 
 
 def _kernel_reads(chosen: str, op: str, bits: int, codebook: str) -> bool:
     """Whether the chosen kernel package handles ``bits``-bit codes with ``codebook`` for ``op``."""
-    supported_bits, codebooks = _kernel_formats(chosen, op)
-    return bits in supported_bits and codebook in codebooks
+    supported_bits, level_bits = _kernel_formats(chosen, op)
+    return bits in supported_bits and (codebook == "uniform" or bits in level_bits)
 
 
 def split_precision_attention(query: torch.Tensor, store: LayerStore, scaling: float, backend: str) -> torch.Tensor:

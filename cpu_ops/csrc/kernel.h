@@ -112,27 +112,40 @@ static std::vector<int> tile_order(int D) {
   return perm;
 }
 
-// The codes of one token (D channels, PER per byte, low bits first) -> fp32 in tile order (tile_order). With
-// `scale`, values are dequantized on the way: code * scale[group] + zero[group], vgroup[v] being the value group of
-// tile lanes 8 * v ... 8 * v + 7.
+// 8 codes -> their levels in code units: the codes themselves (uniform levels, table null), or table[code] for a
+// codebook (hf_cocktail.quant.LLOYD_LEVELS; table: 8 floats, the levels padded with zeros).
+static inline v8f code_levels(v8i c, const float* table) {
+  if (!table) return __builtin_convertvector(c, v8f);
+#ifdef CPU_OPS_AVX2
+  return (v8f)_mm256_permutevar8x32_ps(_mm256_loadu_ps(table), (__m256i)c);
+#else
+  v8f x;
+  for (int i = 0; i < 8; ++i) x[i] = table[c[i]];
+  return x;
+#endif
+}
+
+// The codes of one token (D channels, PER per byte, low bits first) -> fp32 levels (code_levels) in tile order
+// (tile_order). With `scale`, values are dequantized on the way: level * scale[group] + zero[group], vgroup[v] being
+// the value group of tile lanes 8 * v ... 8 * v + 7.
 template <int BITS>
-static inline void unpack_token(const uint8_t* codes, int D, float* dst, const float* scale = nullptr,
+static inline void unpack_token(const uint8_t* codes, int D, float* dst, const float* table, const float* scale = nullptr,
                                 const float* zero = nullptr, const int* vgroup = nullptr);
 
 // INT3 tokens (defined below)
-static inline void unpack_token3(const uint8_t* codes, int D, float* dst, const float* scale, const float* zero,
-                                 const int* vgroup);
+static inline void unpack_token3(const uint8_t* codes, int D, float* dst, const float* table, const float* scale,
+                                 const float* zero, const int* vgroup);
 
 template <int BITS>
-static inline void unpack_token(const uint8_t* codes, int D, float* dst, const float* scale, const float* zero,
-                                const int* vgroup) {
-  if constexpr (BITS == 3) return unpack_token3(codes, D, dst, scale, zero, vgroup);
+static inline void unpack_token(const uint8_t* codes, int D, float* dst, const float* table, const float* scale,
+                                const float* zero, const int* vgroup) {
+  if constexpr (BITS == 3) return unpack_token3(codes, D, dst, table, scale, zero, vgroup);
   constexpr int PER = BITS == 3 ? 1 : 8 / BITS, MASK = (1 << BITS) - 1;
   typedef typename std::conditional<BITS == 2, uint16_t, uint32_t>::type Word;  // the BITS bytes of 8 channels
   const int Dp = D * BITS / 8, whole = Dp & ~7;
   int v = 0;  // 8-lane vector of the tile
   auto put = [&](v8i c) {
-    const v8f x = __builtin_convertvector(c & MASK, v8f);
+    const v8f x = code_levels(c & MASK, table);
     store8(dst + 8 * v, scale ? x * scale[vgroup[v]] + zero[vgroup[v]] : x);
     ++v;
   };
@@ -152,13 +165,14 @@ static inline void unpack_token(const uint8_t* codes, int D, float* dst, const f
 // INT2's tile order; in a whole group k of 8 low bytes (32 channels), lane i of vector j holds channel
 // 32k + 4i + j, whose high bit is bit 4i + j of the little-endian 32-bit word at high-plane byte 4k. Channels
 // after the whole groups are in channel order: lane i of the m-th 8 holds channel 8m + i, high bit i of byte m.
-static inline void unpack_token3(const uint8_t* codes, int D, float* dst, const float* scale = nullptr,
-                                 const float* zero = nullptr, const int* vgroup = nullptr) {
+static inline void unpack_token3(const uint8_t* codes, int D, float* dst, const float* table,
+                                 const float* scale = nullptr, const float* zero = nullptr,
+                                 const int* vgroup = nullptr) {
   const int Dl = D / 4, whole = Dl & ~7;
   const uint8_t* hi = codes + Dl;
   int v = 0;
   auto put = [&](v8i c) {
-    const v8f x = __builtin_convertvector(c, v8f);
+    const v8f x = code_levels(c, table);
     store8(dst + 8 * v, scale ? x * scale[vgroup[v]] + zero[vgroup[v]] : x);
     ++v;
   };
@@ -178,21 +192,22 @@ static inline void unpack_token3(const uint8_t* codes, int D, float* dst, const 
   }
 }
 
-// Keys (codes) and values (dequantized) of n tokens of a packed segment into the tiles, in tile order; vs / vz:
+// Keys (levels) and values (dequantized) of n tokens of a packed segment into the tiles, in tile order; vs / vz:
 // (n, NG) value scales / zeros. vgroup: the group of each 8 tile lanes, or null when lanes of one vector straddle
-// groups; then lane_g (the group of each tile position) gives per-lane scales.
+// groups; then lane_g (the group of each tile position) gives per-lane scales. table: the codebook (code_levels).
 template <int BITS>
 static void unpack_block(const uint8_t* kc, const uint8_t* vc, int n, int D, int NG, const float* vs, const float* vz,
-                         const int* vgroup, const int* lane_g, float* kt, float* vt, float* lane_s, float* lane_z) {
+                         const int* vgroup, const int* lane_g, const float* table, float* kt, float* vt,
+                         float* lane_s, float* lane_z) {
   const int Dp = D * BITS / 8;
   for (int t = 0; t < n; ++t) {
-    unpack_token<BITS>(kc + static_cast<int64_t>(t) * Dp, D, kt + static_cast<int64_t>(t) * D);
+    unpack_token<BITS>(kc + static_cast<int64_t>(t) * Dp, D, kt + static_cast<int64_t>(t) * D, table);
     const float *ts = vs + t * NG, *tz = vz + t * NG;
     float* vrow = vt + static_cast<int64_t>(t) * D;
     if (vgroup) {
-      unpack_token<BITS>(vc + static_cast<int64_t>(t) * Dp, D, vrow, ts, tz, vgroup);
+      unpack_token<BITS>(vc + static_cast<int64_t>(t) * Dp, D, vrow, table, ts, tz, vgroup);
     } else {
-      unpack_token<BITS>(vc + static_cast<int64_t>(t) * Dp, D, vrow);
+      unpack_token<BITS>(vc + static_cast<int64_t>(t) * Dp, D, vrow, table);
       for (int p = 0; p < D; ++p) lane_s[p] = ts[lane_g[p]], lane_z[p] = tz[lane_g[p]];
       for (int p = 0; p < D; p += 8) store8(vrow + p, load8(vrow + p) * load8(lane_s + p) + load8(lane_z + p));
     }
@@ -321,6 +336,8 @@ static void run_item(const Problem& P, const WorkItem& w, float* m, float* l, fl
   }
   std::vector<float> qp(static_cast<size_t>(rows) * D), qs(qp.size()), kscale(D), kzero(D), ks_tile(D),
       vsc(static_cast<size_t>(kBlock) * NG), vze(vsc.size()), lane_s(D), lane_z(D);
+  float table[8] = {};  // the codebook's levels, padded to 8 lanes (code_levels); unused for uniform levels
+  if (g.levels) std::copy(g.levels, g.levels + (1 << g.bits), table);
   for (int r = 0; r < rows; ++r)  // the queries in tile order
     for (int p = 0; p < D; ++p) qp[r * D + p] = q[static_cast<int64_t>(r) * D + perm[p]];
   const uint8_t* kc = g.k_codes + static_cast<int64_t>(w.h) * g.N * Dp;
@@ -330,7 +347,7 @@ static void run_item(const Problem& P, const WorkItem& w, float* m, float* l, fl
   for (int64_t a = w.lo; a < w.hi;) {
     const int64_t c = c0 + (a - t0) / g.C;  // the chunk of token a; the block ends at the chunk's end
     const int n = static_cast<int>(std::min<int64_t>({kBlock, w.hi - a, t0 + (c - c0 + 1) * g.C - a}));
-    if (c != chunk) {  // keys: q . k_t = sum_d (q_d * s_cd) * code_td + sum_d q_d * z_cd, scales once per chunk
+    if (c != chunk) {  // keys: q . k_t = sum_d (q_d * s_cd) * level_td + sum_d q_d * z_cd, scales once per chunk
       chunk = c;
       const int64_t off = (static_cast<int64_t>(w.h) * g.M + c) * D;
       to_float(g.k_scale, g.s_dtype, off, D, kscale.data());
@@ -345,12 +362,12 @@ static void run_item(const Problem& P, const WorkItem& w, float* m, float* l, fl
         bias[r] = hsum(bz);
       }
     }
-    // values: code * vs + vz per token and group of G channels, dequantized into the tile (shared by all rows)
+    // values: level * vs + vz per token and group of G channels, dequantized into the tile (shared by all rows)
     const int64_t voff = (static_cast<int64_t>(w.h) * g.N + a) * NG;
     to_float(g.v_scale, g.s_dtype, voff, static_cast<int64_t>(n) * NG, vsc.data());
     to_float(g.v_zero, g.s_dtype, voff, static_cast<int64_t>(n) * NG, vze.data());
     unpack(kc + a * Dp, vc + a * Dp, n, D, NG, vsc.data(), vze.data(), uniform ? vgroup.data() : nullptr,
-           lane_g.data(), kt.data(), vt.data(), lane_s.data(), lane_z.data());
+           lane_g.data(), g.levels ? table : nullptr, kt.data(), vt.data(), lane_s.data(), lane_z.data());
     block_scores(qs.data(), bias.data(), kt.data(), rows, clear_tail(n), D, s.data());
     finish_block(n);
     a += n;

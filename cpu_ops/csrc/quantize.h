@@ -13,12 +13,13 @@ namespace cpu_ops_quant {
 constexpr int64_t kNonFinite = 1;
 constexpr int64_t kOverflow = 2;
 
-// k (H, N, D) contiguous -> codes uint8 (H, N, D * bits / 8), scale / zero (H, ceil(N / chunk_size), D).
+// k (H, N, D) contiguous -> codes uint8 (H, N, D * bits / 8), scale / zero (H, ceil(N / chunk_size), D); bounds: a
+// codebook's fp32 boundaries (2**bits - 1, bits 2 or 3), or an empty tensor for uniform levels.
 int64_t quantize_keys(const at::Tensor& k, int64_t bits, int64_t chunk_size, const at::Tensor& codes,
-                      const at::Tensor& scale, const at::Tensor& zero);
+                      const at::Tensor& scale, const at::Tensor& zero, const at::Tensor& bounds);
 
-// v (H, N, D) contiguous -> codes uint8 (H, N, D * bits / 8), scale / zero (H, N, D / group_size).
+// v (H, N, D) contiguous -> codes uint8 (H, N, D * bits / 8), scale / zero (H, N, D / group_size); bounds as above.
 int64_t quantize_values(const at::Tensor& v, int64_t bits, int64_t group_size, const at::Tensor& codes,
-                        const at::Tensor& scale, const at::Tensor& zero);
+                        const at::Tensor& scale, const at::Tensor& zero, const at::Tensor& bounds);
 
 }  // namespace cpu_ops_quant
