@@ -74,8 +74,9 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 
 # ----------------------------------------------------------------------------- quantize + pack
 def assert_same_quantization(x, bits, group, scale_dtype, keys, codebook="uniform"):
+    tables = quant.level_tensors(codebook, bits, x.device)
     tri = (triton_ops.quantize_pack_keys if keys else triton_ops.quantize_pack_values)(
-        x, bits, group, scale_dtype, codebook=codebook
+        x, bits, group, scale_dtype, **({} if tables is None else {"levels": tables[0]})
     )
     ref = (quant.quantize_pack_keys if keys else quant.quantize_pack_values)(
         x, bits, group, scale_dtype, codebook=codebook
@@ -118,15 +119,21 @@ def test_quantize_rounding_ties_and_constant_groups(scale_dtype, bits):
     assert scale[0, 1, 8:11].tolist() == [1.0, 1 + 2 * eps, 2 + 4 * eps]  # really rounded to even
 
 
-def test_lloyd_tables_are_the_reference_tables():
-    """triton_ops keeps its own copy of the Lloyd levels (it imports nothing from hf_cocktail): same levels, and
-    bit-identical fp32 boundaries."""
-    assert checks.SUPPORTED_CODEBOOKS == quant.CODEBOOKS and checks.LLOYD_LEVELS == quant.LLOYD_LEVELS
-    for codebook in quant.CODEBOOKS:
-        for bits in (2, 3, 4):
-            ref = quant.level_tensors(codebook, bits, DEV)
-            got = checks.boundaries(codebook, bits, torch.device(DEV))
-            assert got is None if ref is None else torch.equal(got, ref[1]), (codebook, bits)
+def test_level_boundaries_are_the_reference_boundaries():
+    """The launchers turn a level table into the reference's fp32 boundaries, bit for bit; bad tables are refused."""
+    for bits in (2, 3):
+        levels, bounds = quant.level_tensors("lloyd", bits, DEV)
+        assert torch.equal(checks.boundaries(levels, bits, torch.device(DEV)), bounds)
+    assert checks.boundaries(None, 4, torch.device(DEV)) is None
+    x = torch.randn(1, 8, 16, device=DEV)
+    for bits, levels, match in [
+        (4, torch.zeros(16), r"levels apply to bits \(2, 3\), got bits=4"),
+        (3, torch.zeros(8, dtype=torch.float16), r"levels must be a float32 tensor of shape \(8,\), got torch.float16"),
+        (2, [0.0, 1.0, 2.0, 3.0], r"levels must be a float32 tensor of shape \(4,\), got list"),
+    ]:
+        for fn in (triton_ops.quantize_pack_keys, triton_ops.quantize_pack_values):
+            with pytest.raises(ValueError, match=match):
+                fn(x, bits, 8, None, levels=levels)
 
 
 @pytest.mark.parametrize("bits", [2, 3])
@@ -162,12 +169,10 @@ def test_quantize_empty_segment():
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the interpreter's fp16 cast
-@pytest.mark.parametrize(
-    "case", ["nan", "inf", "overflow", "bits", "head_dim", "head_dim_int3", "group", "codebook", "codebook_values"]
-)
+@pytest.mark.parametrize("case", ["nan", "inf", "overflow", "bits", "head_dim", "head_dim_int3", "group"])
 def test_quantize_errors_match_reference(case):
     x = torch.randn(1, 9, 64)
-    bits, group, keys, sd, codebook = 2, 16, True, torch.float16, "uniform"
+    bits, group, keys, sd = 2, 16, True, torch.float16
     if case == "nan":
         x[0, 3, 5] = float("nan")
     elif case == "inf":
@@ -180,8 +185,6 @@ def test_quantize_errors_match_reference(case):
         x = torch.randn(1, 9, 66)  # 66 is not a multiple of 4 (2-bit codes per byte)
     elif case == "head_dim_int3":
         x, bits = torch.randn(1, 9, 68), 3  # 68 is a multiple of 4 but not of 8 (INT3's 1-bit plane)
-    elif case.startswith("codebook"):
-        codebook, keys = "Lloyd", case == "codebook"
     else:
         group, keys = 24, False  # does not divide 64
     fns = (
@@ -192,7 +195,7 @@ def test_quantize_errors_match_reference(case):
     msgs = []
     for fn in fns:
         with pytest.raises(ValueError) as e:
-            fn(x.to(DEV), bits, group, sd, codebook=codebook)
+            fn(x.to(DEV), bits, group, sd)
         msgs.append(str(e.value))
     assert msgs[0] == msgs[1]
 
@@ -217,6 +220,7 @@ def make_store(full, packed, H_kv, D, C, G, dtype=torch.float32, scale_dtype=tor
     g = torch.Generator().manual_seed(seed)
     rnd = lambda n: torch.randn(H_kv, n, D, generator=g).to(DEV)  # noqa: E731
     fp = FullPart.from_sequences([rnd(n).to(dtype) for n in full], [rnd(n).to(dtype) for n in full])
+    quantize_keys, quantize_values = dispatch.quantizers("triton", torch.device(DEV))  # codebook -> levels
     segs = [
         PackedSegment.from_sequences(
             [rnd(n) for n in ns],
@@ -225,8 +229,8 @@ def make_store(full, packed, H_kv, D, C, G, dtype=torch.float32, scale_dtype=tor
             C,
             G,
             scale_dtype,
-            triton_ops.quantize_pack_keys,
-            triton_ops.quantize_pack_values,
+            quantize_keys,
+            quantize_values,
             codebook,
         )
         for bits, ns in packed.items()
@@ -324,7 +328,7 @@ def lloyd_store(B, H_kv, D, low_bits):
     cuts = [(16, 50), (8, 40), (0, 53)][:B]  # the INT4 tokens [0, a), the low-bit ones [a, c), full [c, 60)
     positions = [{"full": torch.arange(c, 60), 4: torch.arange(0, a), low_bits: torch.arange(a, c)} for a, c in cuts]
     build = functools.partial(LayerStore.build, k, v, positions, 8, 32, torch.float16, codebook="lloyd")
-    store, ref = build(triton_ops.quantize_pack_keys, triton_ops.quantize_pack_values), build()
+    store, ref = build(*dispatch.quantizers("triton", torch.device(DEV))), build()  # Triton's, with levels=
     for seg, ref_seg in zip(store.segments, ref.segments):  # the Triton quantizers wrote the reference's bytes
         assert all(torch.equal(a, b) for a, b in zip(seg.tensors(), ref_seg.tensors()))
     assert [(s.bits, s.codebook, len(s.kernel_args())) for s in store.segments] == [

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
 SUPPORTED_BITS = (2, 3, 4)  # packed code widths; INT3 as a 2-bit plane then a 1-bit plane (the reference's layout)
-SUPPORTED_CODEBOOKS = ("uniform", "lloyd")  # code -> level maps (hf_cocktail.quant.CODEBOOKS; dispatch reads this)
-# hf_cocktail.quant.LLOYD_LEVELS, copied (this package imports nothing from hf_cocktail; the tests compare them)
-LLOYD_LEVELS = {2: (0.0, 1.08, 1.92, 3.0), 3: (0.0, 1.29, 2.25, 3.09, 3.91, 4.75, 5.71, 7.0)}
+LEVEL_TABLE_BITS = (2, 3)  # bit widths the quantizers also write for a table of levels (``levels=``, a codebook)
 
 
 def check_bits(bits: int) -> None:
@@ -18,20 +15,19 @@ def check_bits(bits: int) -> None:
         raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
 
 
-def check_codebook(codebook: str) -> None:
-    if codebook not in SUPPORTED_CODEBOOKS:
-        raise ValueError(f"codebook must be one of {SUPPORTED_CODEBOOKS}, got {codebook!r}")
-
-
-@functools.cache
-def boundaries(codebook: str, bits: int, device: torch.device) -> torch.Tensor | None:
-    """fp32 ``(2**bits - 1,)`` on ``device`` (cached): the midpoints of ``codebook``'s levels for ``bits``-bit codes,
-    computed as ``hf_cocktail.quant.level_tensors`` does; ``None`` where the levels are uniform (INT4 stays so)."""
-    levels = LLOYD_LEVELS.get(bits) if codebook == "lloyd" else None
+def boundaries(levels, bits: int, device: torch.device) -> torch.Tensor | None:
+    """fp32 ``(2**bits - 1,)`` on ``device``: the midpoints of a level table (``levels``: float32 ``(2**bits,)``, bits
+    in :data:`LEVEL_TABLE_BITS`), computed as ``hf_cocktail.quant.level_tensors`` does; ``None`` for ``None``
+    (uniform levels)."""
     if levels is None:
         return None
-    table = torch.tensor(levels, dtype=torch.float32, device=device)
-    return (table[1:] + table[:-1]) * 0.5
+    if bits not in LEVEL_TABLE_BITS:
+        raise ValueError(f"levels apply to bits {LEVEL_TABLE_BITS}, got bits={bits!r}")
+    if not (isinstance(levels, torch.Tensor) and levels.dtype == torch.float32 and levels.shape == (1 << bits,)):
+        got = f"{levels.dtype} {tuple(levels.shape)}" if isinstance(levels, torch.Tensor) else type(levels).__name__
+        raise ValueError(f"levels must be a float32 tensor of shape ({1 << bits},), got {got}")
+    levels = levels.to(device)
+    return ((levels[1:] + levels[:-1]) * 0.5).contiguous()
 
 
 def channel_multiple(bits: int) -> int:

@@ -3,9 +3,9 @@
 
 Shapes: H_kv heads, N tokens, D head dim, C chunk size (key group along tokens), G value group size (channels),
 M = ceil(N / C) chunks, Dp = D * bits // 8 packed bytes per token (bits 4, 3 or 2; INT3 as a 2-bit plane then a
-1-bit plane, the reference's layout). A codebook with levels (``"lloyd"`` at 2 and 3 bits) gives ``u = (x - zero) *
-(1 / scale)`` the code that counts the fp32 boundaries ``b[j] <= u`` (:func:`.checks.boundaries`, the midpoints of
-the levels) instead of ``floor(u + 0.5)``.
+1-bit plane, the reference's layout). With a table of levels (``levels=``, a codebook's, at 2 and 3 bits), ``u = (x
+- zero) * (1 / scale)`` gets the code that counts the fp32 boundaries not above it (:func:`.checks.boundaries`, the
+midpoints of the levels; a NaN ``u`` counts them all, as ``torch.bucketize``) instead of ``floor(u + 0.5)``.
 
 Bit-exactness with the reference: min/max and all arithmetic in fp32, divisions correctly rounded
 (``div_rn``, Triton's ``/`` is approximate on GPU), no FMA contraction (``enable_fp_fusion=False``), and scales /
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import boundaries, check_bits, check_codebook, check_device, check_finite, check_head_dim
+from .checks import boundaries, check_bits, check_device, check_finite, check_head_dim
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 _TILE = 4096  # elements of one (tokens x channels) tile held in registers
@@ -44,15 +44,15 @@ def _round_to(x, SD: tl.constexpr):
 @triton.jit
 def _quantize(x, zero, scale, bounds_ptr, BITS: tl.constexpr, NB: tl.constexpr):
     """int32 codes of ``u = (x - zero) * (1/scale)`` (``u = 0`` where ``scale == 0``): ``clamp(floor(u + 0.5), 0,
-    2**BITS - 1)``, or with ``NB > 0`` boundaries (fp32 ``bounds_ptr[0:NB]``) the number of them ``<= u``."""
+    2**BITS - 1)``, or with ``NB > 0`` boundaries (fp32 ``bounds_ptr[0:NB]``) the number of them not above ``u``."""
     inv = tl.where(scale > 0, tl.math.div_rn(1.0, tl.where(scale > 0, scale, 1.0)), 0.0)
     u = (x - zero) * inv
     if NB == 0:
         q = tl.minimum(tl.maximum(tl.floor(u + 0.5), 0.0), (1 << BITS) - 1).to(tl.int32)
     else:
-        q = (u >= tl.load(bounds_ptr)).to(tl.int32)
+        q = 1 - (u < tl.load(bounds_ptr)).to(tl.int32)  # not (u < b): NaN counts, as in the reference
         for j in tl.static_range(1, NB):
-            q += (u >= tl.load(bounds_ptr + j)).to(tl.int32)
+            q += 1 - (u < tl.load(bounds_ptr + j)).to(tl.int32)
     return q
 
 
@@ -182,13 +182,12 @@ def _quant_values_kernel(
     _store_packed(codes_ptr + (h.to(tl.int64) * N + t64) * DP, q, tmask, BLOCK_N, NG_P * G, D, BITS)
 
 
-def _check_input(x: torch.Tensor, what: str, bits: int, scale_dtype, codebook: str) -> torch.dtype:
+def _check_input(x: torch.Tensor, what: str, bits: int, scale_dtype) -> torch.dtype:
     if x.dim() != 3:
         raise ValueError(f"{what} must have shape (H_kv, N, D), got {tuple(x.shape)}")
     if not x.is_floating_point():
         raise ValueError(f"{what} must be a floating point tensor, got {x.dtype}")
     check_bits(bits)
-    check_codebook(codebook)
     scale_dtype = scale_dtype or x.dtype
     if scale_dtype not in _TL_DTYPES:
         raise ValueError(f"scale_dtype must be one of {list(_TL_DTYPES)}, got {scale_dtype}")
@@ -209,25 +208,26 @@ def _device_ctx(x: torch.Tensor):
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
-def _bounds_args(codebook: str, bits: int, dummy: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The kernels' ``(bounds_ptr, NB)``: ``codebook``'s boundaries and their count, or ``(dummy, 0)`` (unread)."""
-    b = boundaries(codebook, bits, dummy.device)
+def _bounds_args(levels, bits: int, dummy: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The kernels' ``(bounds_ptr, NB)``: the level table's boundaries and their count, or ``(dummy, 0)`` (unread)."""
+    b = boundaries(levels, bits, dummy.device)
     return (dummy, 0) if b is None else (b, b.numel())
 
 
 def quantize_pack_keys(
-    k: torch.Tensor, bits: int, chunk_size: int, scale_dtype: torch.dtype | None = None, codebook: str = "uniform"
+    k: torch.Tensor, bits: int, chunk_size: int, scale_dtype: torch.dtype | None = None, levels=None
 ):
     """Triton version of :func:`hf_cocktail.quant.quantize_pack_keys` (same arguments, bit-identical results).
 
     Args:
         k: ``(H_kv, N, D)`` chunk-ordered keys (chunks of ``chunk_size`` = C tokens, the last may be partial).
-        codebook: ``"uniform"`` or ``"lloyd"`` (:data:`.checks.SUPPORTED_CODEBOOKS`).
+        levels: ``None`` (uniform levels) or, for bits 2 / 3, a codebook's float32 ``(2**bits,)`` level table
+            (``hf_cocktail.quant.level_tensors(codebook, ...)[0]``: the reference's ``codebook=``).
 
     Returns:
         ``codes uint8 (H_kv, N, D*bits//8)``, ``scale (H_kv, M, D)``, ``zero (H_kv, M, D)`` with ``M = ceil(N/C)``.
     """
-    scale_dtype = _check_input(k, "keys", bits, scale_dtype, codebook)
+    scale_dtype = _check_input(k, "keys", bits, scale_dtype)
     H, N, D = k.shape
     check_head_dim(D, bits)
     if not isinstance(chunk_size, int) or chunk_size < 1:
@@ -243,7 +243,7 @@ def quantize_pack_keys(
         k = k.contiguous()
     block_d = triton.next_power_of_2(D)
     block_t = min(triton.next_power_of_2(chunk_size), max(1, _TILE // block_d))
-    bounds, nb = _bounds_args(codebook, bits, scale)
+    bounds, nb = _bounds_args(levels, bits, scale)
     with _device_ctx(k):
         _quant_keys_kernel[(H, M)](
             k,
@@ -269,17 +269,17 @@ def quantize_pack_keys(
 
 
 def quantize_pack_values(
-    v: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype | None = None, codebook: str = "uniform"
+    v: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype | None = None, levels=None
 ):
     """Triton version of :func:`hf_cocktail.quant.quantize_pack_values` (same arguments, bit-identical results).
 
     Args:
-        v: ``(H_kv, N, D)``; ``group_size`` (G) must divide D. ``codebook``: as for :func:`quantize_pack_keys`.
+        v: ``(H_kv, N, D)``; ``group_size`` (G) must divide D. ``levels``: as for :func:`quantize_pack_keys`.
 
     Returns:
         ``codes uint8 (H_kv, N, D*bits//8)``, ``scale (H_kv, N, D//G)``, ``zero (H_kv, N, D//G)``.
     """
-    scale_dtype = _check_input(v, "values", bits, scale_dtype, codebook)
+    scale_dtype = _check_input(v, "values", bits, scale_dtype)
     H, N, D = v.shape
     if not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be an integer >= 1, got {group_size!r}")
@@ -297,7 +297,7 @@ def quantize_pack_values(
         v = v.contiguous()
     ng_p = triton.next_power_of_2(NG)
     block_n = max(1, _TILE // (ng_p * group_size))
-    bounds, nb = _bounds_args(codebook, bits, scale)
+    bounds, nb = _bounds_args(levels, bits, scale)
     with _device_ctx(v):
         _quant_values_kernel[(H, triton.cdiv(N, block_n))](
             v,
