@@ -121,6 +121,8 @@ def _method(config: Any) -> str:
     rotation = getattr(config, "rotation", None)
     stored = f" Keys and values are stored rotated (`{rotation}`, an orthonormal per-head transform)."
     stored = stored if rotation else ""
+    if getattr(config, "codebook", "uniform") == "lloyd":
+        stored += " INT2/INT3 codes stand for anchored Lloyd-Max levels (`codebook='lloyd'`; INT4 stays uniform)."
     return (
         f"The context is cut into chunks of {config.chunk_size} tokens. At prefill each chunk is scored against "
         f"the query with the retrieval encoder `{config.encoder}`; {rule} Values are quantized per "

@@ -16,8 +16,9 @@ Storage format of one precision segment (INT4 or INT2) of one layer, tokens of o
 * codebook ``"lloyd"`` (INT2 and INT3; INT4 stays uniform): the same scale and zero, but code ``c`` stands for the
   level ``L[c]`` of :data:`LLOYD_LEVELS` (code units, ``L[0] = 0`` and ``L[-1] = 2**bits - 1``, so the group's min
   and max stay exact) instead of ``c``. With ``u = (x - zero) * (1 / scale)`` in fp32, ``code`` is the number of
-  boundaries ``b[j] = (L[j] + L[j + 1]) * 0.5`` (fp32) with ``b[j] <= u``; dequantization is ``L[code] * scale +
-  zero`` in fp32. Same bytes as uniform.
+  boundaries ``b[j] = (L[j] + L[j + 1]) * 0.5`` (fp32) with ``b[j] <= u`` (``torch.bucketize(u, b, right=True)``: a
+  NaN ``u``, from a scale whose inverse overflows, gets the top code); dequantization is ``L[code] * scale + zero``
+  in fp32. Same bytes as uniform. The kernels take the fp32 table ``L`` (:func:`level_tensors`) as ``levels=``.
 
 The Triton kernels in ``triton_ops`` implement the same functions with the same signatures and are tested against
 these, integers bit for bit.
