@@ -86,7 +86,9 @@ class CocktailConfig:
         codebook: the levels INT2 and INT3 codes stand for (:mod:`hf_cocktail.quant`): ``"uniform"`` (the paper:
             evenly spaced between the group's min and max) or ``"lloyd"`` (anchored Lloyd-Max: the min and max kept,
             the levels between them placed for Gaussian data, denser near the middle). Same bytes; meant for rotated
-            storage, whose values are near Gaussian. INT4 stays uniform.
+            storage, whose values are near Gaussian. INT4 stays uniform. Measured on SmolLM2 (``eval/README.md``):
+            within noise on LongBench windows and worse on needle prompts with INT3, so :meth:`recommended` keeps
+            ``"uniform"``.
         keep_context_copy: keep a full-precision copy of the prompt up to the end of the context on CPU, so that
             :meth:`CocktailCache.requery` can answer a new question about the same document without a new prefill.
     """
