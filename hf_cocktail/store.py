@@ -124,9 +124,10 @@ class PackedSegment:
     ) -> PackedSegment:
         """Quantize and pack per-sequence chunk-ordered segments ``ks[b], vs[b]: (H_kv, N_b, D)``.
 
-        ``quantize_keys`` / ``quantize_values`` default to the PyTorch reference in :mod:`hf_cocktail.quant`; the
-        Triton launchers and the fused CPU quantizers (``cpu_ops``) have the same signatures. ``codebook`` is
-        recorded as ``"uniform"`` where it leaves ``bits`` uniform (INT4).
+        ``quantize_keys`` / ``quantize_values`` default to the PyTorch reference in :mod:`hf_cocktail.quant`;
+        :func:`hf_cocktail.dispatch.quantizers` gives the Triton / fused CPU ones with the same signature (they get
+        ``codebook=`` only when it is not uniform). ``codebook`` is recorded as ``"uniform"`` where it leaves
+        ``bits`` uniform (INT4).
         """
         if quant.codebook_levels(codebook, bits) is None:
             codebook = "uniform"

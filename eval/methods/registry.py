@@ -139,6 +139,23 @@ _ROTATION_METHODS += [
         {"target_bits": 4.2, **L3},
     ),
 ]
+C64 = {"chunk_size": 64, "group_size": 64, **L3}
+# chunks of 64 tokens (the key group along tokens: half the key scales/zeros; INT3 then costs 3.5 bits per element)
+_ROTATION_METHODS += [
+    CocktailMethod(
+        "int3_had_c64_g64",
+        "every context chunk INT3, Hadamard-rotated, chunks of 64 tokens, value groups of 64",
+        {"uniform_bits": 3, "chunk_size": 64, "group_size": 64, **HAD},
+    ),
+    *[
+        CocktailMethod(
+            f"budget{b:g}_l3_had_c64_g64",
+            f"budget mode target_bits={b:g}, the rest INT3; Hadamard-rotated, chunks of 64 tokens, value groups of 64",
+            {"target_bits": b, **C64},
+        )
+        for b in (3.6, 3.7, 3.8)
+    ],
+]
 _RECOMMENDED = _recommended_overrides()
 _ROTATION_METHODS.append(CocktailMethod("recommended", f"CocktailConfig.recommended(): {_RECOMMENDED}", _RECOMMENDED))
 # the anchored Lloyd-Max codebook (codebook="lloyd": INT2 / INT3 levels denser near the middle, same bytes), each the
