@@ -125,3 +125,35 @@ def test_codebook_config_is_validated_and_serialized():
     cfg = CocktailConfig(codebook="lloyd", rotation="hadamard")
     assert CocktailConfig.from_dict(cfg.to_dict()).codebook == "lloyd"
     assert CocktailConfig.from_dict({k: v for k, v in cfg.to_dict().items() if k != "codebook"}).codebook == "uniform"
+
+
+def test_a_kernel_without_level_tables_falls_back_with_one_warning(monkeypatch):
+    """A kernel package that does not declare LEVEL_TABLE_BITS for a codebook's bit width: dispatch quantizes and
+    attends with the PyTorch reference (one warning each), with the reference's results."""
+    cpu_ops = pytest.importorskip("cpu_ops")
+    if not cpu_ops.available():
+        pytest.skip(f"cpu_ops extension unavailable: {cpu_ops.unavailable_reason()}")
+    from hf_cocktail import dispatch
+
+    for op in ("attention", "quantize"):
+        monkeypatch.setattr(getattr(cpu_ops, op), "LEVEL_TABLE_BITS", ())
+    monkeypatch.setattr(dispatch, "_warned", set())
+    dispatch._kernel_formats.cache_clear()
+    try:
+        H, T, D = 2, 48, 32
+        k, v = torch.randn(1, H, T, D), torch.randn(1, H, T, D)
+        positions = [{"full": torch.arange(40, T), 4: torch.arange(0, 8), 3: torch.arange(8, 40)}]
+        with pytest.warns(RuntimeWarning, match="cpu quantizer does not write 3-bit codes with codebook='lloyd'"):
+            store = LayerStore.build(
+                k, v, positions, 8, 16, torch.float16, *dispatch.quantizers("cpu", k.device), codebook="lloyd"
+            )
+        ref = LayerStore.build(k, v, positions, 8, 16, torch.float16, codebook="lloyd")
+        assert all(
+            torch.equal(a, b) for s, r in zip(store.segments, ref.segments) for a, b in zip(s.tensors(), r.tensors())
+        )
+        query = torch.randn(1, 2 * H, 1, D)
+        with pytest.warns(RuntimeWarning, match=r"cpu kernel does not read these \(bits, codebook\) segments yet"):
+            out = dispatch.split_precision_attention(query, store, D**-0.5, "cpu")
+        torch.testing.assert_close(out, split_precision_attention_torch(query, store, D**-0.5), atol=0, rtol=0)
+    finally:
+        dispatch._kernel_formats.cache_clear()
