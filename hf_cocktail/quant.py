@@ -20,8 +20,9 @@ Storage format of one precision segment (INT4 or INT2) of one layer, tokens of o
   NaN ``u``, from a scale whose inverse overflows, gets the top code); dequantization is ``L[code] * scale + zero``
   in fp32. Same bytes as uniform. The kernels take the fp32 table ``L`` (:func:`level_tensors`) as ``levels=``.
 
-The Triton kernels in ``triton_ops`` implement the same functions with the same signatures and are tested against
-these, integers bit for bit.
+The Triton kernels in ``triton_ops`` and the fused CPU kernels in ``cpu_ops`` implement the same functions with the
+same signatures (a codebook passed as its level table, ``levels=``) and are tested against these, integers bit for
+bit.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ CODEBOOKS = ("uniform", "lloyd")  # the code -> level maps (CocktailConfig.codeb
 # codebook that clips the extremes lost ~10x more than uniform levels: attention needs the extremes). Keys and values
 # of SmolLM2 after the Hadamard rotation give the same levels within 0.05 (fitted on held-out prompts); the table is
 # made symmetric and rounded to 2 decimals. At 4 bits the fitted levels gained nothing measurable: INT4 stays uniform.
+# Measured in the cache (eval/README.md): no better than uniform levels on LongBench, worse on needles with INT3.
 LLOYD_LEVELS: dict[int, tuple[float, ...]] = {
     2: (0.0, 1.08, 1.92, 3.0),
     3: (0.0, 1.29, 2.25, 3.09, 3.91, 4.75, 5.71, 7.0),
