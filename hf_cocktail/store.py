@@ -205,8 +205,9 @@ class PackedSegment:
         int32 tensors ``(B+1,)`` on the segment's device; a non-uniform codebook adds its fp32 levels
         ``(2**bits,)`` (:func:`hf_cocktail.quant.level_tensors`) as a 12th item."""
         args = (self.bits, self.chunk_size, self.group_size, *self.tensors(), *self.device_offsets())
-        tables = quant.level_tensors(self.codebook, self.bits, self.k_codes.device)
-        return args if tables is None else (*args, tables[0])
+        if self.codebook == "uniform":  # every decode step of every layer: no table lookup for the common case
+            return args
+        return (*args, quant.level_tensors(self.codebook, self.bits, self.k_codes.device)[0])
 
     def select(self, indices: list[int]) -> PackedSegment:
         """The segment holding sequences ``indices`` (reordered / repeated) of this one."""
