@@ -76,12 +76,15 @@ def split_precision_attention(
         full_start: int32 ``(B,)``, values in ``[0, R]``.
         segments: a list of 0 to 2 tuples ``(bits, chunk_size, group_size, k_codes, k_scale, k_zero, v_codes,
             v_scale, v_zero, tok_off, chunk_off[, levels])`` in the storage format of ``hf_cocktail.quant``:
-            bits 2, 3 or 4 (INT3: a 2-bit plane then a 1-bit plane); chunk_size C >= 1; group_size G a power of
-            two dividing D; ``k_codes``, ``v_codes`` uint8 ``(H_kv, N, D * bits // 8)``; ``k_scale``, ``k_zero``
+            bits 2, 3 or 4 for keys and values (INT3: a 2-bit plane then a 1-bit plane), or a pair
+            ``(key_bits, value_bits)`` with ``value_bits <= key_bits``; chunk_size C >= 1; group_size G a power of
+            two dividing D; ``k_codes`` uint8 ``(H_kv, N, D * key_bits // 8)``, ``v_codes`` uint8
+            ``(H_kv, N, D * value_bits // 8)``; ``k_scale``, ``k_zero``
             ``(H_kv, M, D)`` and ``v_scale``, ``v_zero`` ``(H_kv, N, D // G)``, all four of one dtype (float16 /
             bfloat16 / float32); ``tok_off``, ``chunk_off`` int32 ``(B + 1,)``: sequence ``b`` owns tokens
             ``[tok_off[b], tok_off[b+1])`` and chunks ``[chunk_off[b], chunk_off[b+1])``; the chunk of token ``t``
-            is ``chunk_off[b] + (t - tok_off[b]) // C``. ``levels`` (optional, bits 2 or 3): float32 ``(2**bits,)``,
+            is ``chunk_off[b] + (t - tok_off[b]) // C``. ``levels`` (optional, one width of 2 or 3 bits): float32
+            ``(2**bits,)``,
             the level each code stands for (a codebook: ``level * scale + zero`` instead of ``code * scale +
             zero``).
             Non-contiguous segment tensors are copied (stored segments are contiguous).
@@ -133,8 +136,7 @@ def split_precision_attention(
                 f"{len(seg)} items" if isinstance(seg, (list, tuple)) else type(seg).__name__,
             )
         bits, C, G, kc, ks, kz, vc, vs, vz, tok, chk = seg[: len(_SEGMENT_FIELDS)]
-        if not (type(bits) is int and bits in SUPPORTED_BITS):
-            _fail(f"segments[{i}].bits", f"one of {SUPPORTED_BITS}", repr(bits))
+        bits, vbits = code_widths(bits, f"segments[{i}].bits")
         if not (type(C) is int and C >= 1):
             _fail(f"segments[{i}].chunk_size", "an int >= 1", repr(C))
         if not (type(G) is int and G >= 1 and G & (G - 1) == 0 and D % G == 0):
@@ -143,13 +145,13 @@ def split_precision_attention(
         _check_tensor((i, "k_codes"), kc, UINT8, (H_kv, N, D * bits // 8))
         _check_tensor((i, "k_scale"), ks, FLOAT_DTYPES, (H_kv, M, D))
         _check_tensor((i, "k_zero"), kz, (ks.dtype,), ks.shape)
-        _check_tensor((i, "v_codes"), vc, UINT8, kc.shape)
+        _check_tensor((i, "v_codes"), vc, UINT8, (H_kv, N, D * vbits // 8))
         _check_tensor((i, "v_scale"), vs, (ks.dtype,), (H_kv, N, D // G))
         _check_tensor((i, "v_zero"), vz, (ks.dtype,), vs.shape)
         _check_tensor((i, "tok_off"), tok, INT32, (B + 1,))
         _check_tensor((i, "chunk_off"), chk, INT32, (B + 1,))
-        seg_tensors += [t.contiguous() for t in (kc, ks, kz, vc, vs, vz, tok, chk)] + [_levels(seg, i, bits)]
-        seg_ints += [bits, C, G]
+        seg_tensors += [t.contiguous() for t in (kc, ks, kz, vc, vs, vz, tok, chk)] + [_levels(seg, i, bits, vbits)]
+        seg_ints += [bits, vbits, C, G]
         tokens += N
     if tokens_per_item is None:
         tokens_per_item = _default_tokens_per_item(B * H_kv, R + tokens // max(B, 1))
@@ -172,12 +174,23 @@ def split_precision_attention(
     )
 
 
-def _levels(seg, i: int, bits: int) -> torch.Tensor:
+def code_widths(bits, name: str) -> tuple[int, int]:
+    """A segment's ``bits`` item -> ``(key_bits, value_bits)``: an int is both, a pair has ``value_bits <=
+    key_bits``."""
+    pair = bits if isinstance(bits, (list, tuple)) and len(bits) == 2 else (bits, bits)
+    if not all(type(b) is int and b in SUPPORTED_BITS for b in pair) or pair[1] > pair[0]:
+        _fail(name, f"one of {SUPPORTED_BITS} or a pair (key_bits, value_bits <= key_bits) of them", repr(bits))
+    return pair[0], pair[1]
+
+
+def _levels(seg, i: int, bits: int, vbits: int) -> torch.Tensor:
     """A segment's optional 12th item, checked: its level table, or an empty tensor for uniform levels."""
     if len(seg) == len(_SEGMENT_FIELDS):
         return _NO_LEVELS
-    if bits not in LEVEL_TABLE_BITS:
-        _fail(f"segments[{i}].bits", f"one of {LEVEL_TABLE_BITS} with levels", repr(bits))
+    if bits not in LEVEL_TABLE_BITS or vbits != bits:
+        _fail(
+            f"segments[{i}].bits", f"one of {LEVEL_TABLE_BITS} (keys and values of one width) with levels", repr(seg[0])
+        )
     _check_tensor((i, "levels"), seg[-1], (torch.float32,), (1 << bits,))
     return seg[-1].contiguous()
 

@@ -13,7 +13,7 @@ import torch
 
 from .hub import CONFIG_NAME, README_NAME, download_config, hub_has_readme, upload_folder
 from .model_card import make_model_card
-from .quant import CODEBOOKS
+from .quant import CODEBOOKS, SUPPORTED_BITS
 from .rotation import ROTATIONS
 
 FORMAT_VERSION = 1
@@ -23,6 +23,7 @@ _UNIFORM_BITS = (None, 16, 4, 3, 2)
 _LOW_BITS = (2, 3)
 _SCALE_DTYPES = ("float16", "bfloat16", "float32", "model")
 _SCORERS = ("encoder", "bm25", "attention")
+_COUNTS = {"chunk_size": 1, "encoder_batch_size": 1, "sink_tokens": 0, "recent_tokens": 0, "neighbors": 0}
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -86,9 +87,10 @@ class CocktailConfig:
         codebook: the levels INT2 and INT3 codes stand for (:mod:`hf_cocktail.quant`): ``"uniform"`` (the paper:
             evenly spaced between the group's min and max) or ``"lloyd"`` (anchored Lloyd-Max: the min and max kept,
             the levels between them placed for Gaussian data, denser near the middle). Same bytes; meant for rotated
-            storage, whose values are near Gaussian. INT4 stays uniform. Measured on SmolLM2 (``eval/README.md``):
-            within noise on LongBench windows and worse on needle prompts with INT3, so :meth:`recommended` keeps
-            ``"uniform"``.
+            storage, whose values are near Gaussian. INT4 stays uniform. (Not adopted: ``eval/README.md``.)
+        value_bits: the most code bits a packed chunk's values get (``None``, the paper: values take their chunk's
+            precision, as keys do): with 3, an INT4 chunk stores 4-bit keys and 3-bit values. Keys decide which tokens
+            attention reads and lose far more to low bits. One of 2, 3, 4; needs ``codebook="uniform"``.
         keep_context_copy: keep a full-precision copy of the prompt up to the end of the context on CPU, so that
             :meth:`CocktailCache.requery` can answer a new question about the same document without a new prefill.
     """
@@ -114,12 +116,12 @@ class CocktailConfig:
     rotation: str | None = None
     rotation_seed: int = 0
     codebook: str = "uniform"
+    value_bits: int | None = None
 
     def __post_init__(self) -> None:
-        _check(
-            _is_int(self.chunk_size) and self.chunk_size >= 1,
-            f"chunk_size must be an integer >= 1, got {self.chunk_size!r}",
-        )
+        for name, least in _COUNTS.items():
+            v = getattr(self, name)
+            _check(_is_int(v) and v >= least, f"{name} must be an integer >= {least}, got {v!r}")
         for name in ("alpha", "beta"):
             v = getattr(self, name)
             _check(_is_real(v) and 0.0 <= v <= 1.0, f"{name} must be a number in [0, 1], got {v!r}")
@@ -145,19 +147,12 @@ class CocktailConfig:
         )
         _check(self.backend in _BACKENDS, f"backend must be one of {_BACKENDS}, got {self.backend!r}")
         _check(self.scorer in _SCORERS, f"scorer must be one of {_SCORERS}, got {self.scorer!r}")
-        for name in ("sink_tokens", "recent_tokens"):
-            v = getattr(self, name)
-            _check(_is_int(v) and v >= 0, f"{name} must be an integer >= 0, got {v!r}")
         layers = self.full_precision_layers
         _check(
             isinstance(layers, (list, tuple)) and all(_is_int(i) and i >= 0 for i in layers),
             f"full_precision_layers must be a list of layer indices >= 0, got {layers!r}",
         )
         object.__setattr__(self, "full_precision_layers", tuple(sorted(set(layers))))  # no re-validation
-        _check(
-            _is_int(self.neighbors) and self.neighbors >= 0,
-            f"neighbors must be an integer >= 0, got {self.neighbors!r}",
-        )
         _check(
             self.neighbors == 0 or self.target_bits is None,
             f"neighbors applies to the alpha/beta mode, not with target_bits={self.target_bits!r}",
@@ -178,16 +173,21 @@ class CocktailConfig:
             self.scale_dtype in _SCALE_DTYPES, f"scale_dtype must be one of {_SCALE_DTYPES}, got {self.scale_dtype!r}"
         )
         _check(
-            _is_int(self.encoder_batch_size) and self.encoder_batch_size >= 1,
-            f"encoder_batch_size must be an integer >= 1, got {self.encoder_batch_size!r}",
-        )
-        _check(
             self.encoder_device is None or isinstance(self.encoder_device, str),
             f"encoder_device must be None or a device string, got {self.encoder_device!r}",
         )
         _check(self.rotation in ROTATIONS, f"rotation must be one of {ROTATIONS}, got {self.rotation!r}")
         _check(_is_int(self.rotation_seed), f"rotation_seed must be an integer, got {self.rotation_seed!r}")
         _check(self.codebook in CODEBOOKS, f"codebook must be one of {CODEBOOKS}, got {self.codebook!r}")
+        _check(
+            self.value_bits is None or (_is_int(self.value_bits) and self.value_bits in SUPPORTED_BITS),
+            f"value_bits must be one of None, {', '.join(map(str, SUPPORTED_BITS))}, got {self.value_bits!r}",
+        )
+        _check(
+            self.value_bits is None or self.codebook == "uniform",
+            f"value_bits applies with codebook='uniform' (keys and values of a chunk share a codebook's width), got "
+            f"codebook={self.codebook!r}, value_bits={self.value_bits!r}",
+        )
         object.__setattr__(self, "_validated", True)  # from now on, assignments are validated (__setattr__)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -224,11 +224,15 @@ class CocktailConfig:
         low = self.uniform_bits if self.uniform_bits in (2, 3) else self.low_bits
         return (4, low)
 
+    def chunk_value_bits(self, bits: int) -> int:
+        """The code width of a ``bits``-bit chunk's values (``value_bits`` caps it)."""
+        return bits if self.value_bits is None else min(bits, self.value_bits)
+
     def packed_bits_per_element(self, bits: int) -> float:
         """Storage bits per K/V element of a ``bits``-bit chunk, scales and zeros included (K: 2 per C tokens per
-        channel, V: 2 per G channels), averaged over K and V."""
+        channel, V: 2 per G channels), averaged over K and V (values at :meth:`chunk_value_bits`)."""
         p = 32 if self.scale_dtype == "float32" else 16
-        return bits + p / self.chunk_size + p / self.group_size
+        return (bits + self.chunk_value_bits(bits)) / 2 + p / self.chunk_size + p / self.group_size
 
     def torch_scale_dtype(self, model_dtype):
         """The torch dtype of scales/zeros for a model whose keys/values have ``model_dtype``."""

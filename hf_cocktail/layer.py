@@ -210,6 +210,7 @@ class CocktailLayer(CacheLayerMixin):
             quantize_v,
             rotation,
             cfg.codebook,
+            cfg.value_bits,
         )
         if cfg.keep_context_copy and self.context_copy is None:
             end = max(p.ctx_end for p in plans)

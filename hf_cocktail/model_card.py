@@ -84,7 +84,7 @@ def _usage(config: Any, base_model: str | None, name_or_path: str) -> str:
     return f'''```python
 import torch
 import hf_cocktail  # registers attn_implementation="cocktail"
-from hf_cocktail import CocktailCache, CocktailConfig
+from hf_cocktail import CocktailCache, CocktailConfig, cache_kwargs
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 tokenizer = AutoTokenizer.from_pretrained("{model_id}")
@@ -96,16 +96,22 @@ doc, question = open("document.txt").read(), "What does the document say about X
 prompt = f"{{doc}}\\n\\nAnswer the question using the document above.\\nQuestion: {{question}}\\nAnswer:"
 # the document must appear verbatim in the prompt (a chat template around it is fine)
 inputs = cache.prepare_inputs(tokenizer, prompt, contexts=doc, queries=question, device=model.device)
-out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
+out = model.generate(**inputs, **cache_kwargs(model, cache), max_new_tokens=64)
 print(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
 ```'''
+
+
+def _cache_kind(config: Any) -> str:
+    if config.uniform_bits is not None:
+        return "a chunk-quantized KV cache"
+    return f"a chunk-adaptive mixed-precision FP16/INT4/INT{getattr(config, 'low_bits', 2)} KV cache"
 
 
 def _method(config: Any) -> str:
     if config.uniform_bits is not None:
         return (
             f"This config disables the search: every context chunk of {config.chunk_size} tokens is stored at "
-            f"{config.uniform_bits} bits (a uniform baseline)."
+            f"{config.uniform_bits} bits (a uniform baseline).{_storage(config)}"
         )
     low = f"INT{getattr(config, 'low_bits', 2)}"
     if getattr(config, "target_bits", None) is None:
@@ -118,16 +124,27 @@ def _method(config: Any) -> str:
             f"a budget of {config.target_bits} bits per context element (scales included) is spent in rank order: "
             f"FP16 for chunks with s > s_max - {config.beta} * (s_max - s_min), then INT4, the rest {low}."
         )
-    rotation = getattr(config, "rotation", None)
-    stored = f" Keys and values are stored rotated (`{rotation}`, an orthonormal per-head transform)."
-    stored = stored if rotation else ""
-    if getattr(config, "codebook", "uniform") == "lloyd":
-        stored += " INT2/INT3 codes stand for anchored Lloyd-Max levels (`codebook='lloyd'`; INT4 stays uniform)."
     return (
         f"The context is cut into chunks of {config.chunk_size} tokens. At prefill each chunk is scored against "
-        f"the query with the retrieval encoder `{config.encoder}`; {rule} Values are quantized per "
-        f"token in groups of {config.group_size} channels, keys per channel within each chunk.{stored}"
+        f"the query with the retrieval encoder `{config.encoder}`; {rule}{_storage(config)}"
     )
+
+
+def _storage(config: Any) -> str:
+    """How the packed chunks are stored: groups, rotation, codebook, the values' code width."""
+    stored = (
+        f" Values are quantized per token in groups of {config.group_size} channels, keys per channel within each "
+        "chunk."
+    )
+    rotation = getattr(config, "rotation", None)
+    if rotation:
+        stored += f" Keys and values are stored rotated (`{rotation}`, an orthonormal per-head transform)."
+    if getattr(config, "codebook", "uniform") == "lloyd":
+        stored += " INT2/INT3 codes stand for anchored Lloyd-Max levels (`codebook='lloyd'`; INT4 stays uniform)."
+    value_bits = getattr(config, "value_bits", None)
+    if value_bits is not None:
+        stored += f" Values get at most {value_bits} bits (`value_bits={value_bits}`; keys keep their chunk's bits)."
+    return stored
 
 
 def make_model_card(
@@ -179,9 +196,7 @@ def make_model_card(
         "\n".join(front),
         f"# {title}",
         "This repository holds a hf-cocktail configuration (`cocktail_config.json`), not "
-        f"model weights: a chunk-adaptive mixed-precision FP16/INT4/INT{getattr(config, 'low_bits', 2)} KV cache "
-        "for Hugging Face transformers, "
-        f"after *{PAPER}*. " + _method(config),
+        f"model weights: {_cache_kind(config)} for Hugging Face transformers, after *{PAPER}*. " + _method(config),
     ]
     if settings_source == "paper":
         paper = ", ".join(f"{k}={v!r}" for k, v in PAPER_SETTINGS.items())

@@ -10,6 +10,8 @@ Storage format of one precision segment (INT4 or INT2) of one layer, tokens of o
 * keys are quantized **per channel within a chunk**: the chunk of C tokens is the group along tokens, so key scales
   and zeros have shape ``(H_kv, M, D)`` with ``M = ceil(N / C)`` chunks. A segment may end with one partial chunk.
 * values are quantized **per token** in groups of G channels: scales and zeros have shape ``(H_kv, N, D // G)``.
+* a segment's values may have fewer code bits than its keys (``CocktailConfig.value_bits``): each is packed at its
+  own width by the same functions (``v_codes`` then has ``D * value_bits // 8`` bytes per token).
 * asymmetric min-max: ``scale = (max - min) / (2**bits - 1)`` and ``zero = min``, both rounded to the storage dtype
   first; then ``code = clamp(floor((x - zero) * (1 / scale) + 0.5), 0, 2**bits - 1)`` in fp32 (a group whose
   ``scale`` is 0 gets code 0). Dequantization is ``code * scale + zero`` in fp32.

@@ -40,7 +40,7 @@ def _dequantize_block(seg: PackedSegment, which: str, *, a: int, e: int, first_t
             seg.v_codes[:, a:e],
             seg.v_scale[:, a:e],
             seg.v_zero[:, a:e],
-            seg.bits,
+            seg.value_bits,
             seg.group_size,
             codebook=seg.codebook,
         )

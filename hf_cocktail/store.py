@@ -93,6 +93,17 @@ class FullPart:
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
 
+def check_value_bits(bits: int, value_bits: int, codebook: str) -> None:
+    """Values may take fewer code bits than keys (never more); a codebook other than uniform needs one width."""
+    if value_bits not in quant.SUPPORTED_BITS or value_bits > bits:
+        allowed = tuple(b for b in quant.SUPPORTED_BITS if b <= bits)
+        raise ValueError(f"value_bits must be one of {allowed} for {bits}-bit keys, got {value_bits!r}")
+    if value_bits != bits and codebook != "uniform":
+        raise ValueError(
+            f"codebook={codebook!r} needs keys and values at one width, got {bits}-bit keys and {value_bits}-bit values"
+        )
+
+
 @dataclass
 class PackedSegment:
     bits: int
@@ -101,13 +112,19 @@ class PackedSegment:
     k_codes: torch.Tensor  # (H_kv, N, D*bits//8) uint8
     k_scale: torch.Tensor  # (H_kv, M, D)
     k_zero: torch.Tensor  # (H_kv, M, D)
-    v_codes: torch.Tensor  # (H_kv, N, D*bits//8) uint8
+    v_codes: torch.Tensor  # (H_kv, N, D*value_bits//8) uint8
     v_scale: torch.Tensor  # (H_kv, N, D//G)
     v_zero: torch.Tensor  # (H_kv, N, D//G)
     tok_off: list[int]  # (B+1,)
     chunk_off: list[int]  # (B+1,)
     codebook: str = "uniform"  # the code -> level map of these codes (quant.CODEBOOKS); "uniform" where it is
+    value_bits: int | None = None  # the values' code width (None: ``bits``, as the keys'); never above ``bits``
     _dev_offsets: tuple | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.value_bits is None:
+            self.value_bits = self.bits
+        check_value_bits(self.bits, self.value_bits, self.codebook)
 
     @classmethod
     def from_sequences(
@@ -121,8 +138,10 @@ class PackedSegment:
         quantize_keys=None,
         quantize_values=None,
         codebook: str = "uniform",
+        value_bits: int | None = None,
     ) -> PackedSegment:
-        """Quantize and pack per-sequence chunk-ordered segments ``ks[b], vs[b]: (H_kv, N_b, D)``.
+        """Quantize and pack per-sequence chunk-ordered segments ``ks[b], vs[b]: (H_kv, N_b, D)``: keys at ``bits``,
+        values at ``value_bits`` (default ``bits``; at most ``bits``).
 
         ``quantize_keys`` / ``quantize_values`` default to the PyTorch reference in :mod:`hf_cocktail.quant`;
         :func:`hf_cocktail.dispatch.quantizers` gives the Triton / fused CPU ones with the same signature (they get
@@ -131,11 +150,13 @@ class PackedSegment:
         """
         if quant.codebook_levels(codebook, bits) is None:
             codebook = "uniform"
+        value_bits = bits if value_bits is None else value_bits
+        check_value_bits(bits, value_bits, codebook)
         qk = quantize_keys or quant.quantize_pack_keys
         qv = quantize_values or quant.quantize_pack_values
         extra = {} if codebook == "uniform" else {"codebook": codebook}
         parts = [
-            (qk(k, bits, chunk_size, scale_dtype, **extra), qv(v, bits, group_size, scale_dtype, **extra))
+            (qk(k, bits, chunk_size, scale_dtype, **extra), qv(v, value_bits, group_size, scale_dtype, **extra))
             for k, v in zip(ks, vs)
         ]
         cat = lambda i, j: torch.cat([p[i][j] for p in parts], dim=1)  # noqa: E731
@@ -152,6 +173,7 @@ class PackedSegment:
             _offsets([k.shape[1] for k in ks]),
             _offsets([-(-k.shape[1] // chunk_size) for k in ks]),
             codebook,
+            value_bits,
         )
 
     @property
@@ -185,7 +207,7 @@ class PackedSegment:
             self.v_codes[:, t0:t1],
             self.v_scale[:, t0:t1],
             self.v_zero[:, t0:t1],
-            self.bits,
+            self.value_bits,
             self.group_size,
             out_dtype,
             codebook=self.codebook,
@@ -199,12 +221,19 @@ class PackedSegment:
         """The most tokens one sequence owns in this segment."""
         return max((self.tok_off[b + 1] - self.tok_off[b] for b in range(len(self.tok_off) - 1)), default=0)
 
+    @property
+    def code_bits(self) -> int | tuple[int, int]:
+        """The code widths as the kernels take them: ``bits`` where keys and values share it, else the pair
+        ``(bits, value_bits)``."""
+        return self.bits if self.value_bits == self.bits else (self.bits, self.value_bits)
+
     def kernel_args(self) -> tuple:
         """The segment as the kernel packages (``triton_ops``, ``cpu_ops``) take it: ``(bits, chunk_size,
-        group_size, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, tok_off, chunk_off)`` with the offsets as
-        int32 tensors ``(B+1,)`` on the segment's device; a non-uniform codebook adds its fp32 levels
-        ``(2**bits,)`` (:func:`hf_cocktail.quant.level_tensors`) as a 12th item."""
-        args = (self.bits, self.chunk_size, self.group_size, *self.tensors(), *self.device_offsets())
+        group_size, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, tok_off, chunk_off)`` with ``bits`` as
+        :attr:`code_bits` (an int, or ``(key_bits, value_bits)``) and the offsets as int32 tensors ``(B+1,)`` on the
+        segment's device; a non-uniform codebook adds its fp32 levels ``(2**bits,)``
+        (:func:`hf_cocktail.quant.level_tensors`) as a 12th item."""
+        args = (self.code_bits, self.chunk_size, self.group_size, *self.tensors(), *self.device_offsets())
         if self.codebook == "uniform":  # every decode step of every layer: no table lookup for the common case
             return args
         return (*args, quant.level_tensors(self.codebook, self.bits, self.k_codes.device)[0])
@@ -230,6 +259,7 @@ class PackedSegment:
             _offsets([s.stop - s.start for s in tok]),
             _offsets([s.stop - s.start for s in chk]),
             self.codebook,
+            self.value_bits,
         )
 
     def nbytes_codes(self) -> int:
@@ -269,10 +299,12 @@ class LayerStore:
         quantize_values: Callable | None = None,
         rotation: Rotation | None = None,
         codebook: str = "uniform",
+        max_value_bits: int | None = None,
     ) -> LayerStore:
         """Store a prefill: ``k, v (B, H_kv, L, D)``; ``positions[b]`` maps ``"full"`` and each packed bit width to
         the prompt positions of sequence ``b`` that go there (chunk order kept). With ``rotation`` everything is
-        stored rotated (see :mod:`.rotation`); ``codebook`` maps the packed codes to levels (:mod:`.quant`)."""
+        stored rotated (see :mod:`.rotation`); ``codebook`` maps the packed codes to levels (:mod:`.quant`);
+        ``max_value_bits`` caps the values' code width (``None``: values get their chunk's bits, as keys do)."""
         if rotation is not None:
             k, v = rotation.rotate_keys(k), rotation.rotate_values(v)
         fulls_k, fulls_v = [], []
@@ -287,7 +319,15 @@ class LayerStore:
                 segs[bits][1].append(v[b].index_select(1, pos[bits]))
         packed = [
             PackedSegment.from_sequences(
-                *segs[bits], bits, chunk_size, group_size, scale_dtype, quantize_keys, quantize_values, codebook
+                *segs[bits],
+                bits,
+                chunk_size,
+                group_size,
+                scale_dtype,
+                quantize_keys,
+                quantize_values,
+                codebook,
+                bits if max_value_bits is None else min(bits, max_value_bits),
             )
             for bits in packed_bits
         ]

@@ -221,7 +221,7 @@ def test_model_card_without_results():
         'CocktailCache(CocktailConfig.from_pretrained("me/cocktail-x"))',
         'attn_implementation="cocktail"',
         "cache.prepare_inputs(tokenizer, prompt, contexts=doc, queries=question",
-        "model.generate(**inputs, past_key_values=cache",
+        "model.generate(**inputs, **cache_kwargs(model, cache)",
         "A note.",
     ):
         assert snippet in card

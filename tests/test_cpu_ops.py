@@ -47,8 +47,9 @@ def make_case(
     codebook="uniform",
 ):
     """A random problem. ``full``: valid full-part tokens per sequence; ``segs``: ``[(bits, [tokens per
-    sequence])]``. ``layout``: ``plain`` (contiguous), ``capacity`` (a view of a longer preallocated buffer) or
-    ``transposed`` (a (B, R, H, D) buffer seen as (B, H, R, D)). Left padding of the full part is NaN (never read).
+    sequence])]`` with ``bits`` an int or a pair ``(key_bits, value_bits)``. ``layout``: ``plain`` (contiguous),
+    ``capacity`` (a view of a longer preallocated buffer) or ``transposed`` (a (B, R, H, D) buffer seen as
+    (B, H, R, D)). Left padding of the full part is NaN (never read).
     ``codebook``: the reference's (a segment whose bits it leaves uniform has no levels item).
 
     Returns ``(args, kv)``: the kernel's arguments and, per sequence, its dequantized fp32 keys / values in
@@ -72,15 +73,16 @@ def make_case(
     kv = [[(fk[b, :, start[b] :].float(), fv[b, :, start[b] :].float())] for b in range(B)]
     segments = []
     for bits, lens in segs:
+        kbits, vbits = bits if isinstance(bits, tuple) else (bits, bits)
         parts = []
         for b, n in enumerate(lens):
             k, v = _keys(g, H_kv, n, D), torch.randn(H_kv, n, D, generator=g) * 1.5
-            kq = quant.quantize_pack_keys(k, bits, C, scale_dtype, codebook=codebook)
-            vq = quant.quantize_pack_values(v, bits, G, scale_dtype, codebook=codebook)
+            kq = quant.quantize_pack_keys(k, kbits, C, scale_dtype, codebook=codebook)
+            vq = quant.quantize_pack_values(v, vbits, G, scale_dtype, codebook=codebook)
             kv[b].append(
                 (
-                    quant.dequantize_keys(*kq, bits, C, codebook=codebook),
-                    quant.dequantize_values(*vq, bits, G, codebook=codebook),
+                    quant.dequantize_keys(*kq, kbits, C, codebook=codebook),
+                    quant.dequantize_values(*vq, vbits, G, codebook=codebook),
                 )
             )
             parts.append((kq, vq))
@@ -104,7 +106,7 @@ def make_case(
                 torch.tensor(chk, dtype=torch.int32),
             )
         )
-        tables = quant.level_tensors(codebook, bits, "cpu")
+        tables = quant.level_tensors(codebook, kbits, "cpu")
         if tables is not None:
             segments[-1] += (tables[0],)
     args = (query, fk, fv, torch.tensor(start, dtype=torch.int32), segments, D**-0.5)
@@ -187,6 +189,14 @@ CASES = {
     ),
     "lloyd_int3_d40_G8_tail_bytes": dict(full=[5, 2], segs=[(3, [20, 41])], D=40, G=8, n_rep=3, codebook="lloyd"),
     "lloyd_int2_d80_G4_not_per_vector": dict(full=[3], segs=[(2, [70])], D=80, G=4, L_q=3, codebook="lloyd"),
+    # values at fewer code bits than keys (CocktailConfig.value_bits): keys and values in different tile orders
+    "k4v3_k3v2_gqa3": dict(full=[20], segs=[((4, 3), [96]), ((3, 2), [250])], H_kv=3, n_rep=3),
+    "k4v2_batch3_ragged_empty": dict(
+        full=[5, 9, 3], segs=[((4, 2), [0, 17, 40]), (2, [70, 0, 11])], n_rep=3, C=8, G=16
+    ),
+    "k4v3_d40_G8_tail_bytes": dict(full=[5, 2], segs=[((4, 3), [33, 12]), ((3, 2), [20, 41])], D=40, G=8, n_rep=3),
+    "k4v3_d80_G4_not_per_vector": dict(full=[3], segs=[((4, 3), [70])], D=80, G=4, L_q=3),
+    "k4v2_d128_Lq3_scales_bf16": dict(full=[8], segs=[((4, 2), [130])], D=128, L_q=3, scale_dtype=torch.bfloat16),
     "long_5000_batch2_Lq3": dict(
         full=[300, 64], segs=[(4, [1700, 100]), (2, [3000, 4836])], H_kv=1, n_rep=4, L_q=3, D=128
     ),
@@ -211,6 +221,8 @@ def test_matches_fp64_reference(name):
         "lloyd_int4_int3_gqa3",
         "lloyd_int2_batch3_ragged",
         "lloyd_int2_d80_G4_not_per_vector",
+        "k4v3_k3v2_gqa3",
+        "k4v3_d40_G8_tail_bytes",
     ],
 )
 def test_portable_baseline_build(name):
@@ -333,7 +345,17 @@ def test_invalid_arguments_name_the_argument(change, match):
 @pytest.mark.parametrize(
     "change, match",
     [
-        (dict(bits=5), r"segments\[0\].bits must be one of \(2, 3, 4\), got 5"),
+        (dict(bits=5), r"segments\[0\].bits must be one of \(2, 3, 4\) or a pair .*, got 5"),
+        (
+            dict(bits=(2, 3)),
+            r"segments\[0\].bits must be one of \(2, 3, 4\) or a pair \(key_bits, value_bits <= key_bits\)",
+        ),
+        (dict(bits=(2, 2, 2)), r"segments\[0\].bits must be one of .*, got \(2, 2, 2\)"),
+        (dict(bits=(4, 2)), r"segments\[0\].k_codes must be of shape \(2, 10, 32\)"),
+        (
+            dict(bits=(2, 2), v_codes=torch.zeros(2, 10, 24, dtype=torch.uint8)),
+            r"segments\[0\].v_codes must be of shape \(2, 10, 16\)",
+        ),
         (dict(group_size=48), r"segments\[0\].group_size must be a power of two dividing D=64, got 48"),
         (dict(group_size=128), r"segments\[0\].group_size must be a power of two dividing D=64, got 128"),
         (
@@ -404,7 +426,12 @@ def test_levels_are_read_not_the_codes(isa):
     [
         (torch.zeros(8, dtype=torch.float64), 3, r"segments\[0\].levels must be of dtype torch.float32"),
         (torch.zeros(4), 3, r"segments\[0\].levels must be of shape \(8\)"),
-        (torch.zeros(16), 4, r"segments\[0\].bits must be one of \(2, 3\) with levels, got 4"),
+        (
+            torch.zeros(16),
+            4,
+            r"segments\[0\].bits must be one of \(2, 3\) \(keys and values of one width\) with levels, got 4",
+        ),
+        (torch.zeros(8), (3, 2), r"segments\[0\].bits must be one of \(2, 3\) \(keys and values .* got \(3, 2\)"),
     ],
 )
 def test_invalid_levels_name_the_field(levels, bits, match):

@@ -214,9 +214,22 @@ def test_quantize_pack_bit_exact_gpu(dtype, codebook):
 
 
 # ----------------------------------------------------------------------------- split-precision attention
-def make_store(full, packed, H_kv, D, C, G, dtype=torch.float32, scale_dtype=torch.float16, seed=0, codebook="uniform"):
+def make_store(
+    full,
+    packed,
+    H_kv,
+    D,
+    C,
+    G,
+    dtype=torch.float32,
+    scale_dtype=torch.float16,
+    seed=0,
+    codebook="uniform",
+    max_value_bits=None,
+):
     """A LayerStore of ``len(full)`` sequences with the given per-sequence token counts, on DEV: ``full`` for the
-    full-precision part, ``packed`` maps each packed segment's bit width to its counts (in storage order)."""
+    full-precision part, ``packed`` maps each packed segment's bit width to its counts (in storage order);
+    ``max_value_bits`` caps the values' code width (CocktailConfig.value_bits)."""
     g = torch.Generator().manual_seed(seed)
     rnd = lambda n: torch.randn(H_kv, n, D, generator=g).to(DEV)  # noqa: E731
     fp = FullPart.from_sequences([rnd(n).to(dtype) for n in full], [rnd(n).to(dtype) for n in full])
@@ -232,6 +245,7 @@ def make_store(full, packed, H_kv, D, C, G, dtype=torch.float32, scale_dtype=tor
             quantize_keys,
             quantize_values,
             codebook,
+            bits if max_value_bits is None else min(bits, max_value_bits),
         )
         for bits, ns in packed.items()
     ]
@@ -384,6 +398,44 @@ def test_split_attention_rejects_bad_gqa():
         triton_attention(torch.randn(1, 3, 1, 64).to(DEV), store, 0.1)
 
 
+VALUE_BITS_CASES = {
+    # name: (full token counts per sequence, {key bits: packed token counts per sequence}), max value bits, H_kv,
+    # n_rep, D, L_q, C, G, tokens_per_split
+    "k4v3_k3v3_mha": (([7], {4: [13], 3: [21]}), 3, 2, 1, 64, 1, 8, 32, None),
+    "k4v2_k2v2_gqa3_batch3_Lq2": (([5, 9, 3], {4: [0, 17, 8], 2: [20, 0, 11]}), 2, 1, 3, 64, 2, 8, 16, 8),
+    "k4v2_k3v2_gqa4_d128": (([6, 1], {4: [19, 33], 3: [50, 7]}), 2, 2, 4, 128, 1, 16, 32, None),
+}
+
+
+@pytest.mark.parametrize("name", list(VALUE_BITS_CASES))
+def test_split_attention_value_bits_matches_reference(name):
+    """Values at fewer code bits than keys: each read at its own width."""
+    (full, packed), max_vb, H_kv, n_rep, D, Lq, C, G, tps = VALUE_BITS_CASES[name]
+    store = make_store(full, packed, H_kv, D, C, G, max_value_bits=max_vb)
+    assert [(seg.bits, seg.value_bits) for seg in store.segments] == [(b, min(b, max_vb)) for b in packed]
+    g = torch.Generator().manual_seed(1)
+    query = (torch.randn(len(full), H_kv * n_rep, Lq, D, generator=g) * 2).to(DEV)
+    scaling = D**-0.5
+    check_attention(query, store, scaling, split_precision_attention_torch(query, store, scaling), tokens_per_split=tps)
+
+
+@pytest.mark.parametrize(
+    "bits, match",
+    [
+        ((2, 3), re.escape("segments[1] value bits must be <= key bits, got bits (2, 3)")),
+        ((3, 5), re.escape("bits must be one of (2, 3, 4), got 5")),
+    ],
+)
+def test_split_attention_rejects_bad_value_bits(bits, match):
+    store = make_store([4], {4: [3], 3: [3]}, 2, 64, 8, 32)
+    full = store.full
+    segments = [store.segments[0].kernel_args(), (bits, *store.segments[1].kernel_args()[1:])]
+    with pytest.raises(ValueError, match=match):
+        triton_ops.split_precision_attention(
+            torch.randn(1, 2, 1, 64).to(DEV), full.keys, full.values, full.start_tensor(), segments, 0.1
+        )
+
+
 def test_split_attention_rejects_unsupported_bits():
     store = make_store([4], {4: [3], 3: [3]}, 2, 64, 8, 32)
     full = store.full
@@ -399,14 +451,15 @@ def test_split_attention_rejects_unsupported_bits():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("B,Lq", [(1, 1), (3, 2)])
 @pytest.mark.parametrize("low_bits", [2, 3])
-@pytest.mark.parametrize("codebook", ["uniform", "lloyd"])
+@pytest.mark.parametrize("codebook", ["uniform", "lloyd", "value_bits_2"])
 def test_split_attention_realistic_gpu(dtype, B, Lq, low_bits, codebook):
     """~4K tokens per sequence, Llama-3-8B heads (H_q 32, H_kv 8, D 128), ragged INT4 + INT2 / INT3 segments
-    (uniform or Lloyd levels), fp16/bf16."""
+    (uniform or Lloyd levels, or uniform with 2-bit values), fp16/bf16."""
     full = [420, 97, 1300][:B]
     int4 = [1210, 0, 2047][:B]
     low = [2466, 3999, 700][:B]
-    store = make_store(full, {4: int4, low_bits: low}, 8, 128, 32, 32, dtype=dtype, codebook=codebook)
+    kw = {"max_value_bits": 2} if codebook == "value_bits_2" else {"codebook": codebook}
+    store = make_store(full, {4: int4, low_bits: low}, 8, 128, 32, 32, dtype=dtype, **kw)
     g = torch.Generator(device="cuda").manual_seed(1)
     query = torch.randn(B, 32, Lq, 128, generator=g, device="cuda").to(dtype)
     check_attention(query, store, 128**-0.5, attention_sdpa(query, store, 128**-0.5, dtype))

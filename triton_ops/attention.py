@@ -96,13 +96,16 @@ def _packed_split(
     D: tl.constexpr,
     BT: tl.constexpr,
     BITS: tl.constexpr,
+    VBITS: tl.constexpr,
     G: tl.constexpr,
     LEVELS: tl.constexpr,
 ):
     """Split ``j`` of sequence ``b`` in a packed segment: its tokens ``[tok_off[b] + j*TPS, ...)``. Key scales are
     per (chunk, channel), chunk = ``chunk_off[b] + (token - tok_off[b]) // C``; value scales per (token, group).
-    With ``LEVELS``, code ``c`` stands for ``lv_ptr[c]`` (fp32, ``2**BITS`` levels)."""
+    Keys have ``BITS``-bit codes, values ``VBITS``-bit ones. With ``LEVELS`` (one width), code ``c`` stands for
+    ``lv_ptr[c]`` (fp32, ``2**BITS`` levels)."""
     DP: tl.constexpr = D * BITS // 8
+    VDP: tl.constexpr = D * VBITS // 8
     NG: tl.constexpr = D // G
     d = tl.arange(0, D)
     grp = d // G
@@ -112,7 +115,7 @@ def _packed_split(
     hi = tl.minimum(lo + TPS, tl.load(tok_ptr + b + 1))
     h64 = h.to(tl.int64)
     kc_ptr += h64 * N * DP
-    vc_ptr += h64 * N * DP
+    vc_ptr += h64 * N * VDP
     ks_ptr += h64 * M * D
     kz_ptr += h64 * M * D
     vs_ptr += h64 * N * NG
@@ -122,14 +125,13 @@ def _packed_split(
         tm = t < hi
         t64 = t.to(tl.int64)
         m2 = tm[:, None]
-        c_off = t64[:, None] * DP
         k_off = (c0 + (t - t0) // C).to(tl.int64)[:, None] * D + d[None, :]
         v_off = t64[:, None] * NG + grp[None, :]
-        kq = _code_values(_load_codes(kc_ptr + c_off, m2, d, D, BITS), lv_ptr, LEVELS)
+        kq = _code_values(_load_codes(kc_ptr + t64[:, None] * DP, m2, d, D, BITS), lv_ptr, LEVELS)
         k = kq * tl.load(ks_ptr + k_off, mask=m2, other=0.0).to(tl.float32) + tl.load(
             kz_ptr + k_off, mask=m2, other=0.0
         ).to(tl.float32)
-        vq = _code_values(_load_codes(vc_ptr + c_off, m2, d, D, BITS), lv_ptr, LEVELS)
+        vq = _code_values(_load_codes(vc_ptr + t64[:, None] * VDP, m2, d, D, VBITS), lv_ptr, LEVELS)
         v = vq * tl.load(vs_ptr + v_off, mask=m2, other=0.0).to(tl.float32) + tl.load(
             vz_ptr + v_off, mask=m2, other=0.0
         ).to(tl.float32)
@@ -190,9 +192,11 @@ def _split_attn_kernel(
     BQ: tl.constexpr,
     BT: tl.constexpr,
     BITS_A: tl.constexpr,
+    VBITS_A: tl.constexpr,
     G_A: tl.constexpr,
     LV_A: tl.constexpr,
     BITS_B: tl.constexpr,
+    VBITS_B: tl.constexpr,
     G_B: tl.constexpr,
     LV_B: tl.constexpr,
 ):
@@ -251,6 +255,7 @@ def _split_attn_kernel(
             D,
             BT,
             BITS_A,
+            VBITS_A,
             G_A,
             LV_A,
         )
@@ -280,6 +285,7 @@ def _split_attn_kernel(
             D,
             BT,
             BITS_B,
+            VBITS_B,
             G_B,
             LV_B,
         )
@@ -343,8 +349,10 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _check_levels(lv, i: int, bits: int, device: torch.device) -> torch.Tensor:
+def _check_levels(lv, i: int, bits: int, vbits: int, device: torch.device) -> torch.Tensor:
     """A segment's 12th item: fp32 levels ``(2**bits,)`` on ``device`` (a codebook's), made contiguous."""
+    if vbits != bits:
+        raise ValueError(f"segments[{i}] levels need keys and values of one width, got bits ({bits}, {vbits})")
     ok = isinstance(lv, torch.Tensor) and lv.dtype == torch.float32 and lv.shape == (1 << bits,)
     if not (ok and lv.device == device):
         got = f"{lv.dtype} {tuple(lv.shape)} on {lv.device}" if isinstance(lv, torch.Tensor) else type(lv).__name__
@@ -354,17 +362,28 @@ def _check_levels(lv, i: int, bits: int, device: torch.device) -> torch.Tensor:
     return lv.contiguous()
 
 
+def code_widths(bits, i: int) -> tuple[int, int]:
+    """A segment's ``bits`` item -> ``(key_bits, value_bits)``: an int is both, a pair has ``value_bits <=
+    key_bits``."""
+    pair = tuple(bits) if isinstance(bits, (list, tuple)) and len(bits) == 2 else (bits, bits)
+    for b in pair:
+        check_bits(b)
+    if pair[1] > pair[0]:
+        raise ValueError(f"segments[{i}] value bits must be <= key bits, got bits {bits!r}")
+    return pair
+
+
 def _segment_args(seg: tuple | None, i: int, max_tokens: int | None, dummy: torch.Tensor):
-    """Kernel arguments of packed segment ``i`` (or of an empty stand-in), its bits / group size, whether it has
-    levels, its longest sequence."""
+    """Kernel arguments of packed segment ``i`` (or of an empty stand-in), its key / value bits and group size,
+    whether it has levels, its longest sequence."""
     if seg is None:
         z = dummy
-        return [z, z, z, z, z, z, z, z, z, 0, 0, 1], 2, 1, False, 0
+        return [z, z, z, z, z, z, z, z, z, 0, 0, 1], (2, 2), 1, False, 0
     if len(seg) not in (11, 12):
         raise ValueError(f"segments[{i}] must have 11 items, or 12 with levels, got {len(seg)}")
     bits, chunk_size, group_size, *tensors, tok, chk = seg[:11]
-    check_bits(bits)
-    levels = _check_levels(seg[11], i, bits, dummy.device) if len(seg) == 12 else None
+    bits = code_widths(bits, i)
+    levels = _check_levels(seg[11], i, *bits, dummy.device) if len(seg) == 12 else None
     tensors = [t.contiguous() for t in tensors]
     if max_tokens is None:
         max_tokens = int((tok[1:] - tok[:-1]).max()) if tok.numel() > 1 else 0
@@ -392,7 +411,8 @@ def split_precision_attention(
         full_keys, full_values: ``(B, H_kv, R, D)``; sequence ``b`` owns ``[full_start[b], R)``.
         full_start: int32 ``(B,)`` on the query's device.
         segments: at most two packed segments, each ``(bits, chunk_size, group_size, k_codes, k_scale, k_zero,
-            v_codes, v_scale, v_zero, tok_off, chunk_off[, levels])`` with int32 offsets ``(B+1,)``; ``levels``
+            v_codes, v_scale, v_zero, tok_off, chunk_off[, levels])`` with int32 offsets ``(B+1,)``; ``bits`` is one
+            width for keys and values or a pair ``(key_bits, value_bits)`` with ``value_bits <= key_bits``; ``levels``
             (a codebook's): fp32 ``(2**bits,)`` on the query's device, code ``c`` then dequantizes as
             ``levels[c] * scale + zero`` instead of ``c * scale + zero``.
         scaling: softmax scale (usually ``D ** -0.5``).
@@ -483,10 +503,12 @@ def split_precision_attention(
             D=D,
             BQ=BQ,
             BT=BT,
-            BITS_A=bits_a,
+            BITS_A=bits_a[0],
+            VBITS_A=bits_a[1],
             G_A=g_a,
             LV_A=lv_a,
-            BITS_B=bits_b,
+            BITS_B=bits_b[0],
+            VBITS_B=bits_b[1],
             G_B=g_b,
             LV_B=lv_b,
         )

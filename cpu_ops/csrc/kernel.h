@@ -192,16 +192,23 @@ static inline void unpack_token3(const uint8_t* codes, int D, float* dst, const 
   }
 }
 
-// Keys (levels) and values (dequantized) of n tokens of a packed segment into the tiles, in tile order; vs / vz:
+// Keys of n tokens of a packed segment into the key tile as levels (code units), in the keys' tile order.
+template <int BITS>
+static void unpack_key_block(const uint8_t* kc, int n, int D, const float* table, float* kt) {
+  const int Dp = D * BITS / 8;
+  for (int t = 0; t < n; ++t)
+    unpack_token<BITS>(kc + static_cast<int64_t>(t) * Dp, D, kt + static_cast<int64_t>(t) * D, table);
+}
+
+// Values of n tokens of a packed segment into the value tile, dequantized, in the values' tile order; vs / vz:
 // (n, NG) value scales / zeros. vgroup: the group of each 8 tile lanes, or null when lanes of one vector straddle
 // groups; then lane_g (the group of each tile position) gives per-lane scales. table: the codebook (code_levels).
 template <int BITS>
-static void unpack_block(const uint8_t* kc, const uint8_t* vc, int n, int D, int NG, const float* vs, const float* vz,
-                         const int* vgroup, const int* lane_g, const float* table, float* kt, float* vt,
-                         float* lane_s, float* lane_z) {
+static void unpack_value_block(const uint8_t* vc, int n, int D, int NG, const float* vs, const float* vz,
+                               const int* vgroup, const int* lane_g, const float* table, float* vt, float* lane_s,
+                               float* lane_z) {
   const int Dp = D * BITS / 8;
   for (int t = 0; t < n; ++t) {
-    unpack_token<BITS>(kc + static_cast<int64_t>(t) * Dp, D, kt + static_cast<int64_t>(t) * D, table);
     const float *ts = vs + t * NG, *tz = vz + t * NG;
     float* vrow = vt + static_cast<int64_t>(t) * D;
     if (vgroup) {
@@ -324,13 +331,15 @@ static void run_item(const Problem& P, const WorkItem& w, float* m, float* l, fl
   }
 
   const Segment& g = P.seg[w.src - 1];
-  const int Dp = D * g.bits / 8, NG = D / g.G;
+  const int kDp = D * g.bits / 8, vDp = D * g.vbits / 8, NG = D / g.G;
   const int64_t t0 = g.tok_off[w.b], c0 = g.chunk_off[w.b];
-  const std::vector<int> perm = g.bits == 4 ? tile_order<4>(D) : tile_order<2>(D);  // INT3 orders as INT2
+  // keys and values each in the tile order of their code width (INT3 orders as INT2)
+  const std::vector<int> kperm = g.bits == 4 ? tile_order<4>(D) : tile_order<2>(D);
+  const std::vector<int> vperm = g.vbits == 4 ? tile_order<4>(D) : tile_order<2>(D);
   std::vector<int> lane_g(D), vgroup(D / 8);
   bool uniform = true;  // every 8 tile lanes in one value group (G >= 8 * PER, the usual case)
   for (int p = 0; p < D; ++p) {
-    lane_g[p] = perm[p] / g.G;
+    lane_g[p] = vperm[p] / g.G;
     uniform = uniform && lane_g[p] == lane_g[p & ~7];
     if (p % 8 == 0) vgroup[p / 8] = lane_g[p];
   }
@@ -339,10 +348,13 @@ static void run_item(const Problem& P, const WorkItem& w, float* m, float* l, fl
   float table[8] = {};  // the codebook's levels, padded to 8 lanes (code_levels); unused for uniform levels
   if (g.levels) std::copy(g.levels, g.levels + (1 << g.bits), table);
   for (int r = 0; r < rows; ++r)  // the queries in tile order
-    for (int p = 0; p < D; ++p) qp[r * D + p] = q[static_cast<int64_t>(r) * D + perm[p]];
-  const uint8_t* kc = g.k_codes + static_cast<int64_t>(w.h) * g.N * Dp;
-  const uint8_t* vc = g.v_codes + static_cast<int64_t>(w.h) * g.N * Dp;
-  auto unpack = g.bits == 2 ? unpack_block<2> : g.bits == 3 ? unpack_block<3> : unpack_block<4>;
+    for (int p = 0; p < D; ++p) qp[r * D + p] = q[static_cast<int64_t>(r) * D + kperm[p]];
+  const uint8_t* kc = g.k_codes + static_cast<int64_t>(w.h) * g.N * kDp;
+  const uint8_t* vc = g.v_codes + static_cast<int64_t>(w.h) * g.N * vDp;
+  auto unpack_keys = g.bits == 2 ? unpack_key_block<2> : g.bits == 3 ? unpack_key_block<3> : unpack_key_block<4>;
+  auto unpack_values = g.vbits == 2   ? unpack_value_block<2>
+                       : g.vbits == 3 ? unpack_value_block<3>
+                                      : unpack_value_block<4>;
   int64_t chunk = -1;
   for (int64_t a = w.lo; a < w.hi;) {
     const int64_t c = c0 + (a - t0) / g.C;  // the chunk of token a; the block ends at the chunk's end
@@ -352,7 +364,7 @@ static void run_item(const Problem& P, const WorkItem& w, float* m, float* l, fl
       const int64_t off = (static_cast<int64_t>(w.h) * g.M + c) * D;
       to_float(g.k_scale, g.s_dtype, off, D, kscale.data());
       to_float(g.k_zero, g.s_dtype, off, D, kzero.data());
-      for (int p = 0; p < D; ++p) ks_tile[p] = kscale[perm[p]];
+      for (int p = 0; p < D; ++p) ks_tile[p] = kscale[kperm[p]];
       for (int r = 0; r < rows; ++r) {
         v8f bz{};
         for (int d = 0; d < D; d += 8) {
@@ -366,8 +378,10 @@ static void run_item(const Problem& P, const WorkItem& w, float* m, float* l, fl
     const int64_t voff = (static_cast<int64_t>(w.h) * g.N + a) * NG;
     to_float(g.v_scale, g.s_dtype, voff, static_cast<int64_t>(n) * NG, vsc.data());
     to_float(g.v_zero, g.s_dtype, voff, static_cast<int64_t>(n) * NG, vze.data());
-    unpack(kc + a * Dp, vc + a * Dp, n, D, NG, vsc.data(), vze.data(), uniform ? vgroup.data() : nullptr,
-           lane_g.data(), g.levels ? table : nullptr, kt.data(), vt.data(), lane_s.data(), lane_z.data());
+    const float* levels = g.levels ? table : nullptr;
+    unpack_keys(kc + a * kDp, n, D, levels, kt.data());
+    unpack_values(vc + a * vDp, n, D, NG, vsc.data(), vze.data(), uniform ? vgroup.data() : nullptr, lane_g.data(),
+                  levels, vt.data(), lane_s.data(), lane_z.data());
     block_scores(qs.data(), bias.data(), kt.data(), rows, clear_tail(n), D, s.data());
     finish_block(n);
     a += n;
@@ -375,7 +389,7 @@ static void run_item(const Problem& P, const WorkItem& w, float* m, float* l, fl
   for (int r = 0; r < rows; ++r) {  // the output back in channel order
     float* ar = acc + static_cast<int64_t>(r) * D;
     std::copy(ar, ar + D, lane_s.begin());
-    for (int p = 0; p < D; ++p) ar[perm[p]] = lane_s[p];
+    for (int p = 0; p < D; ++p) ar[vperm[p]] = lane_s[p];
   }
 }
 

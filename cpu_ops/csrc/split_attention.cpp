@@ -55,7 +55,7 @@ DType dtype_of(const at::Tensor& t) {
 }
 
 struct Segment {  // one packed segment; shapes as in cpu_ops.split_precision_attention's docstring
-  int bits, C, G;
+  int bits, vbits, C, G;  // bits: the keys' code width; vbits: the values' (<= bits)
   int64_t N, M;  // tokens and chunks (per kv head)
   const uint8_t *k_codes, *v_codes;
   const void *k_scale, *k_zero, *v_scale, *v_zero;
@@ -133,7 +133,7 @@ void check_offsets(const at::Tensor& off, int B, int64_t limit, const char* what
 // query (B, H_q, L_q, D) and full_keys / full_values (B, H_kv, R, D), unit last strides; full_start int32 (B,);
 // seg_tensors: per segment k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, tok_off, chunk_off, levels
 // (contiguous; levels fp32 (2**bits,) for a codebook, empty for uniform levels);
-// seg_ints: per segment bits, chunk_size, group_size; baseline: run the baseline build even where AVX2 is there.
+// seg_ints: per segment key bits, value bits, chunk_size, group_size; baseline: run the baseline build even where AVX2 is there.
 // Returns (B, H_q, L_q, D) in query's dtype.
 at::Tensor split_attention(const at::Tensor& query, const at::Tensor& full_keys, const at::Tensor& full_values,
                            const at::Tensor& full_start, const std::vector<at::Tensor>& seg_tensors,
@@ -172,20 +172,22 @@ at::Tensor split_attention(const at::Tensor& query, const at::Tensor& full_keys,
   for (int b = 0; b < P.B; ++b)
     TORCH_CHECK_VALUE(P.f_start[b] >= 0 && P.f_start[b] <= P.R, "full_start[", b, "] must be in [0, R=", P.R,
                       "], got ", P.f_start[b]);
-  P.n_seg = static_cast<int>(seg_ints.size() / 3);
+  P.n_seg = static_cast<int>(seg_ints.size() / 4);
   for (int i = 0; i < P.n_seg; ++i) {
     const at::Tensor* t = seg_tensors.data() + 9 * i;
     Segment& g = P.seg[i];
-    g.bits = static_cast<int>(seg_ints[3 * i]);
-    g.C = static_cast<int>(seg_ints[3 * i + 1]);
-    g.G = static_cast<int>(seg_ints[3 * i + 2]);
+    g.bits = static_cast<int>(seg_ints[4 * i]);
+    g.vbits = static_cast<int>(seg_ints[4 * i + 1]);
+    g.C = static_cast<int>(seg_ints[4 * i + 2]);
+    g.G = static_cast<int>(seg_ints[4 * i + 3]);
     g.N = t[0].size(1), g.M = t[1].size(1);
     g.k_codes = t[0].data_ptr<uint8_t>(), g.v_codes = t[3].data_ptr<uint8_t>();
     g.k_scale = t[1].data_ptr(), g.k_zero = t[2].data_ptr(), g.v_scale = t[4].data_ptr(), g.v_zero = t[5].data_ptr();
     g.s_dtype = dtype_of(t[1]);
     g.tok_off = t[6].data_ptr<int32_t>(), g.chunk_off = t[7].data_ptr<int32_t>();
-    TORCH_CHECK_VALUE(t[8].numel() == 0 || (t[8].numel() == (1 << g.bits) && g.bits <= 3),
-                      "segments[", i, "]: levels must hold 2**bits levels for bits 2 or 3, got ", t[8].numel());
+    TORCH_CHECK_VALUE(t[8].numel() == 0 || (t[8].numel() == (1 << g.bits) && g.bits <= 3 && g.vbits == g.bits),
+                      "segments[", i, "]: levels must hold 2**bits levels for bits 2 or 3 (keys and values of one "
+                      "width), got ", t[8].numel(), " levels for bits (", g.bits, ", ", g.vbits, ")");
     g.levels = t[8].numel() ? t[8].data_ptr<float>() : nullptr;
     check_offsets(t[6], P.B, g.N, "tok_off", i);
     check_offsets(t[7], P.B, g.M, "chunk_off", i);
