@@ -206,15 +206,13 @@ class CocktailConfig:
 
     @classmethod
     def recommended(cls, **overrides: Any) -> CocktailConfig:
-        """The recommended setting: rotated storage (Hadamard), INT3 instead of INT2 as the low precision, values in
-        groups of 64 channels, and a bits budget of 3.8 per element (all-INT3 costs 3.75: the rest buys INT4 / FP16
-        for the best-ranked chunks). Measured on SmolLM2 (``eval/results/kld``, KL divergence from FP16,
-        teacher-forced): 0.010 at 0.30x the FP16 KV bytes on 2K LongBench windows (the paper setting: 0.160 at
-        0.31x; uniform INT4: 0.0046 at 0.37x) and 0.0038 at 0.27x on 2K needle prompts (uniform INT4: 0.0047 at
-        0.34x); 0.25x on the demo's 4.4K document, where it answers right and the paper setting does not.
-        ``group_size=64`` must divide the model's head dim (64, 128, ...); for other head dims pass
-        ``group_size=32, target_bits=4.05`` (all-INT3 then costs 4 bits). ``CocktailConfig()`` stays the paper's
-        setting. ``overrides`` replace fields (e.g. ``encoder=``)."""
+        """The recommended setting: rotated storage (Hadamard), every context chunk with 4-bit keys and 3-bit values
+        (``uniform_bits=4, value_bits=3``), values in groups of 64 channels; no chunk search, since no query-aware mix
+        measured on SmolLM2 came near it at equal bytes (KL divergence from FP16 below uniform INT4's at 0.32x
+        instead of 0.37x the KV bytes: README, ``eval/results/kld``). ``group_size=64`` must divide the head dim;
+        pass ``group_size=32`` for others. ``CocktailConfig()`` stays the paper's setting; the former, query-aware
+        recommendation is ``recommended(uniform_bits=None, value_bits=None, low_bits=3, target_bits=3.8)``.
+        ``overrides`` replace fields (e.g. ``encoder=``)."""
         return cls(**{**RECOMMENDED, **overrides})
 
     @property
@@ -382,7 +380,7 @@ class CocktailConfig:
 
 
 _COMMIT_MESSAGE = "Upload Cocktail KV-cache config"
-RECOMMENDED: dict[str, Any] = {"rotation": "hadamard", "low_bits": 3, "group_size": 64, "target_bits": 3.8}
+RECOMMENDED: dict[str, Any] = {"rotation": "hadamard", "uniform_bits": 4, "value_bits": 3, "group_size": 64}
 
 
 def _looks_like_local_path(name: str) -> bool:

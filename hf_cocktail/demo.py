@@ -1,11 +1,12 @@
 """Offline demo: SmolLM2-135M-Instruct + MiniLM on a long generated document, three KV caches side by side:
 FP16 (``DynamicCache``), Cocktail with the paper's settings, and Cocktail with the recommended setting
-(:meth:`CocktailConfig.recommended`: rotated storage and a bits budget).
+(:meth:`CocktailConfig.recommended`: rotated storage, 4-bit keys and 3-bit values).
 
     python -m hf_cocktail.demo                       # a generated ~4.4K-token document with one hidden fact
     python -m hf_cocktail.demo --text-file my.txt --question "..."
 
-Prints the answers, each precision mix, KV bytes vs FP16 and timings; writes a PNG of chunk scores and precisions.
+Prints the answers, each precision mix, KV bytes vs FP16 and timings; writes a PNG of the chunk search's scores and
+precisions (the recommended setting's, or the paper setting's where the recommended one runs no search).
 """
 
 from __future__ import annotations
@@ -154,8 +155,11 @@ def _describe(name, answer, seconds, cache, fp16_bytes, expected):
     bits = cache.precision_map()[0]
     ok = "" if expected is None else f"  correct: {expected in answer}"
     print(f"\n{name}: {answer!r}   [{seconds:.1f}s incl. chunk search]{ok}")
+    vb = cache.config.value_bits
     print(
-        f"  precision mix over {len(bits)} chunks: FP16 {bits.count(16)}, INT4 {bits.count(4)}, "
+        f"  precision mix over {len(bits)} chunks: FP16 {bits.count(16)}, INT4 {bits.count(4)}"
+        + (f" (values at {vb} bits)" if vb is not None and vb < 4 and 4 in bits else "")
+        + ", "
         + (f"INT3 {bits.count(3)}, " if 3 in bits else "")
         + f"INT2 {bits.count(2)}; "
         f"KV {rep['total_bytes'] / 2**20:.2f} MiB = {rep['total_bytes'] / fp16_bytes:.3f}x FP16 (codes "
@@ -213,9 +217,11 @@ def main(argv=None):
         _describe(name, *runs[name], fp16_bytes, answer)
     os.makedirs(args.out_dir, exist_ok=True)
     png = os.path.join(args.out_dir, "chunk_precisions.png")
-    cache = runs["Cocktail, recommended setting"][2]
+    searched = [(n, r[2]) for n, r in runs.items() if r[2].chunk_scores()[0] is not None]
+    name, cache = searched[-1] if searched else ("recommended", runs["Cocktail, recommended setting"][2])
     scores = cache.chunk_scores()[0] or [0.0] * len(cache.precision_map()[0])
-    plot_chunks(scores, cache.precision_map()[0], png, f"Cocktail chunk search (recommended): {question[:60]}")
+    label = name.split(", ")[-1] if searched else name
+    plot_chunks(scores, cache.precision_map()[0], png, f"Cocktail chunk search ({label}): {question[:60]}")
     print(f"wrote {png}")
     return 0
 

@@ -474,10 +474,14 @@ def test_budget_mode_with_int3_spends_the_budget_on_int4_above_int3(tiny_llama, 
     assert seg_bits == [4, 3]
 
 
-def test_recommended_is_rotated_int3_with_a_budget_and_takes_overrides():
+def test_recommended_is_rotated_4bit_keys_3bit_values_and_takes_overrides():
     rec = CocktailConfig.recommended()
-    assert (rec.rotation, rec.low_bits, rec.group_size, rec.target_bits) == ("hadamard", 3, 64, 3.8)
-    assert rec.packed_bits == (4, 3) and CocktailConfig().packed_bits == (4, 2)  # the paper setting is unchanged
-    assert CocktailConfig.recommended(group_size=32, target_bits=4.05).group_size == 32
+    assert (rec.rotation, rec.uniform_bits, rec.value_bits, rec.group_size) == ("hadamard", 4, 3, 64)
+    assert rec.target_bits is None and rec.packed_bits_per_element(4) == 3.5 + 0.5 + 0.25  # codes, K and V scales
+    paper = CocktailConfig()  # the paper setting is unchanged
+    assert (paper.uniform_bits, paper.value_bits, paper.rotation, paper.packed_bits) == (None, None, None, (4, 2))
+    previous = CocktailConfig.recommended(uniform_bits=None, value_bits=None, low_bits=3, target_bits=3.8)
+    assert (previous.packed_bits, previous.target_bits, previous.group_size) == ((4, 3), 3.8, 64)
+    assert CocktailConfig.recommended(group_size=32).group_size == 32  # the README's advice for other head dims
     with pytest.raises(ValueError, match=r"all-INT3 costs 4 bits"):  # 3.8 is below all-INT3 with G=32
-        CocktailConfig.recommended(group_size=32)
+        CocktailConfig.recommended(uniform_bits=None, value_bits=None, low_bits=3, target_bits=3.8, group_size=32)
