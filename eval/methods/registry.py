@@ -156,6 +156,45 @@ _ROTATION_METHODS += [
         for b in (3.6, 3.7, 3.8)
     ],
 ]
+V3 = {"value_bits": 3}
+# values at fewer code bits than keys (value_bits): keys decide which tokens attention reads and need the bits more
+_ROTATION_METHODS += [
+    CocktailMethod(
+        "int4v3_had",
+        "every context chunk INT4 keys + INT3 values (value_bits=3), Hadamard-rotated",
+        {"uniform_bits": 4, **V3, **HAD},
+    ),
+    CocktailMethod(
+        "int4v3_had_g64",
+        "every context chunk INT4 keys + INT3 values, Hadamard-rotated, values in groups of 64 channels",
+        {"uniform_bits": 4, "group_size": 64, **V3, **HAD},
+    ),
+    CocktailMethod(
+        "int4v2_had",
+        "every context chunk INT4 keys + INT2 values (value_bits=2), Hadamard-rotated",
+        {"uniform_bits": 4, "value_bits": 2, **HAD},
+    ),
+    CocktailMethod(
+        "cocktail_l3v3_had",
+        "paper thresholds: FP16 / INT4 keys + INT3 values / INT3, Hadamard-rotated",
+        {**L3, **V3},
+    ),
+    *[
+        CocktailMethod(
+            f"budget{b:g}_l3v3_had",
+            f"budget mode target_bits={b:g}: FP16 above T_high, then INT4 keys + INT3 values by rank, the rest "
+            "INT3; Hadamard-rotated",
+            {"target_bits": b, **L3, **V3},
+        )
+        for b in (4.2, 4.4, 4.6)
+    ],
+    CocktailMethod(
+        "budget4_l3v3_had_g64",
+        "budget mode target_bits=4: FP16 above T_high, then INT4 keys + INT3 values by rank, the rest INT3; "
+        "Hadamard-rotated, values in groups of 64 channels",
+        {"target_bits": 4.0, "group_size": 64, **L3, **V3},
+    ),
+]
 _RECOMMENDED = _recommended_overrides()
 _ROTATION_METHODS.append(CocktailMethod("recommended", f"CocktailConfig.recommended(): {_RECOMMENDED}", _RECOMMENDED))
 # the anchored Lloyd-Max codebook (codebook="lloyd": INT2 / INT3 levels denser near the middle, same bytes), each the
