@@ -232,7 +232,8 @@ def plot(path: str, rows: list[dict]) -> bool:
     sources = [s for s in dict.fromkeys(r["source"] for r in rows) if s != "all"]
     if not sources:
         return False
-    fig, axes = plt.subplots(1, len(sources), figsize=(6.5 * len(sources) + 2.5, 6), squeeze=False)
+    ncol = 1 + len({r["method"] for r in rows}) // 30  # one legend beside the panels, never over the points
+    fig, axes = plt.subplots(1, len(sources), figsize=(6.5 * len(sources) + 2.6 * ncol, 6.5), squeeze=False)
     cmap, markers = plt.get_cmap("tab20"), "osD^vP*Xph<>"
     methods = list(dict.fromkeys(r["method"] for r in rows if (r["kld_answer"] or 0) > 0))
     style = {m: (cmap(i % 20), markers[i % len(markers)]) for i, m in enumerate(methods)}
@@ -249,7 +250,6 @@ def plot(path: str, rows: list[dict]) -> bool:
                 color=c,
                 capsize=3,
                 markersize=7,
-                label=f"{r['method']} ({r['examples']})",
             )
             if (r["kld_tail"] or 0) > 0:
                 ax.plot([r["kv_ratio"]], [r["kld_tail"]], marker=mk, mfc="none", color=c, linestyle="none")
@@ -261,7 +261,68 @@ def plot(path: str, rows: list[dict]) -> bool:
             f"{source}: up to {n} examples\n(filled: answer segment with 95% CI; hollow: tail segment)", fontsize=10
         )
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, loc="best", ncol=2, title="method (examples)", title_fontsize=7)
+    handles = [plt.Line2D([], [], marker=style[m][1], color=style[m][0], linestyle="none", label=m) for m in methods]
+    fig.legend(handles=handles, loc="center right", fontsize=7, ncol=ncol, title="method", title_fontsize=7)
+    fig.tight_layout(rect=(0, 0, 1 - 2.6 * ncol / fig.get_figwidth(), 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# the methods of ``kld_headline.png`` (the low-divergence corner; the paper setting and the 2-bit caches lie far
+# above it, see ``kld_vs_bytes.png``): uniform INT4 with and without rotation, rotated INT3, the recommended setting
+# and its alternatives, and the query-aware 4-bit-key mixes beside their shuffled twins (same counts, random chunks)
+_INT4FIRST_BUDGETS = ("3.8", "3.9", "4", "4.1")
+HEADLINE = (
+    "int4",
+    "int4_had",
+    "int3_had_g64",
+    "budget3.8_l3_had_g64",
+    "int4v3_had_g64",
+    "int4v3_had_c64_g64",
+    "int4first3.85_v3_had_c64_g64",
+    *(f"int4first{b}_v3_had_g64{s}" for s in ("", "_shuffled") for b in _INT4FIRST_BUDGETS),
+)
+
+
+def plot_headline(path: str, rows: list[dict]) -> bool:
+    """KLD vs KV bytes of the :data:`HEADLINE` methods present, each point labelled with its name; the search's
+    mixes and their shuffled twins joined by lines. False without matplotlib or without such methods."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    pick = [r for r in rows if r["method"] in HEADLINE and r["source"] != "all" and (r["kld_answer"] or 0) > 0]
+    sources = list(dict.fromkeys(r["source"] for r in pick))
+    if not sources:
+        return False
+    fig, axes = plt.subplots(1, len(sources), figsize=(7.5 * len(sources), 6.5), squeeze=False)
+    for ax, source in zip(axes[0], sources):
+        mine = {r["method"]: r for r in pick if r["source"] == source}
+        for suffix, colour in (("", "tab:green"), ("_shuffled", "tab:gray")):
+            line = [mine[m] for m in (f"int4first{b}_v3_had_g64{suffix}" for b in _INT4FIRST_BUDGETS) if m in mine]
+            ax.plot([r["kv_ratio"] for r in line], [r["kld_answer"] for r in line], color=colour, alpha=0.5)
+        for m, r in mine.items():
+            y = r["kld_answer"]
+            err = [[max(y - r["kld_answer_lo"], 0)], [max(r["kld_answer_hi"] - y, 0)]]
+            shuffled = m.endswith("_shuffled")
+            colour = "tab:gray" if shuffled else "tab:red" if m == "int4v3_had_g64" else "tab:blue"
+            ax.errorbar([r["kv_ratio"]], [y], yerr=None if shuffled else err, fmt="o", color=colour, markersize=5)
+            if not shuffled:
+                ax.annotate(m, (r["kv_ratio"], y), textcoords="offset points", xytext=(5, -3), fontsize=7)
+        ax.set_yscale("log")
+        ax.set_xlabel("KV bytes / FP16 DynamicCache")
+        ax.set_ylabel("mean KL(P_fp16 || P_method), nats (answer segment, 95% CI)")
+        n = max(r["examples"] for r in mine.values())
+        ax.set_title(
+            f"{source}: up to {n} examples\nred: recommended; green line: int4first* (the search); "
+            "grey: their shuffled twins",
+            fontsize=10,
+        )
+        ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -269,7 +330,8 @@ def plot(path: str, rows: list[dict]) -> bool:
 
 
 def write_reports(out_dir: str, records: list[dict], methods: list[str], header: str = "") -> str:
-    """Write ``summary.csv``, ``paired.csv``, ``summary.md`` and ``kld_vs_bytes.png``; returns the markdown."""
+    """Write ``summary.csv``, ``paired.csv``, ``summary.md``, ``kld_vs_bytes.png`` and ``kld_headline.png``; returns
+    the markdown."""
     rows = summarize(records, methods)
     write_csv(os.path.join(out_dir, "summary.csv"), rows)
     pairs = paired(records, methods) if PAIRED_REF in methods else []
@@ -282,4 +344,5 @@ def write_reports(out_dir: str, records: list[dict], methods: list[str], header:
     with open(os.path.join(out_dir, "summary.md"), "w", encoding="utf-8") as f:
         f.write(md)
     plot(os.path.join(out_dir, "kld_vs_bytes.png"), rows)
+    plot_headline(os.path.join(out_dir, "kld_headline.png"), rows)
     return md

@@ -195,6 +195,41 @@ _ROTATION_METHODS += [
         {"target_bits": 4.0, "group_size": 64, **L3, **V3},
     ),
 ]
+# query-aware 4-bit keys without an FP16 tier (beta=0: T_high = s_max, no chunk above it): the budget buys 4-bit keys
+# for the best-ranked chunks, the rest get 3-bit keys; values 3 bits everywhere. Each with its shuffled twin (the same
+# precision counts on random chunks), which tells whether the search itself helps.
+_INT4FIRST_V3 = {"beta": 0.0, "group_size": 64, **L3, **V3}
+for _b in (3.8, 3.9, 4.0, 4.1):
+    _name = f"int4first{_b:g}_v3_had_g64"
+    _ROTATION_METHODS += [
+        CocktailMethod(
+            _name,
+            f"budget mode target_bits={_b:g} with beta=0 (no FP16 chunk): 4-bit keys for the best-ranked chunks, "
+            "the rest 3-bit keys; 3-bit values, Hadamard-rotated, value groups of 64",
+            {"target_bits": _b, **_INT4FIRST_V3},
+        ),
+        ShuffledPlanMethod(
+            f"{_name}_shuffled",
+            f"ablation of {_name}: its precision counts on random chunks",
+            {"target_bits": _b, **_INT4FIRST_V3},
+        ),
+    ]
+# the same with 64-token chunks (keys' scales and zeros over 64 tokens: half their bytes)
+_ROTATION_METHODS.append(
+    CocktailMethod(
+        "int4v3_had_c64_g64",
+        "every context chunk 4-bit keys + 3-bit values, Hadamard-rotated, 64-token chunks, value groups of 64",
+        {"uniform_bits": 4, "chunk_size": 64, "group_size": 64, **V3, **HAD},
+    )
+)
+_ROTATION_METHODS += [
+    CocktailMethod(
+        f"int4first{b:g}_v3_had_c64_g64",
+        f"as int4first*_v3_had_g64 with 64-token chunks, target_bits={b:g}",
+        {"target_bits": b, **_INT4FIRST_V3, "chunk_size": 64},
+    )
+    for b in (3.75, 3.85)
+]
 _RECOMMENDED = _recommended_overrides()
 _ROTATION_METHODS.append(CocktailMethod("recommended", f"CocktailConfig.recommended(): {_RECOMMENDED}", _RECOMMENDED))
 # the anchored Lloyd-Max codebook (codebook="lloyd": INT2 / INT3 levels denser near the middle, same bytes), each the
