@@ -199,21 +199,23 @@ _ROTATION_METHODS += [
 # for the best-ranked chunks, the rest get 3-bit keys; values 3 bits everywhere. Each with its shuffled twin (the same
 # precision counts on random chunks), which tells whether the search itself helps.
 _INT4FIRST_V3 = {"beta": 0.0, "group_size": 64, **L3, **V3}
-for _b in (3.8, 3.9, 4.0, 4.1):
-    _name = f"int4first{_b:g}_v3_had_g64"
-    _ROTATION_METHODS += [
+
+
+def _int4first_v3(budget: float) -> list[Method]:
+    """``int4first{budget}_v3_had_g64`` and its ``_shuffled`` twin."""
+    name, fields = f"int4first{budget:g}_v3_had_g64", {"target_bits": budget, **_INT4FIRST_V3}
+    return [
         CocktailMethod(
-            _name,
-            f"budget mode target_bits={_b:g} with beta=0 (no FP16 chunk): 4-bit keys for the best-ranked chunks, "
+            name,
+            f"budget mode target_bits={budget:g} with beta=0 (no FP16 chunk): 4-bit keys for the best-ranked chunks, "
             "the rest 3-bit keys; 3-bit values, Hadamard-rotated, value groups of 64",
-            {"target_bits": _b, **_INT4FIRST_V3},
+            fields,
         ),
-        ShuffledPlanMethod(
-            f"{_name}_shuffled",
-            f"ablation of {_name}: its precision counts on random chunks",
-            {"target_bits": _b, **_INT4FIRST_V3},
-        ),
+        ShuffledPlanMethod(f"{name}_shuffled", f"ablation of {name}: its precision counts on random chunks", fields),
     ]
+
+
+_ROTATION_METHODS += [m for b in (3.8, 3.9, 4.0, 4.1) for m in _int4first_v3(b)]
 # the same with 64-token chunks (keys' scales and zeros over 64 tokens: half their bytes)
 _ROTATION_METHODS.append(
     CocktailMethod(
