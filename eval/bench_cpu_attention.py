@@ -64,10 +64,6 @@ def build_store(T: int, mix, dtype: torch.dtype, gen: torch.Generator):
     return LayerStore(full, segs), k.to(dtype), v.to(dtype)
 
 
-def segment_args(seg: PackedSegment) -> tuple:
-    return (seg.bits, seg.chunk_size, seg.group_size, *seg.tensors(), *seg.device_offsets())
-
-
 def time_interleaved(fns: dict, rounds: int, min_round_s: float = 0.02) -> tuple[dict, dict]:
     """Median and minimum seconds per call of each function over ``rounds`` rounds; every round runs each function
     ``n`` times back to back (n: about ``min_round_s`` worth of calls) and records their mean."""
@@ -97,7 +93,7 @@ def run_case(T: int, dtype_name: str, mix_name: str, rounds: int, seed: int) -> 
     scaling = D**-0.5
     k_rep, v_rep = k.repeat_interleave(N_REP, 1), v.repeat_interleave(N_REP, 1)
     q_rows = q.view(1, H_KV, N_REP, D)
-    full, segs = store.full, [segment_args(s) for s in store.segments]
+    full, segs = store.full, [s.kernel_args() for s in store.segments]
     start = full.start_tensor()
     sdpa = torch.nn.functional.scaled_dot_product_attention
     fns = {

@@ -187,7 +187,9 @@ def split_precision_attention(query: torch.Tensor, store: LayerStore, scaling: f
     chosen = resolve_backend(backend, query.device)
     if chosen != "torch":
         missing = [
-            (s.bits, s.codebook) for s in store.segments if not _kernel_reads(chosen, "attention", s.bits, s.codebook)
+            (s.code_bits, s.codebook)
+            for s in store.segments
+            if not all(_kernel_reads(chosen, "attention", b, s.codebook) for b in {s.bits, s.value_bits})
         ]
         if missing:
             _warn_once(

@@ -110,8 +110,8 @@ def _cache_kind(config: Any) -> str:
 def _method(config: Any) -> str:
     if config.uniform_bits is not None:
         return (
-            f"This config disables the search: every context chunk of {config.chunk_size} tokens is stored at "
-            f"{config.uniform_bits} bits (a uniform baseline).{_storage(config)}"
+            f"This config runs no chunk search: every context chunk of {config.chunk_size} tokens is stored at "
+            f"{config.uniform_bits} bits.{_storage(config)}"
         )
     low = f"INT{getattr(config, 'low_bits', 2)}"
     if getattr(config, "target_bits", None) is None:

@@ -424,6 +424,9 @@ def test_split_attention_value_bits_matches_reference(name):
     [
         ((2, 3), re.escape("segments[1] value bits must be <= key bits, got bits (2, 3)")),
         ((3, 5), re.escape("bits must be one of (2, 3, 4), got 5")),
+        # codes narrower or wider than the declared bits are refused before the kernel reads past them
+        ((3, 2), re.escape("segments[1].v_codes must be uint8 of shape (H_kv=2, N, D*bits//8=16) for 2-bit codes")),
+        (4, re.escape("segments[1].k_codes must be uint8 of shape (H_kv=2, N, D*bits//8=32) for 4-bit codes")),
     ],
 )
 def test_split_attention_rejects_bad_value_bits(bits, match):

@@ -373,6 +373,20 @@ def code_widths(bits, i: int) -> tuple[int, int]:
     return pair
 
 
+def _check_codes(k_codes, v_codes, bits: tuple[int, int], i: int, H_kv: int, D: int) -> None:
+    """Codes as wide as their declared bits: uint8 ``(H_kv, N, D * bits // 8)``, keys and values of one ``N`` (the
+    kernel reads by these widths, so a mismatch would read past the buffers)."""
+    n = k_codes.shape[1] if isinstance(k_codes, torch.Tensor) and k_codes.dim() == 3 else -1
+    for name, codes, b in (("k_codes", k_codes, bits[0]), ("v_codes", v_codes, bits[1])):
+        ok = isinstance(codes, torch.Tensor) and codes.dtype == torch.uint8 and codes.dim() == 3
+        if not (ok and tuple(codes.shape) == (H_kv, n, D * b // 8)):
+            got = f"{codes.dtype} {tuple(codes.shape)}" if isinstance(codes, torch.Tensor) else type(codes).__name__
+            raise ValueError(
+                f"segments[{i}].{name} must be uint8 of shape (H_kv={H_kv}, N, D*bits//8={D * b // 8}) for {b}-bit "
+                f"codes (keys and values of one N), got {got}"
+            )
+
+
 def _segment_args(seg: tuple | None, i: int, max_tokens: int | None, dummy: torch.Tensor):
     """Kernel arguments of packed segment ``i`` (or of an empty stand-in), its key / value bits and group size,
     whether it has levels, its longest sequence."""
@@ -383,6 +397,7 @@ def _segment_args(seg: tuple | None, i: int, max_tokens: int | None, dummy: torc
         raise ValueError(f"segments[{i}] must have 11 items, or 12 with levels, got {len(seg)}")
     bits, chunk_size, group_size, *tensors, tok, chk = seg[:11]
     bits = code_widths(bits, i)
+    _check_codes(tensors[0], tensors[3], bits, i, dummy.shape[1], dummy.shape[3])
     levels = _check_levels(seg[11], i, *bits, dummy.device) if len(seg) == 12 else None
     tensors = [t.contiguous() for t in tensors]
     if max_tokens is None:

@@ -30,7 +30,9 @@ def _dequantized_chunk(seg, i: int, chunk_size: int) -> tuple[torch.Tensor, torc
     k = quant.dequantize_keys(
         seg.k_codes[:, a:e], seg.k_scale[:, i : i + 1], seg.k_zero[:, i : i + 1], seg.bits, chunk_size
     )
-    v = quant.dequantize_values(seg.v_codes[:, a:e], seg.v_scale[:, a:e], seg.v_zero[:, a:e], seg.bits, seg.group_size)
+    v = quant.dequantize_values(
+        seg.v_codes[:, a:e], seg.v_scale[:, a:e], seg.v_zero[:, a:e], seg.value_bits, seg.group_size
+    )
     return k, v
 
 
@@ -45,7 +47,7 @@ def per_chunk_attention(query, store, bits: list[int], chunk_size: int, scaling:
     seg = {s.bits: s for s in store.segments}
     s0 = store.full.start[0]
     blocks = [(store.full.keys[0, :, s0:].float(), store.full.values[0, :, s0:].float())]
-    pos = {16: 0, 4: 0, 2: 0}  # next chunk index within each precision
+    pos = dict.fromkeys((16, 4, 3, 2), 0)  # next chunk index within each precision
     for b in bits:  # original order
         i = pos[b]
         pos[b] += 1
