@@ -91,6 +91,28 @@ class ConstEncoder:
         return torch.ones(len(texts), 8)
 
 
+def prefill_all_but_last(model, inputs):
+    """A ``DynamicCache`` holding the full-precision prefill of every prompt token but the last (left padding kept
+    as ``generate`` positions it), for ``CocktailCache.load_prefill``: caches branched from one prefill get
+    bit-identical keys and values, which two separate prefills need not (the CPU matmul's rounding can depend on
+    memory alignment)."""
+    from transformers import DynamicCache
+
+    from hf_cocktail.compat import cache_kwargs
+
+    mask = inputs["attention_mask"]
+    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    shared = DynamicCache()
+    with torch.no_grad():
+        model(
+            input_ids=inputs["input_ids"][:, :-1],
+            attention_mask=mask[:, :-1],
+            position_ids=positions[:, :-1],
+            **cache_kwargs(model, shared),
+        )
+    return shared
+
+
 def random_text(n_words, seed=0):
     rng = random.Random(seed)
     return " ".join(rng.choice(WORDS[:180]) for _ in range(n_words))

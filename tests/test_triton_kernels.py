@@ -53,7 +53,7 @@ from hf_cocktail.split_attention import split_precision_attention_torch  # noqa:
 from hf_cocktail.store import FullPart, LayerStore, PackedSegment  # noqa: E402
 from triton_ops import checks  # noqa: E402
 
-from .conftest import FakeEncoder, make_prompt, make_tiny_llama  # noqa: E402
+from .conftest import FakeEncoder, make_prompt, make_tiny_llama, prefill_all_but_last  # noqa: E402
 
 if INTERPRET:  # the kernels are interpreted now; keep the variable set only while this module's tests run
     if _PREV_INTERPRET is None:
@@ -496,7 +496,8 @@ def test_generate_triton_backend_equals_torch_backend(tiny_tokenizer, monkeypatc
     prompts = [make_prompt(60, seed=1, needle_at=20), make_prompt(33, seed=2, needle_at=4)]
     model = make_tiny_llama(head_dim=64)
     gen = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True)
-    runs = {}
+    # one full-precision prefill branched into both caches (the codes are compared bit for bit)
+    shared, runs = None, {}
     for backend in ("torch", "triton"):
         cfg = CocktailConfig(chunk_size=8, group_size=32, alpha=0.4, beta=0.2, low_bits=low_bits, backend=backend)
         cache = CocktailCache(cfg, encoder=FakeEncoder())
@@ -506,14 +507,17 @@ def test_generate_triton_backend_equals_torch_backend(tiny_tokenizer, monkeypatc
             contexts=[c for _, c, _ in prompts],
             queries=[q for _, _, q in prompts],
         )
+        shared = shared or prefill_all_but_last(model, inputs)
+        cache.load_prefill(shared)
         runs[backend] = (model.generate(**inputs, **cache_kwargs(model, cache), **gen), cache)
     (out_t, cache_t), (out_x, cache_x) = runs["torch"], runs["triton"]
     layers = model.config.num_hidden_layers
-    # prefill quantizes 2 segments per layer; each of the 3 decode steps runs the attention once per layer
+    # the loaded prefill quantizes 2 segments of 2 sequences per layer; each of the 4 steps (the last prompt token,
+    # then 3 new ones) runs the attention once per layer
     assert calls == {
         "quantize_pack_keys": 2 * 2 * layers,
         "quantize_pack_values": 2 * 2 * layers,
-        "split_precision_attention": (gen["max_new_tokens"] - 1) * layers,
+        "split_precision_attention": gen["max_new_tokens"] * layers,
     }
     assert cache_x.precision_map() == cache_t.precision_map()
     assert {b for row in cache_t.precision_map() for b in row} == {16, 4, low_bits}
