@@ -154,7 +154,8 @@ def _describe(name, answer, seconds, cache, fp16_bytes, expected):
     rep = cache.memory_report()
     bits = cache.precision_map()[0]
     ok = "" if expected is None else f"  correct: {expected in answer}"
-    print(f"\n{name}: {answer!r}   [{seconds:.1f}s incl. chunk search]{ok}")
+    setup = "chunk search" if cache.chunk_scores()[0] is not None else "quantization, no chunk search"
+    print(f"\n{name}: {answer!r}   [{seconds:.1f}s incl. {setup}]{ok}")
     vb = cache.config.value_bits
     print(
         f"  precision mix over {len(bits)} chunks: FP16 {bits.count(16)}, INT4 {bits.count(4)}"
