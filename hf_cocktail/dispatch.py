@@ -189,7 +189,8 @@ def split_precision_attention(query: torch.Tensor, store: LayerStore, scaling: f
         missing = [
             (s.code_bits, s.codebook)
             for s in store.segments
-            if not all(_kernel_reads(chosen, "attention", b, s.codebook) for b in {s.bits, s.value_bits})
+            if not _kernel_reads(chosen, "attention", s.bits, s.codebook)
+            or (s.value_bits != s.bits and not _kernel_reads(chosen, "attention", s.value_bits, s.codebook))
         ]
         if missing:
             _warn_once(
