@@ -207,12 +207,12 @@ class CocktailConfig:
     @classmethod
     def recommended(cls, **overrides: Any) -> CocktailConfig:
         """The recommended setting: rotated storage (Hadamard), every context chunk with 4-bit keys and 3-bit values
-        (``uniform_bits=4, value_bits=3``), values in groups of 64 channels; no chunk search, since no query-aware mix
-        measured on SmolLM2 came near it at equal bytes (KL divergence from FP16 below uniform INT4's at 0.32x
-        instead of 0.37x the KV bytes: README, ``eval/results/kld``). ``group_size=64`` must divide the head dim;
-        pass ``group_size=32`` for others. ``CocktailConfig()`` stays the paper's setting; the former, query-aware
-        recommendation is ``recommended(uniform_bits=None, value_bits=None, low_bits=3, target_bits=3.8)``.
-        ``overrides`` replace fields (e.g. ``encoder=``)."""
+        (``uniform_bits=4, value_bits=3``), values in groups of 64 channels; no chunk search runs, since every chunk
+        keeps 4-bit keys (KL divergence from FP16 on SmolLM2 below uniform INT4's at 0.32x instead of 0.37x the KV
+        bytes; for fewer bytes the search decides which chunks keep them: README). ``group_size=64`` must divide the
+        head dim; pass ``group_size=32`` for others. ``CocktailConfig()`` stays the paper's setting; the former,
+        query-aware recommendation is ``recommended(uniform_bits=None, value_bits=None, low_bits=3,
+        target_bits=3.8)``. ``overrides`` replace fields (e.g. ``encoder=``)."""
         return cls(**{**RECOMMENDED, **overrides})
 
     @property
