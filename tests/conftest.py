@@ -113,6 +113,24 @@ def prefill_all_but_last(model, inputs):
     return shared
 
 
+def generate_split_and_sdpa(tokenizer, config, n_words=120, needle_at=60):
+    """One prompt greedily continued by 4 tokens with a tiny Llama (head dim 32) under ``attn_implementation``
+    ``"cocktail"`` (split-precision attention over the packed store) and ``"sdpa"`` (attention over its
+    dequantization), each with its own ``CocktailCache(config)``: ``{attn: (generate output with logits, cache)}``."""
+    from hf_cocktail import CocktailCache
+    from hf_cocktail.compat import cache_kwargs
+
+    prompt, ctx, q = make_prompt(n_words, needle_at=needle_at)
+    runs = {}
+    for attn in ("cocktail", "sdpa"):
+        model = make_tiny_llama(attn=attn, head_dim=32)
+        cache = CocktailCache(config, encoder=FakeEncoder())
+        inputs = cache.prepare_inputs(tokenizer, prompt, contexts=ctx, queries=q)
+        gen = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True)
+        runs[attn] = (model.generate(**inputs, **cache_kwargs(model, cache), **gen), cache)
+    return runs
+
+
 def random_text(n_words, seed=0):
     rng = random.Random(seed)
     return " ".join(rng.choice(WORDS[:180]) for _ in range(n_words))

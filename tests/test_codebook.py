@@ -4,13 +4,12 @@
 import pytest
 import torch
 
-from hf_cocktail import CocktailCache, CocktailConfig, quant
-from hf_cocktail.compat import cache_kwargs
+from hf_cocktail import CocktailConfig, quant
 from hf_cocktail.rotation import Rotation
 from hf_cocktail.split_attention import split_precision_attention_torch
 from hf_cocktail.store import LayerStore
 
-from .conftest import FakeEncoder, make_prompt, make_tiny_llama
+from .conftest import generate_split_and_sdpa
 
 
 @pytest.mark.parametrize("bits", [2, 3])
@@ -94,29 +93,16 @@ def test_split_attention_over_lloyd_rotated_store_equals_sdpa_over_dequantized(b
 
 @pytest.mark.parametrize("low_bits", [2, 3])
 def test_generate_with_lloyd_codebook_split_equals_dequantized_sdpa(tiny_tokenizer, low_bits):
-    prompt, ctx, q = make_prompt(120, needle_at=60)
-    outs = {}
-    for attn in ("cocktail", "sdpa"):
-        model = make_tiny_llama(attn=attn, head_dim=32)
-        cfg = CocktailConfig(
-            chunk_size=8, group_size=16, alpha=0.3, beta=0.3, rotation="hadamard", low_bits=low_bits, codebook="lloyd"
-        )
-        cache = CocktailCache(cfg, encoder=FakeEncoder())
-        inputs = cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q)
-        outs[attn] = model.generate(
-            **inputs,
-            **cache_kwargs(model, cache),
-            max_new_tokens=4,
-            do_sample=False,
-            return_dict_in_generate=True,
-            output_logits=True,
-        )
+    cfg = CocktailConfig(
+        chunk_size=8, group_size=16, alpha=0.3, beta=0.3, rotation="hadamard", low_bits=low_bits, codebook="lloyd"
+    )
+    runs = generate_split_and_sdpa(tiny_tokenizer, cfg)
+    for _, cache in runs.values():
         assert {16, 4, low_bits} == set(cache.precision_map()[0])
         assert [s.codebook for s in cache.layers[0].store.segments] == ["uniform", "lloyd"]
-    assert torch.equal(outs["cocktail"].sequences, outs["sdpa"].sequences)
-    torch.testing.assert_close(
-        torch.stack(outs["cocktail"].logits), torch.stack(outs["sdpa"].logits), atol=1e-4, rtol=1e-4
-    )
+    (split, _), (sdpa, _) = runs["cocktail"], runs["sdpa"]
+    assert torch.equal(split.sequences, sdpa.sequences)
+    torch.testing.assert_close(torch.stack(split.logits), torch.stack(sdpa.logits), atol=1e-4, rtol=1e-4)
 
 
 def test_codebook_config_is_validated_and_serialized():
