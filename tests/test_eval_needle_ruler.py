@@ -261,3 +261,33 @@ def test_ruler_and_passcode_folders_do_not_mix(tmp_path):
         needle.check_resume_settings(
             needle.parse_args(["--out-dir", str(old), "--variant", "single", "--max-new-tokens", "16"])
         )
+
+
+@needs_essays
+def test_ruler_report_only_runs_no_case(tmp_path, capsys):
+    """--report-only rewrites the reports from the records and computes nothing: the case without a record stays
+    without one, and no invocation is added to run_info.json."""
+    from eval.needle import ruler
+    from eval.needle.cli import main
+
+    out = tmp_path / "r"
+    out.mkdir()
+    rows = [
+        {
+            "case": ruler.case_key("single", 1000, 0),
+            "variant": "single",
+            "ruler_task": "niah_single",
+            "length": 1000,
+            "sample": 0,
+            "method": "fp16",
+            "score": 1.0,
+            "kv_ratio": 1.0,
+            "asked_needle_bits": None,
+        }
+    ]
+    (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["--out-dir", str(out), "--variant", "single", "--lengths", "1000", "--samples", "2", "--methods", "fp16"]
+    assert main([*argv, "--report-only"]) == 0
+    assert (out / "records.jsonl").read_text().count("\n") == 1  # sample 1 was not computed
+    assert "| fp16 | 100.0 |" in (out / "ruler_summary.md").read_text()
+    assert not (out / "run_info.json").exists()

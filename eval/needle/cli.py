@@ -111,6 +111,7 @@ def _parser() -> argparse.ArgumentParser:
         "same command resumes",
     )
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--report-only", action="store_true", help="rewrite the reports from the records, run nothing")
     return p
 
 
@@ -307,7 +308,10 @@ def main(argv=None) -> int:
         ruler.check_lengths(args.length_list, model_max_positions(args.model))
     check_resume_settings(args)
     lock = lock_out_dir(args.out_dir)  # noqa: F841 (held until the process exits)
-    update_run_info(args.out_dir, started_at, {"command": command_line(MODULE), "commit": commit, "status": "running"})
+    if not args.report_only:
+        update_run_info(
+            args.out_dir, started_at, {"command": command_line(MODULE), "commit": commit, "status": "running"}
+        )
     rec_path = os.path.join(args.out_dir, "records.jsonl")
     done = read_done(rec_path)
     if args.variant_list:
@@ -322,10 +326,10 @@ def main(argv=None) -> int:
     deadline = t_start + 60 * args.stop_after_minutes if args.stop_after_minutes else None
     ran = (
         (run_ruler_cases if args.variant_list else run_cases)(args, todo, essays, encoder, rec_path, done, deadline)
-        if todo
+        if todo and not args.report_only
         else 0
     )
-    if ran < len(todo):
+    if ran < len(todo) and not args.report_only:
         print(
             f"stopped after {ran} of {len(todo)} cases (--stop-after-minutes {args.stop_after_minutes:g}); the "
             "same command resumes"
@@ -344,6 +348,8 @@ def main(argv=None) -> int:
                 args.out_dir, rows, [m.name for m in methods], args.length_list, args.depth_list, args.samples
             )
         )
+    if args.report_only:
+        return 0
     finished = {
         "runtime_s": round(time.time() - t_start, 1),
         "cases_processed": ran,
