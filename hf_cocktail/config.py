@@ -13,7 +13,7 @@ import torch
 
 from .hub import CONFIG_NAME, README_NAME, download_config, hub_has_readme, upload_folder
 from .model_card import make_model_card
-from .quant import CODEBOOKS, SUPPORTED_BITS
+from .quant import CODEBOOKS, SCALE_BITS, SUPPORTED_BITS
 from .rotation import ROTATIONS
 
 FORMAT_VERSION = 1
@@ -23,6 +23,8 @@ _UNIFORM_BITS = (None, 16, 4, 3, 2)
 _LOW_BITS = (2, 3)
 _SCALE_DTYPES = ("float16", "bfloat16", "float32", "model")
 _SCORERS = ("encoder", "bm25", "attention")
+_CHOICES: dict[str, tuple] = dict(backend=_BACKENDS, scorer=_SCORERS, scale_dtype=_SCALE_DTYPES)  # one of these
+_CHOICES.update(rotation=ROTATIONS, codebook=CODEBOOKS, scale_bits=SCALE_BITS)
 _COUNTS = {"chunk_size": 1, "encoder_batch_size": 1, "sink_tokens": 0, "recent_tokens": 0, "neighbors": 0}
 
 
@@ -91,6 +93,9 @@ class CocktailConfig:
         value_bits: the most code bits a packed chunk's values get (``None``, the paper: values take their chunk's
             precision, as keys do): with 3, an INT4 chunk stores 4-bit keys and 3-bit values. Keys decide which tokens
             attention reads and lose far more to low bits. One of 2, 3, 4; needs ``codebook="uniform"``.
+        scale_bits: storage of the packed chunks' scales and zeros: 16 (the paper: ``scale_dtype`` numbers) or 8
+            (8-bit codes on three numbers per chunk and head, :func:`hf_cocktail.quant.encode_params8`; key parameters
+            then cost 16/C bits per element instead of 32/C, value parameters 16/G instead of 32/G).
         keep_context_copy: keep a full-precision copy of the prompt up to the end of the context on CPU, so that
             :meth:`CocktailCache.requery` can answer a new question about the same document without a new prefill.
     """
@@ -117,8 +122,14 @@ class CocktailConfig:
     rotation_seed: int = 0
     codebook: str = "uniform"
     value_bits: int | None = None
+    scale_bits: int = 16
 
     def __post_init__(self) -> None:
+        for name, allowed in _CHOICES.items():  # of the allowed values' own types (True is not 1, 8.0 is not 8)
+            v = getattr(self, name)
+            _check(
+                type(v) in {type(a) for a in allowed} and v in allowed, f"{name} must be one of {allowed}, got {v!r}"
+            )
         for name, least in _COUNTS.items():
             v = getattr(self, name)
             _check(_is_int(v) and v >= least, f"{name} must be an integer >= {least}, got {v!r}")
@@ -145,8 +156,6 @@ class CocktailConfig:
             _is_int(self.low_bits) and self.low_bits in _LOW_BITS,
             f"low_bits must be one of {_LOW_BITS}, got {self.low_bits!r}",
         )
-        _check(self.backend in _BACKENDS, f"backend must be one of {_BACKENDS}, got {self.backend!r}")
-        _check(self.scorer in _SCORERS, f"scorer must be one of {_SCORERS}, got {self.scorer!r}")
         layers = self.full_precision_layers
         _check(
             isinstance(layers, (list, tuple)) and all(_is_int(i) and i >= 0 for i in layers),
@@ -170,15 +179,10 @@ class CocktailConfig:
                 f"with chunk_size={self.chunk_size}, group_size={self.group_size}), got {self.target_bits!r}",
             )
         _check(
-            self.scale_dtype in _SCALE_DTYPES, f"scale_dtype must be one of {_SCALE_DTYPES}, got {self.scale_dtype!r}"
-        )
-        _check(
             self.encoder_device is None or isinstance(self.encoder_device, str),
             f"encoder_device must be None or a device string, got {self.encoder_device!r}",
         )
-        _check(self.rotation in ROTATIONS, f"rotation must be one of {ROTATIONS}, got {self.rotation!r}")
         _check(_is_int(self.rotation_seed), f"rotation_seed must be an integer, got {self.rotation_seed!r}")
-        _check(self.codebook in CODEBOOKS, f"codebook must be one of {CODEBOOKS}, got {self.codebook!r}")
         _check(
             self.value_bits is None or (_is_int(self.value_bits) and self.value_bits in SUPPORTED_BITS),
             f"value_bits must be one of None, {', '.join(map(str, SUPPORTED_BITS))}, got {self.value_bits!r}",
@@ -228,8 +232,9 @@ class CocktailConfig:
 
     def packed_bits_per_element(self, bits: int) -> float:
         """Storage bits per K/V element of a ``bits``-bit chunk, scales and zeros included (K: 2 per C tokens per
-        channel, V: 2 per G channels), averaged over K and V (values at :meth:`chunk_value_bits`)."""
-        p = 32 if self.scale_dtype == "float32" else 16
+        channel, V: 2 per G channels), averaged over K and V (values at :meth:`chunk_value_bits`). With
+        ``scale_bits=8`` each is 8 bits; the 3 numbers per chunk and head (~0.02 bits at C=32, D=64) are left out."""
+        p = 8 if self.scale_bits == 8 else 32 if self.scale_dtype == "float32" else 16
         return (bits + self.chunk_value_bits(bits)) / 2 + p / self.chunk_size + p / self.group_size
 
     def torch_scale_dtype(self, model_dtype):

@@ -211,6 +211,7 @@ class CocktailLayer(CacheLayerMixin):
             rotation,
             cfg.codebook,
             cfg.value_bits,
+            cfg.scale_bits,
         )
         if cfg.keep_context_copy and self.context_copy is None:
             end = max(p.ctx_end for p in plans)

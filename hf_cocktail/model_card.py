@@ -131,7 +131,7 @@ def _method(config: Any) -> str:
 
 
 def _storage(config: Any) -> str:
-    """How the packed chunks are stored: groups, rotation, codebook, the values' code width."""
+    """How the packed chunks are stored: groups, rotation, codebook, the values' code width, the scales' bits."""
     stored = (
         f" Values are quantized per token in groups of {config.group_size} channels, keys per channel within each "
         "chunk."
@@ -144,6 +144,8 @@ def _storage(config: Any) -> str:
     value_bits = getattr(config, "value_bits", None)
     if value_bits is not None:
         stored += f" Values get at most {value_bits} bits (`value_bits={value_bits}`; keys keep their chunk's bits)."
+    if getattr(config, "scale_bits", 16) == 8:
+        stored += " Scales and zeros are stored as 8-bit codes on three numbers per chunk and head (`scale_bits=8`)."
     return stored
 
 

@@ -22,6 +22,16 @@ Storage format of one precision segment (INT4 or INT2) of one layer, tokens of o
   NaN ``u``, from a scale whose inverse overflows, gets the top code); dequantization is ``L[code] * scale + zero``
   in fp32. Same bytes as uniform. The kernels take the fp32 table ``L`` (:func:`level_tensors`) as ``levels=``.
 
+* 8-bit scales and zeros (``CocktailConfig(scale_bits=8)``; :func:`encode_params8`): the min-max scale and zero of
+  every group of a *block* (keys: the D channels of one chunk of one head; values: the groups of the C tokens of one
+  chunk of one head) are stored as 8-bit codes on three ``scale_dtype`` numbers per block, ``(s_max, z_lo, z_step)``:
+  ``zero = z_lo + zc * z_step`` with ``zc = floor((min - z_lo) / z_step)`` (``z_step = (max(min) - min(min)) / 255``)
+  and ``scale = s_max * 2 ** (-sc / 16)`` with ``sc = floor(-16 * log2(need / s_max))``, ``need = (max - zero) /
+  (2**bits - 1)``, ``s_max`` the block's largest ``need``; both are decoded (:func:`decode_params8`, fp32, then
+  rounded to ``scale_dtype``) before the codes are computed from them exactly as above. Key parameters then cost
+  ``16 / C`` bits per element instead of ``32 / C``, value parameters ``16 / G`` instead of ``32 / G`` (plus 48 bits per
+  block). Quantized by this reference on every backend; the kernels take the decoded scales and zeros.
+
 The Triton kernels in ``triton_ops`` and the fused CPU kernels in ``cpu_ops`` implement the same functions with the
 same signatures (a codebook passed as its level table, ``levels=``) and are tested against these, integers bit for
 bit.
@@ -39,6 +49,8 @@ PACKED_BITS = (4, 2)  # the packed segments of a layer with the default low prec
 FULL_BITS = 16  # a chunk kept at full precision
 CHUNK_BITS = (FULL_BITS, 4, 3, 2)  # every precision a context chunk can get
 CODEBOOKS = ("uniform", "lloyd")  # the code -> level maps (CocktailConfig.codebook)
+SCALE_BITS = (16, 8)  # storage of scales and zeros: scale_dtype numbers, or 8-bit codes per block (module docstring)
+SCALE_LOG_STEPS = 16  # an 8-bit scale code c stands for s_max * 2 ** (-c / SCALE_LOG_STEPS)
 
 # Anchored Lloyd-Max levels in code units: Lloyd's algorithm (min squared error) on min-max-normalized groups of
 # Gaussian samples (32 and 64 per group), with the two end levels held at the group's min and max (a plain Lloyd-Max
@@ -131,6 +143,14 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return _unpack_plane(packed, bits)
 
 
+def _check_params_finite(params: list[torch.Tensor], scale_dtype: torch.dtype, x: torch.Tensor) -> None:
+    if not all(bool(torch.isfinite(p).all()) for p in params):
+        raise ValueError(
+            f"quantization scales/zeros overflow scale_dtype={scale_dtype} (key/value magnitudes up to "
+            f"{float(x.abs().max()):.3g}); use CocktailConfig(scale_dtype='float32')"
+        )
+
+
 def _quantize_groups(x: torch.Tensor, dim: int, bits: int, scale_dtype: torch.dtype, codebook: str = "uniform"):
     """Min-max quantize ``x`` (fp32) with groups reduced over ``dim``. Returns (codes uint8, scale, zero)."""
     qmax = (1 << bits) - 1
@@ -138,20 +158,63 @@ def _quantize_groups(x: torch.Tensor, dim: int, bits: int, scale_dtype: torch.dt
     mx = x.amax(dim=dim, keepdim=True)
     scale = ((mx - mn) / qmax).to(scale_dtype)
     zero = mn.to(scale_dtype)
-    if not (bool(torch.isfinite(scale).all()) and bool(torch.isfinite(zero).all())):
-        raise ValueError(
-            f"quantization scales/zeros overflow scale_dtype={scale_dtype} (key/value magnitudes up to "
-            f"{float(x.abs().max()):.3g}); use CocktailConfig(scale_dtype='float32')"
-        )
+    _check_params_finite([scale, zero], scale_dtype, x)
+    return _group_codes(x, scale, zero, bits, codebook), scale.squeeze(dim), zero.squeeze(dim)
+
+
+@functools.cache
+def _scale_table(device: torch.device) -> torch.Tensor:
+    """fp32 ``(256,)``: ``2 ** (-c / SCALE_LOG_STEPS)`` for every 8-bit scale code ``c`` (computed in fp64)."""
+    c = torch.arange(256, dtype=torch.float64)
+    return torch.exp2(-c / SCALE_LOG_STEPS).float().to(device)
+
+
+def encode_params8(mn: torch.Tensor, mx: torch.Tensor, bits: int, scale_dtype: torch.dtype):
+    """8-bit codes of the min-max scales and zeros of ``bits``-bit groups (the module docstring).
+
+    Args:
+        mn, mx: ``(..., K)`` fp32 minima and maxima of K groups; the leading dims index the blocks.
+
+    Returns:
+        ``scale_codes uint8 (..., K)``, ``zero_codes uint8 (..., K)``, ``block (..., 3)`` in ``scale_dtype``:
+        ``(s_max, z_lo, z_step)``.
+    """
+    qmax = (1 << bits) - 1
+    lowest = mn.amin(-1, keepdim=True)
+    z_lo = lowest.to(scale_dtype)
+    z_step = ((mn.amax(-1, keepdim=True) - lowest) / 255).to(scale_dtype)
+    zs = z_step.float()
+    zc = torch.where(zs > 0, torch.floor((mn - z_lo.float()) / zs), torch.zeros_like(mn)).clamp_(0, 255)
+    zero = (z_lo.float() + zc * zs).to(scale_dtype).float()
+    need = ((mx - zero) / qmax).clamp_min(0)
+    s_max = need.amax(-1, keepdim=True).to(scale_dtype)
+    _check_params_finite([z_lo, z_step, s_max], scale_dtype, mx)
+    sm = s_max.float()
+    ratio = need / torch.where(sm > 0, sm, torch.ones_like(sm))
+    steps = torch.floor(-SCALE_LOG_STEPS * torch.log2(ratio)).nan_to_num_(255.0, 255.0, 255.0)  # log2(0) = -inf
+    sc = torch.where(sm > 0, steps, torch.zeros_like(steps)).clamp_(0, 255)
+    return sc.to(torch.uint8), zc.to(torch.uint8), torch.cat([s_max, z_lo, z_step], dim=-1)
+
+
+def decode_params8(scale_codes: torch.Tensor, zero_codes: torch.Tensor, block: torch.Tensor, out_dtype: torch.dtype):
+    """Inverse of :func:`encode_params8`: ``(..., K)`` codes and ``(..., 3)`` block numbers -> ``scale, zero
+    (..., K)`` in ``out_dtype`` (computed in fp32)."""
+    b = block.float()
+    scale = b[..., 0:1] * _scale_table(scale_codes.device)[scale_codes.long()]
+    zero = b[..., 1:2] + zero_codes.float() * b[..., 2:3]
+    return scale.to(out_dtype), zero.to(out_dtype)
+
+
+def _group_codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, codebook: str) -> torch.Tensor:
+    """Codes of ``x`` (fp32) against ``scale``/``zero`` (broadcast over each group): uint8, ``x``'s shape."""
+    qmax = (1 << bits) - 1
     s32, z32 = scale.float(), zero.float()
     inv = torch.where(s32 > 0, 1.0 / s32, torch.zeros_like(s32))
     u = (x - z32) * inv
     tables = level_tensors(codebook, bits, x.device)
     if tables is None:
-        codes = torch.floor(u + 0.5).clamp_(0, qmax).to(torch.uint8)
-    else:  # the number of boundaries <= u
-        codes = torch.bucketize(u, tables[1], right=True).to(torch.uint8)
-    return codes, scale.squeeze(dim), zero.squeeze(dim)
+        return torch.floor(u + 0.5).clamp_(0, qmax).to(torch.uint8)
+    return torch.bucketize(u, tables[1], right=True).to(torch.uint8)  # the number of boundaries <= u
 
 
 def _code_values(codes: torch.Tensor, bits: int, codebook: str) -> torch.Tensor:
@@ -195,14 +258,20 @@ def quantize_pack_keys(
             k.new_zeros((H, 0, D), dtype=scale_dtype),
         )
     _check_finite(k, "keys")
+    x = _whole_chunks(k.float(), chunk_size)
+    codes, scale, zero = _quantize_groups(x, 2, bits, scale_dtype, codebook)
+    return pack_codes(codes.reshape(H, -1, D)[:, :N], bits), scale, zero
+
+
+def _whole_chunks(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """``(H, N, ...)`` -> ``(H, M, C, ...)``, ``M = ceil(N / C)``, the last chunk padded with copies of the last token
+    (min and max of the partial chunk are unchanged)."""
+    H, N = x.shape[:2]
     M = -(-N // chunk_size)
-    x = k.float()
     pad = M * chunk_size - N
-    if pad:  # replicate the last token: min and max of the partial chunk are unchanged
-        x = torch.cat([x, x[:, -1:, :].expand(H, pad, D)], dim=1)
-    codes, scale, zero = _quantize_groups(x.reshape(H, M, chunk_size, D), 2, bits, scale_dtype, codebook)
-    codes = codes.reshape(H, M * chunk_size, D)[:, :N]
-    return pack_codes(codes, bits), scale, zero
+    if pad:
+        x = torch.cat([x, x[:, -1:].expand(H, pad, *x.shape[2:])], dim=1)
+    return x.reshape(H, M, chunk_size, *x.shape[2:])
 
 
 def quantize_pack_values(
@@ -264,3 +333,67 @@ def dequantize_values(
     c = c.reshape(H, N, D // group_size, group_size)
     out = c * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
     return out.reshape(H, N, D).to(out_dtype)
+
+
+def quantize_pack_keys8(
+    k: torch.Tensor, bits: int, chunk_size: int, scale_dtype: torch.dtype | None = None, codebook: str = "uniform"
+):
+    """:func:`quantize_pack_keys` with 8-bit scales and zeros, one block per chunk and head (module docstring).
+
+    Returns:
+        ``codes uint8 (H_kv, N, D*bits//8)``, ``scale_codes uint8 (H_kv, M, D)``, ``zero_codes uint8 (H_kv, M, D)``,
+        ``block (H_kv, M, 3)`` in ``scale_dtype``.
+    """
+    _check_bits(bits)
+    check_codebook(codebook)
+    H, N, D = k.shape
+    _check_head_dim(D, bits)
+    scale_dtype = scale_dtype or k.dtype
+    if N == 0:
+        empty = k.new_zeros((H, 0, D), dtype=torch.uint8)
+        return empty[..., : D * bits // 8], empty, empty, k.new_zeros((H, 0, 3), dtype=scale_dtype)
+    _check_finite(k, "keys")
+    x = _whole_chunks(k.float(), chunk_size)  # (H, M, C, D)
+    sc, zc, block = encode_params8(x.amin(2), x.amax(2), bits, scale_dtype)
+    scale, zero = decode_params8(sc, zc, block, scale_dtype)
+    codes = _group_codes(x, scale.unsqueeze(2), zero.unsqueeze(2), bits, codebook)
+    return pack_codes(codes.reshape(H, -1, D)[:, :N], bits), sc, zc, block
+
+
+def quantize_pack_values8(
+    v: torch.Tensor,
+    bits: int,
+    group_size: int,
+    scale_dtype: torch.dtype | None = None,
+    codebook: str = "uniform",
+    *,
+    chunk_size: int,
+):
+    """:func:`quantize_pack_values` with 8-bit scales and zeros, one block per chunk of ``chunk_size`` tokens and head
+    (module docstring); ``v (H_kv, N, D)`` holds whole chunks of one sequence, the last one may be partial.
+
+    Returns:
+        ``codes uint8 (H_kv, N, D*bits//8)``, ``scale_codes uint8 (H_kv, N, D//G)``, ``zero_codes uint8 (H_kv, N,
+        D//G)``, ``block (H_kv, M, 3)`` in ``scale_dtype``.
+    """
+    _check_bits(bits)
+    check_codebook(codebook)
+    H, N, D = v.shape
+    _check_head_dim(D, bits, group_size)
+    scale_dtype = scale_dtype or v.dtype
+    if N == 0:
+        empty = v.new_zeros((H, 0, D), dtype=torch.uint8)
+        return (
+            empty[..., : D * bits // 8],
+            empty[..., : D // group_size],
+            empty[..., : D // group_size],
+            (v.new_zeros((H, 0, 3), dtype=scale_dtype)),
+        )
+    _check_finite(v, "values")
+    x = v.float().reshape(H, N, D // group_size, group_size)
+    mn, mx = (_whole_chunks(t, chunk_size).flatten(2) for t in (x.amin(3), x.amax(3)))  # (H, M, C * D//G)
+    sc, zc, block = encode_params8(mn, mx, bits, scale_dtype)
+    sc, zc = (t.reshape(H, -1, D // group_size)[:, :N] for t in (sc, zc))
+    scale, zero = decode_params8(sc, zc, block.repeat_interleave(chunk_size, 1)[:, :N], scale_dtype)
+    codes = _group_codes(x, scale.unsqueeze(3), zero.unsqueeze(3), bits, codebook)
+    return pack_codes(codes.reshape(H, N, D), bits), sc, zc, block

@@ -38,16 +38,14 @@ def _dequantize_block(seg: PackedSegment, which: str, *, a: int, e: int, first_t
     if which == "v":
         return quant.dequantize_values(
             seg.v_codes[:, a:e],
-            seg.v_scale[:, a:e],
-            seg.v_zero[:, a:e],
+            *seg.value_params(a, e),
             seg.value_bits,
             seg.group_size,
             codebook=seg.codebook,
         )
     return quant.dequantize_keys(
         seg.k_codes[:, a:e],
-        seg.k_scale[:, c0:],
-        seg.k_zero[:, c0:],
+        *seg.key_params(c0),
         seg.bits,
         seg.chunk_size,
         first_token=first_token,

@@ -12,6 +12,7 @@ Shapes: B batch, H_kv key/value heads, D head dim, C chunk size, G value group s
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -110,7 +111,7 @@ class PackedSegment:
     chunk_size: int
     group_size: int
     k_codes: torch.Tensor  # (H_kv, N, D*bits//8) uint8
-    k_scale: torch.Tensor  # (H_kv, M, D)
+    k_scale: torch.Tensor  # (H_kv, M, D): scale_dtype, or uint8 codes with scale_bits=8 (as k_zero, v_scale, v_zero)
     k_zero: torch.Tensor  # (H_kv, M, D)
     v_codes: torch.Tensor  # (H_kv, N, D*value_bits//8) uint8
     v_scale: torch.Tensor  # (H_kv, N, D//G)
@@ -119,6 +120,8 @@ class PackedSegment:
     chunk_off: list[int]  # (B+1,)
     codebook: str = "uniform"  # the code -> level map of these codes (quant.CODEBOOKS); "uniform" where it is
     value_bits: int | None = None  # the values' code width (None: ``bits``, as the keys'); never above ``bits``
+    k_block: torch.Tensor | None = None  # (H_kv, M, 3) scale_dtype, with 8-bit scales and zeros (quant.encode_params8)
+    v_block: torch.Tensor | None = None  # (H_kv, M, 3): the values' blocks, one per chunk as the keys'
     _dev_offsets: tuple | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -139,6 +142,7 @@ class PackedSegment:
         quantize_values=None,
         codebook: str = "uniform",
         value_bits: int | None = None,
+        scale_bits: int = 16,
     ) -> PackedSegment:
         """Quantize and pack per-sequence chunk-ordered segments ``ks[b], vs[b]: (H_kv, N_b, D)``: keys at ``bits``,
         values at ``value_bits`` (default ``bits``; at most ``bits``).
@@ -146,20 +150,28 @@ class PackedSegment:
         ``quantize_keys`` / ``quantize_values`` default to the PyTorch reference in :mod:`hf_cocktail.quant`;
         :func:`hf_cocktail.dispatch.quantizers` gives the Triton / fused CPU ones with the same signature (they get
         ``codebook=`` only when it is not uniform). ``codebook`` is recorded as ``"uniform"`` where it leaves
-        ``bits`` uniform (INT4).
+        ``bits`` uniform (INT4). ``scale_bits=8`` stores 8-bit scales and zeros (:func:`quant.encode_params8`),
+        always quantized by the PyTorch reference.
         """
         if quant.codebook_levels(codebook, bits) is None:
             codebook = "uniform"
         value_bits = bits if value_bits is None else value_bits
         check_value_bits(bits, value_bits, codebook)
-        qk = quantize_keys or quant.quantize_pack_keys
-        qv = quantize_values or quant.quantize_pack_values
-        extra = {} if codebook == "uniform" else {"codebook": codebook}
+        if scale_bits not in quant.SCALE_BITS:
+            raise ValueError(f"scale_bits must be one of {quant.SCALE_BITS}, got {scale_bits!r}")
+        extra: dict[str, str] = {} if codebook == "uniform" else {"codebook": codebook}
+        qk: Callable = quantize_keys or quant.quantize_pack_keys
+        qv: Callable = quantize_values or quant.quantize_pack_values
+        if scale_bits == 8:
+            qk = functools.partial(quant.quantize_pack_keys8, codebook=codebook)
+            qv = functools.partial(quant.quantize_pack_values8, chunk_size=chunk_size, codebook=codebook)
+            extra = {}
         parts = [
             (qk(k, bits, chunk_size, scale_dtype, **extra), qv(v, value_bits, group_size, scale_dtype, **extra))
             for k, v in zip(ks, vs)
         ]
         cat = lambda i, j: torch.cat([p[i][j] for p in parts], dim=1)  # noqa: E731
+        blocks = (cat(0, 3), cat(1, 3)) if scale_bits == 8 else (None, None)
         return cls(
             bits,
             chunk_size,
@@ -174,7 +186,38 @@ class PackedSegment:
             _offsets([-(-k.shape[1] // chunk_size) for k in ks]),
             codebook,
             value_bits,
+            *blocks,
         )
+
+    @property
+    def scale_bits(self) -> int:
+        """16: scales and zeros are stored as numbers; 8: as 8-bit codes on per-block numbers (``k_block``)."""
+        return 16 if self.k_block is None else 8
+
+    def key_params(self, c0: int = 0, c1: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scales and zeros of chunks ``[c0, c1)`` as numbers, ``(H_kv, c1 - c0, D)`` each (decoded from their 8-bit
+        codes where ``scale_bits == 8``)."""
+        scale, zero = self.k_scale[:, c0:c1], self.k_zero[:, c0:c1]
+        if self.k_block is None:
+            return scale, zero
+        return quant.decode_params8(scale, zero, self.k_block[:, c0:c1], self.k_block.dtype)
+
+    def value_params(self, a: int = 0, e: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scales and zeros of tokens ``[a, e)`` as numbers, ``(H_kv, e - a, D // G)`` each."""
+        scale, zero = self.v_scale[:, a:e], self.v_zero[:, a:e]
+        if self.v_block is None:
+            return scale, zero
+        blocks = self.v_block.index_select(1, self._token_chunks()[a:e])
+        return quant.decode_params8(scale, zero, blocks, self.v_block.dtype)
+
+    def _token_chunks(self) -> torch.Tensor:
+        """``(N,)`` int64: the chunk index of every token (sequence ``b``'s tokens fill its chunks in order)."""
+        dev = self.v_codes.device
+        idx = [
+            torch.arange(self.tok_off[b + 1] - self.tok_off[b], device=dev) // self.chunk_size + self.chunk_off[b]
+            for b in range(len(self.tok_off) - 1)
+        ]
+        return torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long, device=dev)
 
     @property
     def num_tokens(self) -> int:
@@ -196,8 +239,7 @@ class PackedSegment:
         c0, c1 = self.chunk_off[b], self.chunk_off[b + 1]
         k = quant.dequantize_keys(
             self.k_codes[:, t0:t1],
-            self.k_scale[:, c0:c1],
-            self.k_zero[:, c0:c1],
+            *self.key_params(c0, c1),
             self.bits,
             self.chunk_size,
             out_dtype,
@@ -205,8 +247,7 @@ class PackedSegment:
         )
         v = quant.dequantize_values(
             self.v_codes[:, t0:t1],
-            self.v_scale[:, t0:t1],
-            self.v_zero[:, t0:t1],
+            *self.value_params(t0, t1),
             self.value_bits,
             self.group_size,
             out_dtype,
@@ -215,7 +256,9 @@ class PackedSegment:
         return k, v
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero]
+        """Codes, scales and zeros as the kernels read them: the scales and zeros as numbers (decoded here, for the
+        call only, where they are stored as 8-bit codes)."""
+        return [self.k_codes, *self.key_params(), self.v_codes, *self.value_params()]
 
     def max_sequence_tokens(self) -> int:
         """The most tokens one sequence owns in this segment."""
@@ -260,13 +303,17 @@ class PackedSegment:
             _offsets([s.stop - s.start for s in chk]),
             self.codebook,
             self.value_bits,
+            None if self.k_block is None else cat(self.k_block, chk),
+            None if self.v_block is None else cat(self.v_block, chk),
         )
 
     def nbytes_codes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k_codes, self.v_codes))
 
     def nbytes_params(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k_scale, self.k_zero, self.v_scale, self.v_zero))
+        params = [self.k_scale, self.k_zero, self.v_scale, self.v_zero]
+        params += [t for t in (self.k_block, self.v_block) if t is not None]
+        return sum(t.numel() * t.element_size() for t in params)
 
 
 @dataclass
@@ -300,11 +347,13 @@ class LayerStore:
         rotation: Rotation | None = None,
         codebook: str = "uniform",
         max_value_bits: int | None = None,
+        scale_bits: int = 16,
     ) -> LayerStore:
         """Store a prefill: ``k, v (B, H_kv, L, D)``; ``positions[b]`` maps ``"full"`` and each packed bit width to
         the prompt positions of sequence ``b`` that go there (chunk order kept). With ``rotation`` everything is
         stored rotated (see :mod:`.rotation`); ``codebook`` maps the packed codes to levels (:mod:`.quant`);
-        ``max_value_bits`` caps the values' code width (``None``: values get their chunk's bits, as keys do)."""
+        ``max_value_bits`` caps the values' code width (``None``: values get their chunk's bits, as keys do);
+        ``scale_bits=8`` stores 8-bit scales and zeros."""
         if rotation is not None:
             k, v = rotation.rotate_keys(k), rotation.rotate_values(v)
         fulls_k, fulls_v = [], []
@@ -328,6 +377,7 @@ class LayerStore:
                 quantize_values,
                 codebook,
                 bits if max_value_bits is None else min(bits, max_value_bits),
+                scale_bits,
             )
             for bits in packed_bits
         ]

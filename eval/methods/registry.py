@@ -232,6 +232,29 @@ _ROTATION_METHODS += [
     )
     for b in (3.75, 3.85)
 ]
+# 8-bit scales and zeros (scale_bits=8: codes on three numbers per chunk and head), each the twin of a method above
+S8 = {"scale_bits": 8}
+_ROTATION_METHODS += [
+    CocktailMethod(
+        "int4_had_s8", "uniform INT4, Hadamard-rotated, 8-bit scales and zeros", {"uniform_bits": 4, **HAD, **S8}
+    ),
+    CocktailMethod("int4v3_had_s8", "int4v3_had with 8-bit scales and zeros", {"uniform_bits": 4, **V3, **HAD, **S8}),
+    CocktailMethod(
+        "int4v3_had_g64_s8",
+        "the recommended setting (int4v3_had_g64) with 8-bit scales and zeros",
+        {"uniform_bits": 4, "group_size": 64, **V3, **HAD, **S8},
+    ),
+    CocktailMethod(
+        "int4v3_had_c64_g64_s8",
+        "int4v3_had_c64_g64 with 8-bit scales and zeros",
+        {"uniform_bits": 4, "chunk_size": 64, "group_size": 64, **V3, **HAD, **S8},
+    ),
+    CocktailMethod(
+        "int4first4_v3_had_g64_s8",
+        "int4first4_v3_had_g64 with 8-bit scales and zeros (the budget counts 8-bit parameters)",
+        {"target_bits": 4.0, **_INT4FIRST_V3, **S8},
+    ),
+]
 _RECOMMENDED = _recommended_overrides()
 _ROTATION_METHODS.append(CocktailMethod("recommended", f"CocktailConfig.recommended(): {_RECOMMENDED}", _RECOMMENDED))
 # the anchored Lloyd-Max codebook (codebook="lloyd": INT2 / INT3 levels denser near the middle, same bytes), each the

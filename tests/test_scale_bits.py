@@ -1,0 +1,151 @@
+"""8-bit scales and zeros (CocktailConfig(scale_bits=8)): the code -> number spec on a hand-built block, its bounds
+on random groups, the store (bytes, select, dequantization), split attention over such segments (PyTorch reference
+and the fused CPU kernel), generation, the config and its bytes."""
+
+import pytest
+import torch
+
+from hf_cocktail import CocktailConfig, dispatch, quant
+from hf_cocktail.rotation import Rotation
+from hf_cocktail.split_attention import split_precision_attention_torch
+from hf_cocktail.store import LayerStore, PackedSegment
+
+from .conftest import generate_split_and_sdpa
+
+
+def test_params8_of_a_hand_built_block():
+    """Two 2-bit groups: minima 0 and 255 (z_step = 1), needed scales 1 and 0.5 (codes 0 and 16 = one octave)."""
+    mn, mx = torch.tensor([[0.0, 255.0]]), torch.tensor([[3.0, 256.5]])
+    sc, zc, block = quant.encode_params8(mn, mx, 2, torch.float32)
+    assert sc.tolist() == [[0, 16]] and zc.tolist() == [[0, 255]]
+    assert block.tolist() == [[1.0, 0.0, 1.0]]  # s_max, z_lo, z_step
+    scale, zero = quant.decode_params8(sc, zc, block, torch.float32)
+    assert scale.tolist() == [[1.0, 0.5]] and zero.tolist() == [[0.0, 255.0]]
+
+
+def test_params8_of_a_constant_block_are_zero_scales():
+    sc, zc, block = quant.encode_params8(torch.full((2, 3), 1.5), torch.full((2, 3), 1.5), 4, torch.float16)
+    scale, zero = quant.decode_params8(sc, zc, block, torch.float16)
+    assert torch.equal(scale, torch.zeros_like(scale)) and torch.equal(zero, torch.full_like(zero, 1.5))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_params8_cover_each_group_within_one_code_step(bits):
+    """Decoded zeros lie at most one z_step below the group's min; decoded scales cover the group's max and exceed
+    what it needs by at most 2 ** (1 / 16) (fp32 storage: no rounding of the block's numbers)."""
+    g = torch.Generator().manual_seed(bits)
+    mn = torch.randn(40, 64, generator=g) * 3
+    mx = mn + torch.rand(40, 64, generator=g) * 4 + 0.01
+    sc, zc, block = quant.encode_params8(mn, mx, bits, torch.float32)
+    scale, zero = quant.decode_params8(sc, zc, block, torch.float32)
+    z_step = block[:, 2:3]
+    assert bool((zero <= mn + 1e-5).all()) and bool((zero >= mn - z_step - 1e-5).all())
+    qmax = (1 << bits) - 1
+    need = (mx - zero) / qmax
+    assert bool((scale * qmax + zero >= mx - 1e-4).all())
+    assert bool((scale <= need * 2 ** (1 / 16) * (1 + 1e-5)).all())
+
+
+def _store(scale_bits, rotation=None, B=2, T=72, H=2, D=32, C=8, G=16, scale_dtype=torch.float16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(B, H, T, D, generator=g) + 2, torch.randn(B, H, T, D, generator=g)
+    positions = [
+        {"full": torch.arange(60 + b, T), 4: torch.arange(0, 20 + b), 3: torch.arange(20 + b, 60 + b)} for b in range(B)
+    ]
+    rot = None if rotation is None else Rotation.make(rotation, H, D, seed=1)
+    store = LayerStore.build(k, v, positions, C, G, scale_dtype, rotation=rot, max_value_bits=3, scale_bits=scale_bits)
+    return store, positions, (k, v)
+
+
+def test_store_keeps_codes_and_blocks_and_halves_the_parameter_bytes():
+    s8, positions, (k, v) = _store(8)
+    s16, _, _ = _store(16)
+    H, D, C, G = 2, 32, 8, 16
+    for seg8, seg16 in zip(s8.segments, s16.segments):
+        assert seg8.scale_bits == 8 and seg16.scale_bits == 16
+        M, N = seg8.chunk_off[-1], seg8.num_tokens
+        assert seg8.k_scale.dtype == torch.uint8 and seg8.k_block.shape == (H, M, 3)
+        assert seg8.v_block.shape == (H, M, 3) and seg8.v_scale.shape == (H, N, D // G)
+        assert seg8.nbytes_params() == 2 * H * M * D + 2 * H * N * (D // G) + 2 * (2 * H * M * 3)
+        assert seg16.nbytes_params() == 2 * 2 * H * M * D + 2 * 2 * H * N * (D // G)
+    # the INT4 keys of sequence 1 are the 8-bit-parameter reference's for its own tokens
+    kk = k[1].index_select(1, positions[1][4])
+    codes, sc, zc, block = quant.quantize_pack_keys8(kk, 4, C, torch.float16)
+    ref = quant.dequantize_keys(codes, *quant.decode_params8(sc, zc, block, torch.float16), 4, C)
+    assert torch.equal(s8.segments[0].sequence(1)[0], ref)
+
+
+def test_select_and_dequantize_agree_with_the_sequences():
+    store, positions, (k, v) = _store(8)
+    keys, values = store.dequantized(positions, 72, 72)
+    picked = store.select([1, 0, 1])
+    keys2, values2 = picked.dequantized([positions[1], positions[0], positions[1]], 72, 72)
+    assert torch.equal(keys2[0], keys[1]) and torch.equal(values2[2], values[1]) and torch.equal(keys2[1], keys[0])
+    fp16_keys, fp16_values = _store(16)[0].dequantized(positions, 72, 72)
+    for x8, x16, x in ((keys, fp16_keys, k), (values, fp16_values, v)):  # a little more error than fp16 parameters
+        err8, err16 = (x8 - x).abs().mean(), (x16 - x).abs().mean()
+        assert err16 < err8 < 1.25 * err16, (err8, err16)
+
+
+@pytest.mark.parametrize("rotation", [None, "hadamard"])
+def test_split_attention_equals_sdpa_over_the_dequantized_cache(rotation):
+    store, positions, _ = _store(8, rotation)
+    B, H, T, D = 2, 2, 72, 32
+    query = torch.randn(B, 2 * H, 1, D, generator=torch.Generator().manual_seed(5))
+    out = split_precision_attention_torch(query, store, D**-0.5)
+    keys, values = store.dequantized(positions, T, T)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        query, keys.float(), values.float(), scale=D**-0.5, enable_gqa=True
+    )
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_fused_cpu_kernel_equals_the_reference():
+    cpu_ops = pytest.importorskip("cpu_ops")
+    if not cpu_ops.available():
+        pytest.skip(f"cpu_ops extension unavailable: {cpu_ops.unavailable_reason()}")
+    store, _, _ = _store(8, "hadamard")
+    query = torch.randn(2, 4, 1, 32, generator=torch.Generator().manual_seed(5))
+    out = dispatch.split_precision_attention(query, store, 32**-0.5, "cpu")
+    torch.testing.assert_close(out, split_precision_attention_torch(query, store, 32**-0.5), atol=2e-6, rtol=1e-5)
+
+
+def test_generate_split_equals_dequantized_sdpa(tiny_tokenizer):
+    cfg = CocktailConfig(
+        chunk_size=8, group_size=16, alpha=0.3, beta=0.3, rotation="hadamard", low_bits=3, value_bits=3, scale_bits=8
+    )
+    runs = generate_split_and_sdpa(tiny_tokenizer, cfg)
+    for _, cache in runs.values():
+        assert [s.scale_bits for s in cache.layers[0].store.segments] == [8, 8]
+    (split, _), (sdpa, _) = runs["cocktail"], runs["sdpa"]
+    assert torch.equal(split.sequences, sdpa.sequences)
+    torch.testing.assert_close(torch.stack(split.logits), torch.stack(sdpa.logits), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bad", [4, 32, "8", 8.0, None])
+def test_scale_bits_is_validated(bad):
+    with pytest.raises(ValueError, match=rf"scale_bits must be one of \(16, 8\), got {bad!r}"):
+        CocktailConfig(scale_bits=bad)
+
+
+def test_bits_per_element_counts_8_bit_parameters():
+    """C = 32, G = 64: fp16 parameters cost 16/32 + 16/64 bits per element on average, 8-bit ones half that."""
+    cfg = CocktailConfig(uniform_bits=4, value_bits=3, group_size=64)
+    assert cfg.packed_bits_per_element(4) == 3.5 + 0.75
+    cfg8 = CocktailConfig(uniform_bits=4, value_bits=3, group_size=64, scale_bits=8)
+    assert cfg8.packed_bits_per_element(4) == 3.5 + 0.375
+    assert CocktailConfig.from_dict(cfg8.to_dict()) == cfg8
+
+
+def test_segment_refuses_other_parameter_widths():
+    with pytest.raises(ValueError, match=r"scale_bits must be one of \(16, 8\), got 4"):
+        PackedSegment.from_sequences(
+            [torch.randn(1, 8, 16)], [torch.randn(1, 8, 16)], 4, 8, 8, torch.float32, scale_bits=4
+        )
+
+
+def test_model_card_says_the_parameters_width():
+    from hf_cocktail.model_card import make_model_card
+
+    assert "(`scale_bits=8`)" in make_model_card(CocktailConfig(scale_bits=8))
+    assert "8-bit codes on three numbers" not in make_model_card(CocktailConfig())
