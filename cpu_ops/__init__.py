@@ -9,10 +9,11 @@ and the kernels raise :class:`ImportError` with that reason.
 
 from ._build import available, unavailable_reason
 from .attention import split_precision_attention
-from .quantize import quantize_pack_keys, quantize_pack_values
+from .quantize import decode_params8, quantize_pack_keys, quantize_pack_values
 
 __all__ = [
     "available",
+    "decode_params8",
     "quantize_pack_keys",
     "quantize_pack_values",
     "split_precision_attention",

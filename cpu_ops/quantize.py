@@ -147,3 +147,38 @@ def quantize_pack_values(
         status = extension().quantize_values(v, int(bits), group_size, codes, scale, zero, bounds)
         _raise_for(status, v, "values", scale_dtype)
     return codes, scale, zero
+
+
+def decode_params8(
+    scale_codes: torch.Tensor,
+    zero_codes: torch.Tensor,
+    block: torch.Tensor,
+    block_of_row: torch.Tensor | None = None,
+    *,
+    table: torch.Tensor,
+):
+    """8-bit scales and zeros -> fp32 numbers (fused; bit for bit ``hf_cocktail.quant.decode_params8``, whose
+    signature this is, plus its fp32 ``(256,)`` table of scale factors, ``hf_cocktail.quant.scale_table``).
+
+    Args:
+        scale_codes, zero_codes: ``uint8 (H, R, K)`` CPU tensors.
+        block: ``(H, M, 3)`` ``(s_max, z_lo, z_step)``, float32 / bfloat16 / float16.
+        block_of_row: ``None`` (``M == R``) or ``int64 (R,)``, the block of every row.
+
+    Returns:
+        ``scale, zero`` fp32 ``(H, R, K)``.
+    """
+    if block.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"block must be of dtype {' or '.join(str(d) for d in FLOAT_DTYPES)}, got {block.dtype}")
+    if not (isinstance(table, torch.Tensor) and table.dtype == torch.float32 and table.shape == (256,)):
+        raise ValueError("table must be the float32 (256,) table of hf_cocktail.quant.scale_table")
+    scale = torch.empty(scale_codes.shape, dtype=torch.float32)
+    zero = torch.empty(scale_codes.shape, dtype=torch.float32)
+    rows = _NO_ROWS if block_of_row is None else block_of_row.contiguous()
+    extension().decode_params8(
+        scale_codes.contiguous(), zero_codes.contiguous(), block.contiguous(), rows, table.cpu(), scale, zero
+    )
+    return scale, zero
+
+
+_NO_ROWS = torch.empty(0, dtype=torch.long)

@@ -156,7 +156,8 @@ def _cpu_attention(query: torch.Tensor, store: LayerStore, scaling: float, out_d
     import cpu_ops
 
     full = store.full
-    segments = [s.kernel_args() for s in store.segments]
+    decode = functools.partial(cpu_ops.decode_params8, table=quant.scale_table("cpu"))
+    segments = [s.kernel_args(decode) for s in store.segments]
     return cpu_ops.split_precision_attention(query, full.keys, full.values, full.start_tensor(), segments, scaling).to(
         out_dtype
     )

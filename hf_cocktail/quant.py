@@ -27,10 +27,11 @@ Storage format of one precision segment (INT4 or INT2) of one layer, tokens of o
   chunk of one head) are stored as 8-bit codes on three ``scale_dtype`` numbers per block, ``(s_max, z_lo, z_step)``:
   ``zero = z_lo + zc * z_step`` with ``zc = floor((min - z_lo) / z_step)`` (``z_step = (max(min) - min(min)) / 255``)
   and ``scale = s_max * 2 ** (-sc / 16)`` with ``sc = floor(-16 * log2(need / s_max))``, ``need = (max - zero) /
-  (2**bits - 1)``, ``s_max`` the block's largest ``need``; both are decoded (:func:`decode_params8`, fp32, then
-  rounded to ``scale_dtype``) before the codes are computed from them exactly as above. Key parameters then cost
-  ``16 / C`` bits per element instead of ``32 / C``, value parameters ``16 / G`` instead of ``32 / G`` (plus 48 bits per
-  block). Quantized by this reference on every backend; the kernels take the decoded scales and zeros.
+  (2**bits - 1)``, ``s_max`` the block's largest ``need``; both are decoded to fp32 (:func:`decode_params8`) and the
+  codes computed from those numbers exactly as above. Key parameters then cost ``16 / C`` bits per element instead of
+  ``32 / C``, value parameters ``16 / G`` instead of ``32 / G`` (plus 48 bits per block). Quantized by this reference on
+  every backend; at each decode step the kernels get the decoded fp32 numbers (on CPU from ``cpu_ops.decode_params8``,
+  bit for bit :func:`decode_params8`), never stored.
 
 The Triton kernels in ``triton_ops`` and the fused CPU kernels in ``cpu_ops`` implement the same functions with the
 same signatures (a codebook passed as its level table, ``levels=``) and are tested against these, integers bit for
@@ -164,9 +165,14 @@ def _quantize_groups(x: torch.Tensor, dim: int, bits: int, scale_dtype: torch.dt
 
 @functools.cache
 def _scale_table(device: torch.device) -> torch.Tensor:
-    """fp32 ``(256,)``: ``2 ** (-c / SCALE_LOG_STEPS)`` for every 8-bit scale code ``c`` (computed in fp64)."""
     c = torch.arange(256, dtype=torch.float64)
     return torch.exp2(-c / SCALE_LOG_STEPS).float().to(device)
+
+
+def scale_table(device: torch.device | str) -> torch.Tensor:
+    """fp32 ``(256,)``: ``2 ** (-c / SCALE_LOG_STEPS)`` for every 8-bit scale code ``c`` (computed in fp64, cached);
+    the fused decoder takes it as ``table=``."""
+    return _scale_table(torch.device(device))
 
 
 def encode_params8(mn: torch.Tensor, mx: torch.Tensor, bits: int, scale_dtype: torch.dtype):
@@ -185,7 +191,7 @@ def encode_params8(mn: torch.Tensor, mx: torch.Tensor, bits: int, scale_dtype: t
     z_step = ((mn.amax(-1, keepdim=True) - lowest) / 255).to(scale_dtype)
     zs = z_step.float()
     zc = torch.where(zs > 0, torch.floor((mn - z_lo.float()) / zs), torch.zeros_like(mn)).clamp_(0, 255)
-    zero = (z_lo.float() + zc * zs).to(scale_dtype).float()
+    zero = z_lo.float() + zc * zs  # as decode_params8 computes it
     need = ((mx - zero) / qmax).clamp_min(0)
     s_max = need.amax(-1, keepdim=True).to(scale_dtype)
     _check_params_finite([z_lo, z_step, s_max], scale_dtype, mx)
@@ -196,13 +202,29 @@ def encode_params8(mn: torch.Tensor, mx: torch.Tensor, bits: int, scale_dtype: t
     return sc.to(torch.uint8), zc.to(torch.uint8), torch.cat([s_max, z_lo, z_step], dim=-1)
 
 
-def decode_params8(scale_codes: torch.Tensor, zero_codes: torch.Tensor, block: torch.Tensor, out_dtype: torch.dtype):
-    """Inverse of :func:`encode_params8`: ``(..., K)`` codes and ``(..., 3)`` block numbers -> ``scale, zero
-    (..., K)`` in ``out_dtype`` (computed in fp32)."""
+def decode_params8(
+    scale_codes: torch.Tensor,
+    zero_codes: torch.Tensor,
+    block: torch.Tensor,
+    block_of_row: torch.Tensor | None = None,
+):
+    """Inverse of :func:`encode_params8`: codes and block numbers -> fp32 ``scale, zero``: ``s_max * table[sc]`` and
+    ``z_lo + zc * z_step`` (a product, then a sum: never fused), with :func:`scale_table`.
+
+    Args:
+        scale_codes, zero_codes: ``uint8 (H, R, K)``.
+        block: ``(H, M, 3)``: ``(s_max, z_lo, z_step)``.
+        block_of_row: ``None`` (``M == R``: row ``r`` is in block ``r``) or ``int64 (R,)``, the block of every row.
+
+    Returns:
+        ``scale, zero`` fp32 ``(H, R, K)``.
+    """
+    if block_of_row is not None:
+        block = block.index_select(1, block_of_row)
     b = block.float()
     scale = b[..., 0:1] * _scale_table(scale_codes.device)[scale_codes.long()]
     zero = b[..., 1:2] + zero_codes.float() * b[..., 2:3]
-    return scale.to(out_dtype), zero.to(out_dtype)
+    return scale, zero
 
 
 def _group_codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, codebook: str) -> torch.Tensor:
@@ -355,7 +377,7 @@ def quantize_pack_keys8(
     _check_finite(k, "keys")
     x = _whole_chunks(k.float(), chunk_size)  # (H, M, C, D)
     sc, zc, block = encode_params8(x.amin(2), x.amax(2), bits, scale_dtype)
-    scale, zero = decode_params8(sc, zc, block, scale_dtype)
+    scale, zero = decode_params8(sc, zc, block)
     codes = _group_codes(x, scale.unsqueeze(2), zero.unsqueeze(2), bits, codebook)
     return pack_codes(codes.reshape(H, -1, D)[:, :N], bits), sc, zc, block
 
@@ -394,6 +416,7 @@ def quantize_pack_values8(
     mn, mx = (_whole_chunks(t, chunk_size).flatten(2) for t in (x.amin(3), x.amax(3)))  # (H, M, C * D//G)
     sc, zc, block = encode_params8(mn, mx, bits, scale_dtype)
     sc, zc = (t.reshape(H, -1, D // group_size)[:, :N] for t in (sc, zc))
-    scale, zero = decode_params8(sc, zc, block.repeat_interleave(chunk_size, 1)[:, :N], scale_dtype)
+    rows = torch.arange(N, device=v.device) // chunk_size
+    scale, zero = decode_params8(sc, zc, block, rows)
     codes = _group_codes(x, scale.unsqueeze(3), zero.unsqueeze(3), bits, codebook)
     return pack_codes(codes.reshape(H, N, D), bits), sc, zc, block

@@ -194,21 +194,26 @@ class PackedSegment:
         """16: scales and zeros are stored as numbers; 8: as 8-bit codes on per-block numbers (``k_block``)."""
         return 16 if self.k_block is None else 8
 
-    def key_params(self, c0: int = 0, c1: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scales and zeros of chunks ``[c0, c1)`` as numbers, ``(H_kv, c1 - c0, D)`` each (decoded from their 8-bit
-        codes where ``scale_bits == 8``)."""
+    def key_params(
+        self, c0: int = 0, c1: int | None = None, decode: Callable = quant.decode_params8
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scales and zeros of chunks ``[c0, c1)`` as numbers, ``(H_kv, c1 - c0, D)`` each (where ``scale_bits ==
+        8``, decoded from their codes to fp32 by ``decode``: :func:`quant.decode_params8` or a fast one of its
+        signature)."""
         scale, zero = self.k_scale[:, c0:c1], self.k_zero[:, c0:c1]
         if self.k_block is None:
             return scale, zero
-        return quant.decode_params8(scale, zero, self.k_block[:, c0:c1], self.k_block.dtype)
+        return decode(scale, zero, self.k_block[:, c0:c1])
 
-    def value_params(self, a: int = 0, e: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scales and zeros of tokens ``[a, e)`` as numbers, ``(H_kv, e - a, D // G)`` each."""
+    def value_params(
+        self, a: int = 0, e: int | None = None, decode: Callable = quant.decode_params8
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scales and zeros of tokens ``[a, e)`` as numbers, ``(H_kv, e - a, D // G)`` each (``decode``: as for
+        :meth:`key_params`)."""
         scale, zero = self.v_scale[:, a:e], self.v_zero[:, a:e]
         if self.v_block is None:
             return scale, zero
-        blocks = self.v_block.index_select(1, self._token_chunks()[a:e])
-        return quant.decode_params8(scale, zero, blocks, self.v_block.dtype)
+        return decode(scale, zero, self.v_block, self._token_chunks()[a:e])
 
     def _token_chunks(self) -> torch.Tensor:
         """``(N,)`` int64: the chunk index of every token (sequence ``b``'s tokens fill its chunks in order)."""
@@ -255,10 +260,10 @@ class PackedSegment:
         )
         return k, v
 
-    def tensors(self) -> list[torch.Tensor]:
-        """Codes, scales and zeros as the kernels read them: the scales and zeros as numbers (decoded here, for the
-        call only, where they are stored as 8-bit codes)."""
-        return [self.k_codes, *self.key_params(), self.v_codes, *self.value_params()]
+    def tensors(self, decode: Callable = quant.decode_params8) -> list[torch.Tensor]:
+        """Codes, scales and zeros as the kernels read them: the scales and zeros as numbers (decoded by ``decode``,
+        for the call only, where they are stored as 8-bit codes)."""
+        return [self.k_codes, *self.key_params(decode=decode), self.v_codes, *self.value_params(decode=decode)]
 
     def max_sequence_tokens(self) -> int:
         """The most tokens one sequence owns in this segment."""
@@ -270,13 +275,13 @@ class PackedSegment:
         ``(bits, value_bits)``."""
         return self.bits if self.value_bits == self.bits else (self.bits, self.value_bits)
 
-    def kernel_args(self) -> tuple:
+    def kernel_args(self, decode: Callable = quant.decode_params8) -> tuple:
         """The segment as the kernel packages (``triton_ops``, ``cpu_ops``) take it: ``(bits, chunk_size,
         group_size, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, tok_off, chunk_off)`` with ``bits`` as
         :attr:`code_bits` (an int, or ``(key_bits, value_bits)``) and the offsets as int32 tensors ``(B+1,)`` on the
         segment's device; a non-uniform codebook adds its fp32 levels ``(2**bits,)``
-        (:func:`hf_cocktail.quant.level_tensors`) as a 12th item."""
-        args = (self.code_bits, self.chunk_size, self.group_size, *self.tensors(), *self.device_offsets())
+        (:func:`hf_cocktail.quant.level_tensors`) as a 12th item. ``decode``: see :meth:`key_params`."""
+        args = (self.code_bits, self.chunk_size, self.group_size, *self.tensors(decode), *self.device_offsets())
         if self.codebook == "uniform":  # every decode step of every layer: no table lookup for the common case
             return args
         return (*args, quant.level_tensors(self.codebook, self.bits, self.k_codes.device)[0])

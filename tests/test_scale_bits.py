@@ -19,13 +19,13 @@ def test_params8_of_a_hand_built_block():
     sc, zc, block = quant.encode_params8(mn, mx, 2, torch.float32)
     assert sc.tolist() == [[0, 16]] and zc.tolist() == [[0, 255]]
     assert block.tolist() == [[1.0, 0.0, 1.0]]  # s_max, z_lo, z_step
-    scale, zero = quant.decode_params8(sc, zc, block, torch.float32)
+    scale, zero = quant.decode_params8(sc, zc, block)
     assert scale.tolist() == [[1.0, 0.5]] and zero.tolist() == [[0.0, 255.0]]
 
 
 def test_params8_of_a_constant_block_are_zero_scales():
     sc, zc, block = quant.encode_params8(torch.full((2, 3), 1.5), torch.full((2, 3), 1.5), 4, torch.float16)
-    scale, zero = quant.decode_params8(sc, zc, block, torch.float16)
+    scale, zero = quant.decode_params8(sc, zc, block)
     assert torch.equal(scale, torch.zeros_like(scale)) and torch.equal(zero, torch.full_like(zero, 1.5))
 
 
@@ -37,7 +37,7 @@ def test_params8_cover_each_group_within_one_code_step(bits):
     mn = torch.randn(40, 64, generator=g) * 3
     mx = mn + torch.rand(40, 64, generator=g) * 4 + 0.01
     sc, zc, block = quant.encode_params8(mn, mx, bits, torch.float32)
-    scale, zero = quant.decode_params8(sc, zc, block, torch.float32)
+    scale, zero = quant.decode_params8(sc, zc, block)
     z_step = block[:, 2:3]
     assert bool((zero <= mn + 1e-5).all()) and bool((zero >= mn - z_step - 1e-5).all())
     qmax = (1 << bits) - 1
@@ -71,7 +71,7 @@ def test_store_keeps_codes_and_blocks_and_halves_the_parameter_bytes():
     # the INT4 keys of sequence 1 are the 8-bit-parameter reference's for its own tokens
     kk = k[1].index_select(1, positions[1][4])
     codes, sc, zc, block = quant.quantize_pack_keys8(kk, 4, C, torch.float16)
-    ref = quant.dequantize_keys(codes, *quant.decode_params8(sc, zc, block, torch.float16), 4, C)
+    ref = quant.dequantize_keys(codes, *quant.decode_params8(sc, zc, block), 4, C)
     assert torch.equal(s8.segments[0].sequence(1)[0], ref)
 
 
@@ -108,6 +108,25 @@ def test_fused_cpu_kernel_equals_the_reference():
     query = torch.randn(2, 4, 1, 32, generator=torch.Generator().manual_seed(5))
     out = dispatch.split_precision_attention(query, store, 32**-0.5, "cpu")
     torch.testing.assert_close(out, split_precision_attention_torch(query, store, 32**-0.5), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_fused_cpu_decoder_equals_the_reference(scale_dtype):
+    """cpu_ops.decode_params8 gives the reference's fp32 numbers bit for bit, for key blocks (one per row) and value
+    blocks (a row -> block map over two sequences, the first ending in a partial chunk)."""
+    cpu_ops = pytest.importorskip("cpu_ops")
+    if not cpu_ops.available():
+        pytest.skip(f"cpu_ops extension unavailable: {cpu_ops.unavailable_reason()}")
+    g = torch.Generator().manual_seed(3)
+    ks = [torch.randn(2, n, 32, generator=g) * 4 + 1 for n in (45, 24)]
+    seg = PackedSegment.from_sequences(ks, [x.flip(1) for x in ks], 4, 8, 16, scale_dtype, value_bits=3, scale_bits=8)
+    table = quant.scale_table("cpu")
+    fused = seg.tensors(lambda *a: cpu_ops.decode_params8(*a, table=table))
+    for got, want in zip(fused, seg.tensors()):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert fused[1].dtype == torch.float32
+    with pytest.raises(ValueError, match="table must be the float32"):
+        cpu_ops.decode_params8(seg.k_scale, seg.k_zero, seg.k_block, table=table.double())
 
 
 def test_generate_split_equals_dequantized_sdpa(tiny_tokenizer):

@@ -226,10 +226,11 @@ def make_store(
     seed=0,
     codebook="uniform",
     max_value_bits=None,
+    scale_bits=16,
 ):
     """A LayerStore of ``len(full)`` sequences with the given per-sequence token counts, on DEV: ``full`` for the
     full-precision part, ``packed`` maps each packed segment's bit width to its counts (in storage order);
-    ``max_value_bits`` caps the values' code width (CocktailConfig.value_bits)."""
+    ``max_value_bits`` caps the values' code width (CocktailConfig.value_bits), ``scale_bits`` is the scales'."""
     g = torch.Generator().manual_seed(seed)
     rnd = lambda n: torch.randn(H_kv, n, D, generator=g).to(DEV)  # noqa: E731
     fp = FullPart.from_sequences([rnd(n).to(dtype) for n in full], [rnd(n).to(dtype) for n in full])
@@ -246,6 +247,7 @@ def make_store(
             quantize_values,
             codebook,
             bits if max_value_bits is None else min(bits, max_value_bits),
+            scale_bits,
         )
         for bits, ns in packed.items()
     ]
@@ -417,6 +419,15 @@ def test_split_attention_value_bits_matches_reference(name):
     query = (torch.randn(len(full), H_kv * n_rep, Lq, D, generator=g) * 2).to(DEV)
     scaling = D**-0.5
     check_attention(query, store, scaling, split_precision_attention_torch(query, store, scaling), tokens_per_split=tps)
+
+
+def test_split_attention_8_bit_scales_matches_reference():
+    """8-bit scales and zeros: the kernel reads the decoded fp32 numbers of kernel_args()."""
+    store = make_store([5, 9], {4: [17, 8], 3: [20, 11]}, 2, 64, 8, 32, max_value_bits=3, scale_bits=8)
+    assert [seg.scale_bits for seg in store.segments] == [8, 8]
+    assert store.segments[0].kernel_args()[4].dtype == torch.float32
+    query = (torch.randn(2, 4, 1, 64, generator=torch.Generator().manual_seed(1)) * 2).to(DEV)
+    check_attention(query, store, 0.125, split_precision_attention_torch(query, store, 0.125))
 
 
 @pytest.mark.parametrize(
