@@ -128,6 +128,10 @@ class PackedSegment:
         if self.value_bits is None:
             self.value_bits = self.bits
         check_value_bits(self.bits, self.value_bits, self.codebook)
+        if (self.k_block is None) != (self.v_block is None):
+            raise ValueError(
+                "k_block and v_block come together (8-bit scales and zeros for keys and values) or not at all"
+            )
 
     @classmethod
     def from_sequences(

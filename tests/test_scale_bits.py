@@ -2,6 +2,8 @@
 on random groups, the store (bytes, select, dequantization), split attention over such segments (PyTorch reference
 and the fused CPU kernel), generation, the config and its bytes."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -154,6 +156,12 @@ def test_bits_per_element_counts_8_bit_parameters():
     cfg8 = CocktailConfig(uniform_bits=4, value_bits=3, group_size=64, scale_bits=8)
     assert cfg8.packed_bits_per_element(4) == 3.5 + 0.375
     assert CocktailConfig.from_dict(cfg8.to_dict()) == cfg8
+
+
+def test_segment_refuses_half_8_bit_parameters():
+    seg = _store(8)[0].segments[0]
+    with pytest.raises(ValueError, match="k_block and v_block come together"):
+        dataclasses.replace(seg, v_block=None)
 
 
 def test_segment_refuses_other_parameter_widths():
