@@ -45,7 +45,7 @@ def _scale_dtype(scale_dtype, x: torch.Tensor) -> torch.dtype:
 
 
 def _raise_for(status: int, x: torch.Tensor, what: str, scale_dtype: torch.dtype) -> None:
-    """The reference's errors (``hf_cocktail.quant._check_finite`` first, then the scale overflow), same text."""
+    """The reference's errors (``hf_cocktail.quant.check_finite`` first, then the scale overflow), same text."""
     if status & _NON_FINITE:
         raise ValueError(
             f"{what} contain NaN or inf; hf-cocktail refuses to quantize non-finite key/value states "

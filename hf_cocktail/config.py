@@ -94,7 +94,7 @@ class CocktailConfig:
             precision, as keys do): with 3, an INT4 chunk stores 4-bit keys and 3-bit values. Keys decide which tokens
             attention reads and lose far more to low bits. One of 2, 3, 4; needs ``codebook="uniform"``.
         scale_bits: storage of the packed chunks' scales and zeros: 16 (the paper: ``scale_dtype`` numbers) or 8
-            (8-bit codes on three numbers per chunk and head, :func:`hf_cocktail.quant.encode_params8`; key parameters
+            (8-bit codes on three numbers per chunk and head, :func:`hf_cocktail.params8.encode_params8`; key parameters
             then cost 16/C bits per element instead of 32/C, value parameters 16/G instead of 32/G).
         keep_context_copy: keep a full-precision copy of the prompt up to the end of the context on CPU, so that
             :meth:`CocktailCache.requery` can answer a new question about the same document without a new prefill.

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import quant
+from . import params8, quant
 from .split_attention import attend_in_store_basis, split_precision_attention_torch, with_rotation
 from .store import LayerStore
 
@@ -156,7 +156,7 @@ def _cpu_attention(query: torch.Tensor, store: LayerStore, scaling: float, out_d
     import cpu_ops
 
     full = store.full
-    decode = functools.partial(cpu_ops.decode_params8, table=quant.scale_table("cpu"))
+    decode = functools.partial(cpu_ops.decode_params8, table=params8.scale_table("cpu"))
     segments = [s.kernel_args(decode) for s in store.segments]
     return cpu_ops.split_precision_attention(query, full.keys, full.values, full.start_tensor(), segments, scaling).to(
         out_dtype

@@ -22,16 +22,7 @@ Storage format of one precision segment (INT4 or INT2) of one layer, tokens of o
   NaN ``u``, from a scale whose inverse overflows, gets the top code); dequantization is ``L[code] * scale + zero``
   in fp32. Same bytes as uniform. The kernels take the fp32 table ``L`` (:func:`level_tensors`) as ``levels=``.
 
-* 8-bit scales and zeros (``CocktailConfig(scale_bits=8)``; :func:`encode_params8`): the min-max scale and zero of
-  every group of a *block* (keys: the D channels of one chunk of one head; values: the groups of the C tokens of one
-  chunk of one head) are stored as 8-bit codes on three ``scale_dtype`` numbers per block, ``(s_max, z_lo, z_step)``:
-  ``zero = z_lo + zc * z_step`` with ``zc = floor((min - z_lo) / z_step)`` (``z_step = (max(min) - min(min)) / 255``)
-  and ``scale = s_max * 2 ** (-sc / 16)`` with ``sc = floor(-16 * log2(need / s_max))``, ``need = (max - zero) /
-  (2**bits - 1)``, ``s_max`` the block's largest ``need``; both are decoded to fp32 (:func:`decode_params8`) and the
-  codes computed from those numbers exactly as above. Key parameters then cost ``16 / C`` bits per element instead of
-  ``32 / C``, value parameters ``16 / G`` instead of ``32 / G`` (plus 48 bits per block). Quantized by this reference on
-  every backend; at each decode step the kernels get the decoded fp32 numbers (on CPU from ``cpu_ops.decode_params8``,
-  bit for bit :func:`decode_params8`), never stored.
+* 8-bit scales and zeros (``CocktailConfig(scale_bits=8)``): :mod:`hf_cocktail.params8`.
 
 The Triton kernels in ``triton_ops`` and the fused CPU kernels in ``cpu_ops`` implement the same functions with the
 same signatures (a codebook passed as its level table, ``levels=``) and are tested against these, integers bit for
@@ -50,8 +41,7 @@ PACKED_BITS = (4, 2)  # the packed segments of a layer with the default low prec
 FULL_BITS = 16  # a chunk kept at full precision
 CHUNK_BITS = (FULL_BITS, 4, 3, 2)  # every precision a context chunk can get
 CODEBOOKS = ("uniform", "lloyd")  # the code -> level maps (CocktailConfig.codebook)
-SCALE_BITS = (16, 8)  # storage of scales and zeros: scale_dtype numbers, or 8-bit codes per block (module docstring)
-SCALE_LOG_STEPS = 16  # an 8-bit scale code c stands for s_max * 2 ** (-c / SCALE_LOG_STEPS)
+SCALE_BITS = (16, 8)  # storage of scales and zeros: scale_dtype numbers, or 8-bit codes per block (params8)
 
 # Anchored Lloyd-Max levels in code units: Lloyd's algorithm (min squared error) on min-max-normalized groups of
 # Gaussian samples (32 and 64 per group), with the two end levels held at the group's min and max (a plain Lloyd-Max
@@ -65,7 +55,7 @@ LLOYD_LEVELS: dict[int, tuple[float, ...]] = {
 }
 
 
-def _check_bits(bits: int) -> None:
+def check_bits(bits: int) -> None:
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
 
@@ -83,7 +73,7 @@ def check_codebook(codebook: str) -> None:
 def codebook_levels(codebook: str, bits: int) -> tuple[float, ...] | None:
     """The levels (code units) that ``codebook`` gives ``bits``-bit codes, or ``None`` where they are uniform."""
     check_codebook(codebook)
-    _check_bits(bits)
+    check_bits(bits)
     return LLOYD_LEVELS.get(bits) if codebook == "lloyd" else None
 
 
@@ -100,7 +90,7 @@ def level_tensors(codebook: str, bits: int, device: torch.device | str) -> tuple
     return None if levels is None else _level_tensors(levels, torch.device(device))
 
 
-def _check_head_dim(D: int, bits: int, group_size: int | None = None) -> None:
+def check_head_dim(D: int, bits: int, group_size: int | None = None) -> None:
     per = channel_multiple(bits)
     if D % per:
         raise ValueError(f"head dim D={D} must be a multiple of {per} to pack {bits}-bit codes into bytes")
@@ -126,9 +116,9 @@ def _unpack_plane(packed: torch.Tensor, bits: int) -> torch.Tensor:
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack integer codes in ``[0, 2**bits)`` along the last dim: ``(..., D)`` -> ``uint8 (..., D * bits // 8)``
     (the layout in the module docstring; INT3 as a 2-bit plane then a 1-bit plane)."""
-    _check_bits(bits)
+    check_bits(bits)
     D = codes.shape[-1]
-    _check_head_dim(D, bits)
+    check_head_dim(D, bits)
     if bits == 3:
         c = codes.to(torch.int32)
         return torch.cat([_pack_plane(c & 3, 2), _pack_plane(c >> 2, 1)], dim=-1)
@@ -137,14 +127,14 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: ``uint8 (..., Dp)`` -> ``uint8 (..., Dp * 8 // bits)``."""
-    _check_bits(bits)
+    check_bits(bits)
     if bits == 3:
         D = packed.shape[-1] * 8 // 3
         return _unpack_plane(packed[..., : D // 4], 2) | (_unpack_plane(packed[..., D // 4 :], 1) << 2)
     return _unpack_plane(packed, bits)
 
 
-def _check_params_finite(params: list[torch.Tensor], scale_dtype: torch.dtype, x: torch.Tensor) -> None:
+def check_params_finite(params: list[torch.Tensor], scale_dtype: torch.dtype, x: torch.Tensor) -> None:
     if not all(bool(torch.isfinite(p).all()) for p in params):
         raise ValueError(
             f"quantization scales/zeros overflow scale_dtype={scale_dtype} (key/value magnitudes up to "
@@ -159,75 +149,11 @@ def _quantize_groups(x: torch.Tensor, dim: int, bits: int, scale_dtype: torch.dt
     mx = x.amax(dim=dim, keepdim=True)
     scale = ((mx - mn) / qmax).to(scale_dtype)
     zero = mn.to(scale_dtype)
-    _check_params_finite([scale, zero], scale_dtype, x)
-    return _group_codes(x, scale, zero, bits, codebook), scale.squeeze(dim), zero.squeeze(dim)
+    check_params_finite([scale, zero], scale_dtype, x)
+    return group_codes(x, scale, zero, bits, codebook), scale.squeeze(dim), zero.squeeze(dim)
 
 
-@functools.cache
-def _scale_table(device: torch.device) -> torch.Tensor:
-    c = torch.arange(256, dtype=torch.float64)
-    return torch.exp2(-c / SCALE_LOG_STEPS).float().to(device)
-
-
-def scale_table(device: torch.device | str) -> torch.Tensor:
-    """fp32 ``(256,)``: ``2 ** (-c / SCALE_LOG_STEPS)`` for every 8-bit scale code ``c`` (computed in fp64, cached);
-    the fused decoder takes it as ``table=``."""
-    return _scale_table(torch.device(device))
-
-
-def encode_params8(mn: torch.Tensor, mx: torch.Tensor, bits: int, scale_dtype: torch.dtype):
-    """8-bit codes of the min-max scales and zeros of ``bits``-bit groups (the module docstring).
-
-    Args:
-        mn, mx: ``(..., K)`` fp32 minima and maxima of K groups; the leading dims index the blocks.
-
-    Returns:
-        ``scale_codes uint8 (..., K)``, ``zero_codes uint8 (..., K)``, ``block (..., 3)`` in ``scale_dtype``:
-        ``(s_max, z_lo, z_step)``.
-    """
-    qmax = (1 << bits) - 1
-    lowest = mn.amin(-1, keepdim=True)
-    z_lo = lowest.to(scale_dtype)
-    z_step = ((mn.amax(-1, keepdim=True) - lowest) / 255).to(scale_dtype)
-    zs = z_step.float()
-    zc = torch.where(zs > 0, torch.floor((mn - z_lo.float()) / zs), torch.zeros_like(mn)).clamp_(0, 255)
-    zero = z_lo.float() + zc * zs  # as decode_params8 computes it
-    need = ((mx - zero) / qmax).clamp_min(0)
-    s_max = need.amax(-1, keepdim=True).to(scale_dtype)
-    _check_params_finite([z_lo, z_step, s_max], scale_dtype, mx)
-    sm = s_max.float()
-    ratio = need / torch.where(sm > 0, sm, torch.ones_like(sm))
-    steps = torch.floor(-SCALE_LOG_STEPS * torch.log2(ratio)).nan_to_num_(255.0, 255.0, 255.0)  # log2(0) = -inf
-    sc = torch.where(sm > 0, steps, torch.zeros_like(steps)).clamp_(0, 255)
-    return sc.to(torch.uint8), zc.to(torch.uint8), torch.cat([s_max, z_lo, z_step], dim=-1)
-
-
-def decode_params8(
-    scale_codes: torch.Tensor,
-    zero_codes: torch.Tensor,
-    block: torch.Tensor,
-    block_of_row: torch.Tensor | None = None,
-):
-    """Inverse of :func:`encode_params8`: codes and block numbers -> fp32 ``scale, zero``: ``s_max * table[sc]`` and
-    ``z_lo + zc * z_step`` (a product, then a sum: never fused), with :func:`scale_table`.
-
-    Args:
-        scale_codes, zero_codes: ``uint8 (H, R, K)``.
-        block: ``(H, M, 3)``: ``(s_max, z_lo, z_step)``.
-        block_of_row: ``None`` (``M == R``: row ``r`` is in block ``r``) or ``int64 (R,)``, the block of every row.
-
-    Returns:
-        ``scale, zero`` fp32 ``(H, R, K)``.
-    """
-    if block_of_row is not None:
-        block = block.index_select(1, block_of_row)
-    b = block.float()
-    scale = b[..., 0:1] * _scale_table(scale_codes.device)[scale_codes.long()]
-    zero = b[..., 1:2] + zero_codes.float() * b[..., 2:3]
-    return scale, zero
-
-
-def _group_codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, codebook: str) -> torch.Tensor:
+def group_codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, codebook: str) -> torch.Tensor:
     """Codes of ``x`` (fp32) against ``scale``/``zero`` (broadcast over each group): uint8, ``x``'s shape."""
     qmax = (1 << bits) - 1
     s32, z32 = scale.float(), zero.float()
@@ -245,7 +171,7 @@ def _code_values(codes: torch.Tensor, bits: int, codebook: str) -> torch.Tensor:
     return codes.float() if tables is None else tables[0][codes.long()]
 
 
-def _check_finite(x: torch.Tensor, what: str) -> None:
+def check_finite(x: torch.Tensor, what: str) -> None:
     if not bool(torch.isfinite(x).all()):
         raise ValueError(
             f"{what} contain NaN or inf; hf-cocktail refuses to quantize non-finite key/value states "
@@ -268,10 +194,10 @@ def quantize_pack_keys(
     Returns:
         ``codes uint8 (H_kv, N, D*bits//8)``, ``scale (H_kv, M, D)``, ``zero (H_kv, M, D)`` with ``M = ceil(N/C)``.
     """
-    _check_bits(bits)
+    check_bits(bits)
     check_codebook(codebook)
     H, N, D = k.shape
-    _check_head_dim(D, bits)
+    check_head_dim(D, bits)
     scale_dtype = scale_dtype or k.dtype
     if N == 0:
         return (
@@ -279,13 +205,13 @@ def quantize_pack_keys(
             k.new_zeros((H, 0, D), dtype=scale_dtype),
             k.new_zeros((H, 0, D), dtype=scale_dtype),
         )
-    _check_finite(k, "keys")
-    x = _whole_chunks(k.float(), chunk_size)
+    check_finite(k, "keys")
+    x = whole_chunks(k.float(), chunk_size)
     codes, scale, zero = _quantize_groups(x, 2, bits, scale_dtype, codebook)
     return pack_codes(codes.reshape(H, -1, D)[:, :N], bits), scale, zero
 
 
-def _whole_chunks(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
+def whole_chunks(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """``(H, N, ...)`` -> ``(H, M, C, ...)``, ``M = ceil(N / C)``, the last chunk padded with copies of the last token
     (min and max of the partial chunk are unchanged)."""
     H, N = x.shape[:2]
@@ -308,13 +234,13 @@ def quantize_pack_values(
     Returns:
         ``codes uint8 (H_kv, N, D*bits//8)``, ``scale (H_kv, N, D//G)``, ``zero (H_kv, N, D//G)``.
     """
-    _check_bits(bits)
+    check_bits(bits)
     check_codebook(codebook)
     H, N, D = v.shape
-    _check_head_dim(D, bits, group_size)
+    check_head_dim(D, bits, group_size)
     scale_dtype = scale_dtype or v.dtype
     if N:
-        _check_finite(v, "values")
+        check_finite(v, "values")
     x = v.float().reshape(H, N, D // group_size, group_size)
     codes, scale, zero = _quantize_groups(x, 3, bits, scale_dtype, codebook)
     return pack_codes(codes.reshape(H, N, D), bits), scale, zero
@@ -355,68 +281,3 @@ def dequantize_values(
     c = c.reshape(H, N, D // group_size, group_size)
     out = c * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
     return out.reshape(H, N, D).to(out_dtype)
-
-
-def quantize_pack_keys8(
-    k: torch.Tensor, bits: int, chunk_size: int, scale_dtype: torch.dtype | None = None, codebook: str = "uniform"
-):
-    """:func:`quantize_pack_keys` with 8-bit scales and zeros, one block per chunk and head (module docstring).
-
-    Returns:
-        ``codes uint8 (H_kv, N, D*bits//8)``, ``scale_codes uint8 (H_kv, M, D)``, ``zero_codes uint8 (H_kv, M, D)``,
-        ``block (H_kv, M, 3)`` in ``scale_dtype``.
-    """
-    _check_bits(bits)
-    check_codebook(codebook)
-    H, N, D = k.shape
-    _check_head_dim(D, bits)
-    scale_dtype = scale_dtype or k.dtype
-    if N == 0:
-        empty = k.new_zeros((H, 0, D), dtype=torch.uint8)
-        return empty[..., : D * bits // 8], empty, empty, k.new_zeros((H, 0, 3), dtype=scale_dtype)
-    _check_finite(k, "keys")
-    x = _whole_chunks(k.float(), chunk_size)  # (H, M, C, D)
-    sc, zc, block = encode_params8(x.amin(2), x.amax(2), bits, scale_dtype)
-    scale, zero = decode_params8(sc, zc, block)
-    codes = _group_codes(x, scale.unsqueeze(2), zero.unsqueeze(2), bits, codebook)
-    return pack_codes(codes.reshape(H, -1, D)[:, :N], bits), sc, zc, block
-
-
-def quantize_pack_values8(
-    v: torch.Tensor,
-    bits: int,
-    group_size: int,
-    scale_dtype: torch.dtype | None = None,
-    codebook: str = "uniform",
-    *,
-    chunk_size: int,
-):
-    """:func:`quantize_pack_values` with 8-bit scales and zeros, one block per chunk of ``chunk_size`` tokens and head
-    (module docstring); ``v (H_kv, N, D)`` holds whole chunks of one sequence, the last one may be partial.
-
-    Returns:
-        ``codes uint8 (H_kv, N, D*bits//8)``, ``scale_codes uint8 (H_kv, N, D//G)``, ``zero_codes uint8 (H_kv, N,
-        D//G)``, ``block (H_kv, M, 3)`` in ``scale_dtype``.
-    """
-    _check_bits(bits)
-    check_codebook(codebook)
-    H, N, D = v.shape
-    _check_head_dim(D, bits, group_size)
-    scale_dtype = scale_dtype or v.dtype
-    if N == 0:
-        empty = v.new_zeros((H, 0, D), dtype=torch.uint8)
-        return (
-            empty[..., : D * bits // 8],
-            empty[..., : D // group_size],
-            empty[..., : D // group_size],
-            (v.new_zeros((H, 0, 3), dtype=scale_dtype)),
-        )
-    _check_finite(v, "values")
-    x = v.float().reshape(H, N, D // group_size, group_size)
-    mn, mx = (_whole_chunks(t, chunk_size).flatten(2) for t in (x.amin(3), x.amax(3)))  # (H, M, C * D//G)
-    sc, zc, block = encode_params8(mn, mx, bits, scale_dtype)
-    sc, zc = (t.reshape(H, -1, D // group_size)[:, :N] for t in (sc, zc))
-    rows = torch.arange(N, device=v.device) // chunk_size
-    scale, zero = decode_params8(sc, zc, block, rows)
-    codes = _group_codes(x, scale.unsqueeze(3), zero.unsqueeze(3), bits, codebook)
-    return pack_codes(codes.reshape(H, N, D), bits), sc, zc, block

@@ -13,20 +13,21 @@ Shapes: B batch, H_kv key/value heads, D head dim, C chunk size, G value group s
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from . import quant
+from . import params8, quant
 from .rotation import Rotation
+
+_DECODE = params8.decode_params8  # the reference decoder of 8-bit scales and zeros, the default of every decode=
+Pair = tuple[torch.Tensor, torch.Tensor]
 
 
 def _offsets(lengths: list[int]) -> list[int]:
-    out = [0]
-    for n in lengths:
-        out.append(out[-1] + n)
-    return out
+    return [0, *itertools.accumulate(lengths)]
 
 
 @dataclass
@@ -120,7 +121,9 @@ class PackedSegment:
     chunk_off: list[int]  # (B+1,)
     codebook: str = "uniform"  # the code -> level map of these codes (quant.CODEBOOKS); "uniform" where it is
     value_bits: int | None = None  # the values' code width (None: ``bits``, as the keys'); never above ``bits``
-    k_block: torch.Tensor | None = None  # (H_kv, M, 3) scale_dtype, with 8-bit scales and zeros (quant.encode_params8)
+    k_block: torch.Tensor | None = (
+        None  # (H_kv, M, 3) scale_dtype, with 8-bit scales and zeros (params8.encode_params8)
+    )
     v_block: torch.Tensor | None = None  # (H_kv, M, 3): the values' blocks, one per chunk as the keys'
     _dev_offsets: tuple | None = field(default=None, repr=False)
 
@@ -154,7 +157,7 @@ class PackedSegment:
         ``quantize_keys`` / ``quantize_values`` default to the PyTorch reference in :mod:`hf_cocktail.quant`;
         :func:`hf_cocktail.dispatch.quantizers` gives the Triton / fused CPU ones with the same signature (they get
         ``codebook=`` only when it is not uniform). ``codebook`` is recorded as ``"uniform"`` where it leaves
-        ``bits`` uniform (INT4). ``scale_bits=8`` stores 8-bit scales and zeros (:func:`quant.encode_params8`),
+        ``bits`` uniform (INT4). ``scale_bits=8`` stores 8-bit scales and zeros (:func:`params8.encode_params8`),
         always quantized by the PyTorch reference.
         """
         if quant.codebook_levels(codebook, bits) is None:
@@ -167,8 +170,8 @@ class PackedSegment:
         qk: Callable = quantize_keys or quant.quantize_pack_keys
         qv: Callable = quantize_values or quant.quantize_pack_values
         if scale_bits == 8:
-            qk = functools.partial(quant.quantize_pack_keys8, codebook=codebook)
-            qv = functools.partial(quant.quantize_pack_values8, chunk_size=chunk_size, codebook=codebook)
+            qk = functools.partial(params8.quantize_pack_keys8, codebook=codebook)
+            qv = functools.partial(params8.quantize_pack_values8, chunk_size=chunk_size, codebook=codebook)
             extra = {}
         parts = [
             (qk(k, bits, chunk_size, scale_dtype, **extra), qv(v, value_bits, group_size, scale_dtype, **extra))
@@ -198,20 +201,15 @@ class PackedSegment:
         """16: scales and zeros are stored as numbers; 8: as 8-bit codes on per-block numbers (``k_block``)."""
         return 16 if self.k_block is None else 8
 
-    def key_params(
-        self, c0: int = 0, c1: int | None = None, decode: Callable = quant.decode_params8
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scales and zeros of chunks ``[c0, c1)`` as numbers, ``(H_kv, c1 - c0, D)`` each (where ``scale_bits ==
-        8``, decoded from their codes to fp32 by ``decode``: :func:`quant.decode_params8` or a fast one of its
-        signature)."""
+    def key_params(self, c0: int = 0, c1: int | None = None, decode: Callable = _DECODE) -> Pair:
+        """Scales and zeros of chunks ``[c0, c1)`` as numbers, ``(H_kv, c1 - c0, D)`` each (with ``scale_bits=8``
+        decoded to fp32 by ``decode``: :func:`params8.decode_params8` or a fast one of its signature)."""
         scale, zero = self.k_scale[:, c0:c1], self.k_zero[:, c0:c1]
         if self.k_block is None:
             return scale, zero
         return decode(scale, zero, self.k_block[:, c0:c1])
 
-    def value_params(
-        self, a: int = 0, e: int | None = None, decode: Callable = quant.decode_params8
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def value_params(self, a: int = 0, e: int | None = None, decode: Callable = _DECODE) -> Pair:
         """Scales and zeros of tokens ``[a, e)`` as numbers, ``(H_kv, e - a, D // G)`` each (``decode``: as for
         :meth:`key_params`)."""
         scale, zero = self.v_scale[:, a:e], self.v_zero[:, a:e]
@@ -221,12 +219,9 @@ class PackedSegment:
 
     def _token_chunks(self) -> torch.Tensor:
         """``(N,)`` int64: the chunk index of every token (sequence ``b``'s tokens fill its chunks in order)."""
-        dev = self.v_codes.device
-        idx = [
-            torch.arange(self.tok_off[b + 1] - self.tok_off[b], device=dev) // self.chunk_size + self.chunk_off[b]
-            for b in range(len(self.tok_off) - 1)
-        ]
-        return torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long, device=dev)
+        dev, lengths = self.v_codes.device, [e - s for s, e in zip(self.tok_off, self.tok_off[1:])]
+        parts = [torch.arange(n, device=dev) // self.chunk_size + c for n, c in zip(lengths, self.chunk_off)]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=dev)
 
     @property
     def num_tokens(self) -> int:
@@ -264,7 +259,7 @@ class PackedSegment:
         )
         return k, v
 
-    def tensors(self, decode: Callable = quant.decode_params8) -> list[torch.Tensor]:
+    def tensors(self, decode: Callable = _DECODE) -> list[torch.Tensor]:
         """Codes, scales and zeros as the kernels read them: the scales and zeros as numbers (decoded by ``decode``,
         for the call only, where they are stored as 8-bit codes)."""
         return [self.k_codes, *self.key_params(decode=decode), self.v_codes, *self.value_params(decode=decode)]
@@ -279,7 +274,7 @@ class PackedSegment:
         ``(bits, value_bits)``."""
         return self.bits if self.value_bits == self.bits else (self.bits, self.value_bits)
 
-    def kernel_args(self, decode: Callable = quant.decode_params8) -> tuple:
+    def kernel_args(self, decode: Callable = _DECODE) -> tuple:
         """The segment as the kernel packages (``triton_ops``, ``cpu_ops``) take it: ``(bits, chunk_size,
         group_size, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, tok_off, chunk_off)`` with ``bits`` as
         :attr:`code_bits` (an int, or ``(key_bits, value_bits)``) and the offsets as int32 tensors ``(B+1,)`` on the

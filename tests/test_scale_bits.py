@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from hf_cocktail import CocktailConfig, dispatch, quant
+from hf_cocktail import CocktailConfig, dispatch, params8, quant
 from hf_cocktail.rotation import Rotation
 from hf_cocktail.split_attention import split_precision_attention_torch
 from hf_cocktail.store import LayerStore, PackedSegment
@@ -18,16 +18,16 @@ from .conftest import generate_split_and_sdpa
 def test_params8_of_a_hand_built_block():
     """Two 2-bit groups: minima 0 and 255 (z_step = 1), needed scales 1 and 0.5 (codes 0 and 16 = one octave)."""
     mn, mx = torch.tensor([[0.0, 255.0]]), torch.tensor([[3.0, 256.5]])
-    sc, zc, block = quant.encode_params8(mn, mx, 2, torch.float32)
+    sc, zc, block = params8.encode_params8(mn, mx, 2, torch.float32)
     assert sc.tolist() == [[0, 16]] and zc.tolist() == [[0, 255]]
     assert block.tolist() == [[1.0, 0.0, 1.0]]  # s_max, z_lo, z_step
-    scale, zero = quant.decode_params8(sc, zc, block)
+    scale, zero = params8.decode_params8(sc, zc, block)
     assert scale.tolist() == [[1.0, 0.5]] and zero.tolist() == [[0.0, 255.0]]
 
 
 def test_params8_of_a_constant_block_are_zero_scales():
-    sc, zc, block = quant.encode_params8(torch.full((2, 3), 1.5), torch.full((2, 3), 1.5), 4, torch.float16)
-    scale, zero = quant.decode_params8(sc, zc, block)
+    sc, zc, block = params8.encode_params8(torch.full((2, 3), 1.5), torch.full((2, 3), 1.5), 4, torch.float16)
+    scale, zero = params8.decode_params8(sc, zc, block)
     assert torch.equal(scale, torch.zeros_like(scale)) and torch.equal(zero, torch.full_like(zero, 1.5))
 
 
@@ -38,8 +38,8 @@ def test_params8_cover_each_group_within_one_code_step(bits):
     g = torch.Generator().manual_seed(bits)
     mn = torch.randn(40, 64, generator=g) * 3
     mx = mn + torch.rand(40, 64, generator=g) * 4 + 0.01
-    sc, zc, block = quant.encode_params8(mn, mx, bits, torch.float32)
-    scale, zero = quant.decode_params8(sc, zc, block)
+    sc, zc, block = params8.encode_params8(mn, mx, bits, torch.float32)
+    scale, zero = params8.decode_params8(sc, zc, block)
     z_step = block[:, 2:3]
     assert bool((zero <= mn + 1e-5).all()) and bool((zero >= mn - z_step - 1e-5).all())
     qmax = (1 << bits) - 1
@@ -72,8 +72,8 @@ def test_store_keeps_codes_and_blocks_and_halves_the_parameter_bytes():
         assert seg16.nbytes_params() == 2 * 2 * H * M * D + 2 * 2 * H * N * (D // G)
     # the INT4 keys of sequence 1 are the 8-bit-parameter reference's for its own tokens
     kk = k[1].index_select(1, positions[1][4])
-    codes, sc, zc, block = quant.quantize_pack_keys8(kk, 4, C, torch.float16)
-    ref = quant.dequantize_keys(codes, *quant.decode_params8(sc, zc, block), 4, C)
+    codes, sc, zc, block = params8.quantize_pack_keys8(kk, 4, C, torch.float16)
+    ref = quant.dequantize_keys(codes, *params8.decode_params8(sc, zc, block), 4, C)
     assert torch.equal(s8.segments[0].sequence(1)[0], ref)
 
 
@@ -122,7 +122,7 @@ def test_fused_cpu_decoder_equals_the_reference(scale_dtype):
     g = torch.Generator().manual_seed(3)
     ks = [torch.randn(2, n, 32, generator=g) * 4 + 1 for n in (45, 24)]
     seg = PackedSegment.from_sequences(ks, [x.flip(1) for x in ks], 4, 8, 16, scale_dtype, value_bits=3, scale_bits=8)
-    table = quant.scale_table("cpu")
+    table = params8.scale_table("cpu")
     fused = seg.tensors(lambda *a: cpu_ops.decode_params8(*a, table=table))
     for got, want in zip(fused, seg.tensors()):
         assert got.dtype == want.dtype and torch.equal(got, want)

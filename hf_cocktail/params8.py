@@ -1,0 +1,164 @@
+"""8-bit scales and zeros (``CocktailConfig(scale_bits=8)``): the codec and the quantizers that store with it, in plain
+PyTorch (the spec; the fused CPU decoder ``cpu_ops.decode_params8`` is tested bit for bit against it).
+
+The min-max scale and zero of every group of a *block* (keys: the D channels of one chunk of one head; values: the
+groups of the C tokens of one chunk of one head) are stored as 8-bit codes on three ``scale_dtype`` numbers per block,
+``(s_max, z_lo, z_step)``:
+``zero = z_lo + zc * z_step`` with ``zc = floor((min - z_lo) / z_step)`` (``z_step = (max(min) - min(min)) / 255``)
+and ``scale = s_max * 2 ** (-sc / 16)`` with ``sc = floor(-16 * log2(need / s_max))``, ``need = (max - zero) /
+(2**bits - 1)``, ``s_max`` the block's largest ``need``; both are decoded to fp32 (:func:`decode_params8`) and the
+codes computed from those numbers exactly as above. Key parameters then cost ``16 / C`` bits per element instead of
+``32 / C``, value parameters ``16 / G`` instead of ``32 / G`` (plus 48 bits per block). Quantized by this reference on
+every backend; at each decode step the kernels get the decoded fp32 numbers (on CPU from ``cpu_ops.decode_params8``,
+bit for bit :func:`decode_params8`), never stored.
+
+Shapes: H heads (``H_kv``), N tokens, M chunks (C tokens each), D head dim, G value group size, K groups per row.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .quant import (
+    check_bits,
+    check_codebook,
+    check_finite,
+    check_head_dim,
+    check_params_finite,
+    group_codes,
+    pack_codes,
+    whole_chunks,
+)
+
+SCALE_LOG_STEPS = 16  # an 8-bit scale code c stands for s_max * 2 ** (-c / SCALE_LOG_STEPS)
+
+
+@functools.cache
+def _scale_table(device: torch.device) -> torch.Tensor:
+    c = torch.arange(256, dtype=torch.float64)
+    return torch.exp2(-c / SCALE_LOG_STEPS).float().to(device)
+
+
+def scale_table(device: torch.device | str) -> torch.Tensor:
+    """fp32 ``(256,)``: ``2 ** (-c / SCALE_LOG_STEPS)`` for every 8-bit scale code ``c`` (computed in fp64, cached);
+    the fused decoder takes it as ``table=``."""
+    return _scale_table(torch.device(device))
+
+
+def encode_params8(mn: torch.Tensor, mx: torch.Tensor, bits: int, scale_dtype: torch.dtype):
+    """8-bit codes of the min-max scales and zeros of ``bits``-bit groups (the module docstring).
+
+    Args:
+        mn, mx: ``(..., K)`` fp32 minima and maxima of K groups; the leading dims index the blocks.
+
+    Returns:
+        ``scale_codes uint8 (..., K)``, ``zero_codes uint8 (..., K)``, ``block (..., 3)`` in ``scale_dtype``:
+        ``(s_max, z_lo, z_step)``.
+    """
+    qmax = (1 << bits) - 1
+    lowest = mn.amin(-1, keepdim=True)
+    z_lo = lowest.to(scale_dtype)
+    z_step = ((mn.amax(-1, keepdim=True) - lowest) / 255).to(scale_dtype)
+    zs = z_step.float()
+    zc = torch.where(zs > 0, torch.floor((mn - z_lo.float()) / zs), torch.zeros_like(mn)).clamp_(0, 255)
+    zero = z_lo.float() + zc * zs  # as decode_params8 computes it
+    need = ((mx - zero) / qmax).clamp_min(0)
+    s_max = need.amax(-1, keepdim=True).to(scale_dtype)
+    check_params_finite([z_lo, z_step, s_max], scale_dtype, mx)
+    sm = s_max.float()
+    ratio = need / torch.where(sm > 0, sm, torch.ones_like(sm))
+    steps = torch.floor(-SCALE_LOG_STEPS * torch.log2(ratio)).nan_to_num_(255.0, 255.0, 255.0)  # log2(0) = -inf
+    sc = torch.where(sm > 0, steps, torch.zeros_like(steps)).clamp_(0, 255)
+    return sc.to(torch.uint8), zc.to(torch.uint8), torch.cat([s_max, z_lo, z_step], dim=-1)
+
+
+def decode_params8(
+    scale_codes: torch.Tensor,
+    zero_codes: torch.Tensor,
+    block: torch.Tensor,
+    block_of_row: torch.Tensor | None = None,
+):
+    """Inverse of :func:`encode_params8`: codes and block numbers -> fp32 ``scale, zero``: ``s_max * table[sc]`` and
+    ``z_lo + zc * z_step`` (a product, then a sum: never fused), with :func:`scale_table`.
+
+    Args:
+        scale_codes, zero_codes: ``uint8 (H, R, K)``.
+        block: ``(H, M, 3)``: ``(s_max, z_lo, z_step)``.
+        block_of_row: ``None`` (``M == R``: row ``r`` is in block ``r``) or ``int64 (R,)``, the block of every row.
+
+    Returns:
+        ``scale, zero`` fp32 ``(H, R, K)``.
+    """
+    if block_of_row is not None:
+        block = block.index_select(1, block_of_row)
+    b = block.float()
+    scale = b[..., 0:1] * _scale_table(scale_codes.device)[scale_codes.long()]
+    zero = b[..., 1:2] + zero_codes.float() * b[..., 2:3]
+    return scale, zero
+
+
+def quantize_pack_keys8(
+    k: torch.Tensor, bits: int, chunk_size: int, scale_dtype: torch.dtype | None = None, codebook: str = "uniform"
+):
+    """:func:`quantize_pack_keys` with 8-bit scales and zeros, one block per chunk and head (module docstring).
+
+    Returns:
+        ``codes uint8 (H_kv, N, D*bits//8)``, ``scale_codes uint8 (H_kv, M, D)``, ``zero_codes uint8 (H_kv, M, D)``,
+        ``block (H_kv, M, 3)`` in ``scale_dtype``.
+    """
+    check_bits(bits)
+    check_codebook(codebook)
+    H, N, D = k.shape
+    check_head_dim(D, bits)
+    scale_dtype = scale_dtype or k.dtype
+    if N == 0:
+        empty = k.new_zeros((H, 0, D), dtype=torch.uint8)
+        return empty[..., : D * bits // 8], empty, empty, k.new_zeros((H, 0, 3), dtype=scale_dtype)
+    check_finite(k, "keys")
+    x = whole_chunks(k.float(), chunk_size)  # (H, M, C, D)
+    sc, zc, block = encode_params8(x.amin(2), x.amax(2), bits, scale_dtype)
+    scale, zero = decode_params8(sc, zc, block)
+    codes = group_codes(x, scale.unsqueeze(2), zero.unsqueeze(2), bits, codebook)
+    return pack_codes(codes.reshape(H, -1, D)[:, :N], bits), sc, zc, block
+
+
+def quantize_pack_values8(
+    v: torch.Tensor,
+    bits: int,
+    group_size: int,
+    scale_dtype: torch.dtype | None = None,
+    codebook: str = "uniform",
+    *,
+    chunk_size: int,
+):
+    """:func:`quantize_pack_values` with 8-bit scales and zeros, one block per chunk of ``chunk_size`` tokens and head
+    (module docstring); ``v (H_kv, N, D)`` holds whole chunks of one sequence, the last one may be partial.
+
+    Returns:
+        ``codes uint8 (H_kv, N, D*bits//8)``, ``scale_codes uint8 (H_kv, N, D//G)``, ``zero_codes uint8 (H_kv, N,
+        D//G)``, ``block (H_kv, M, 3)`` in ``scale_dtype``.
+    """
+    check_bits(bits)
+    check_codebook(codebook)
+    H, N, D = v.shape
+    check_head_dim(D, bits, group_size)
+    scale_dtype = scale_dtype or v.dtype
+    if N == 0:
+        empty = v.new_zeros((H, 0, D), dtype=torch.uint8)
+        return (
+            empty[..., : D * bits // 8],
+            empty[..., : D // group_size],
+            empty[..., : D // group_size],
+            (v.new_zeros((H, 0, 3), dtype=scale_dtype)),
+        )
+    check_finite(v, "values")
+    x = v.float().reshape(H, N, D // group_size, group_size)
+    mn, mx = (whole_chunks(t, chunk_size).flatten(2) for t in (x.amin(3), x.amax(3)))  # (H, M, C * D//G)
+    sc, zc, block = encode_params8(mn, mx, bits, scale_dtype)
+    sc, zc = (t.reshape(H, -1, D // group_size)[:, :N] for t in (sc, zc))
+    rows = torch.arange(N, device=v.device) // chunk_size
+    scale, zero = decode_params8(sc, zc, block, rows)
+    codes = group_codes(x, scale.unsqueeze(3), zero.unsqueeze(3), bits, codebook)
+    return pack_codes(codes.reshape(H, N, D), bits), sc, zc, block
