@@ -102,7 +102,8 @@ def decode_params8(
 def quantize_pack_keys8(
     k: torch.Tensor, bits: int, chunk_size: int, scale_dtype: torch.dtype | None = None, codebook: str = "uniform"
 ):
-    """:func:`quantize_pack_keys` with 8-bit scales and zeros, one block per chunk and head (module docstring).
+    """:func:`hf_cocktail.quant.quantize_pack_keys` with 8-bit scales and zeros, one block per chunk and head (module
+    docstring).
 
     Returns:
         ``codes uint8 (H_kv, N, D*bits//8)``, ``scale_codes uint8 (H_kv, M, D)``, ``zero_codes uint8 (H_kv, M, D)``,
@@ -133,8 +134,9 @@ def quantize_pack_values8(
     *,
     chunk_size: int,
 ):
-    """:func:`quantize_pack_values` with 8-bit scales and zeros, one block per chunk of ``chunk_size`` tokens and head
-    (module docstring); ``v (H_kv, N, D)`` holds whole chunks of one sequence, the last one may be partial.
+    """:func:`hf_cocktail.quant.quantize_pack_values` with 8-bit scales and zeros, one block per chunk of
+    ``chunk_size`` tokens and head (module docstring); ``v (H_kv, N, D)`` holds whole chunks of one sequence, the last
+    one may be partial.
 
     Returns:
         ``codes uint8 (H_kv, N, D*bits//8)``, ``scale_codes uint8 (H_kv, N, D//G)``, ``zero_codes uint8 (H_kv, N,
@@ -151,7 +153,7 @@ def quantize_pack_values8(
             empty[..., : D * bits // 8],
             empty[..., : D // group_size],
             empty[..., : D // group_size],
-            (v.new_zeros((H, 0, 3), dtype=scale_dtype)),
+            v.new_zeros((H, 0, 3), dtype=scale_dtype),
         )
     check_finite(v, "values")
     x = v.float().reshape(H, N, D // group_size, group_size)
