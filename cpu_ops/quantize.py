@@ -157,8 +157,8 @@ def decode_params8(
     *,
     table: torch.Tensor,
 ):
-    """8-bit scales and zeros -> fp32 numbers (fused; bit for bit ``hf_cocktail.quant.decode_params8``, whose
-    signature this is, plus its fp32 ``(256,)`` table of scale factors, ``hf_cocktail.quant.scale_table``).
+    """8-bit scales and zeros -> fp32 numbers (fused; bit for bit ``hf_cocktail.params8.decode_params8``, whose
+    signature this is, plus its fp32 ``(256,)`` table of scale factors, ``hf_cocktail.params8.scale_table``).
 
     Args:
         scale_codes, zero_codes: ``uint8 (H, R, K)`` CPU tensors.
@@ -171,7 +171,7 @@ def decode_params8(
     if block.dtype not in FLOAT_DTYPES:
         raise ValueError(f"block must be of dtype {' or '.join(str(d) for d in FLOAT_DTYPES)}, got {block.dtype}")
     if not (isinstance(table, torch.Tensor) and table.dtype == torch.float32 and table.shape == (256,)):
-        raise ValueError("table must be the float32 (256,) table of hf_cocktail.quant.scale_table")
+        raise ValueError("table must be the float32 (256,) table of hf_cocktail.params8.scale_table")
     scale = torch.empty(scale_codes.shape, dtype=torch.float32)
     zero = torch.empty(scale_codes.shape, dtype=torch.float32)
     rows = _NO_ROWS if block_of_row is None else block_of_row.contiguous()

@@ -129,6 +129,10 @@ def test_fused_cpu_decoder_equals_the_reference(scale_dtype):
     assert fused[1].dtype == torch.float32
     with pytest.raises(ValueError, match="table must be the float32"):
         cpu_ops.decode_params8(seg.k_scale, seg.k_zero, seg.k_block, table=table.double())
+    rows = seg._token_chunks().clone()
+    rows[3] = seg.v_block.shape[1]  # one past the last block: refused, never read
+    with pytest.raises(IndexError, match=r"block_of_row holds \d+, not in \[0, \d+\)"):
+        cpu_ops.decode_params8(seg.v_scale, seg.v_zero, seg.v_block, rows, table=table)
 
 
 def test_generate_split_equals_dequantized_sdpa(tiny_tokenizer):

@@ -373,6 +373,7 @@ void decode8_impl(const uint8_t* sc, const uint8_t* zc, const S* block, const in
       for (int64_t r = row - h * R; row < stop; ++row, ++r) {
         const int64_t bi = block_of_row ? block_of_row[r] : r;
         if (bi != last) {
+          TORCH_CHECK_INDEX(bi >= 0 && bi < M, "cpu_ops decode_params8: block_of_row holds ", bi, ", not in [0, ", M, ")");
           const S* b = block + (h * M + bi) * 3;
           s_max = static_cast<float>(b[0]), z_lo = static_cast<float>(b[1]), z_step = static_cast<float>(b[2]);
           last = bi;

@@ -22,7 +22,7 @@ int64_t quantize_keys(const at::Tensor& k, int64_t bits, int64_t chunk_size, con
 int64_t quantize_values(const at::Tensor& v, int64_t bits, int64_t group_size, const at::Tensor& codes,
                         const at::Tensor& scale, const at::Tensor& zero, const at::Tensor& bounds);
 
-// 8-bit scales and zeros -> numbers (hf_cocktail.quant.decode_params8): scale_codes / zero_codes uint8 (H, R, K),
+// 8-bit scales and zeros -> numbers (hf_cocktail.params8.decode_params8): scale_codes / zero_codes uint8 (H, R, K),
 // block (H, M, 3) float32 / bfloat16 / float16, block_of_row int64 (R,) or empty (M == R), table float32 (256,);
 // out_scale / out_zero float32 (H, R, K).
 void decode_params8(const at::Tensor& scale_codes, const at::Tensor& zero_codes, const at::Tensor& block,
