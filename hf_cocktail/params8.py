@@ -21,16 +21,7 @@ import functools
 
 import torch
 
-from .quant import (
-    check_bits,
-    check_codebook,
-    check_finite,
-    check_head_dim,
-    check_params_finite,
-    group_codes,
-    pack_codes,
-    whole_chunks,
-)
+from .quant import check_finite, check_params_finite, check_segment, group_codes, pack_codes, whole_chunks
 
 SCALE_LOG_STEPS = 16  # an 8-bit scale code c stands for s_max * 2 ** (-c / SCALE_LOG_STEPS)
 
@@ -109,11 +100,7 @@ def quantize_pack_keys8(
         ``codes uint8 (H_kv, N, D*bits//8)``, ``scale_codes uint8 (H_kv, M, D)``, ``zero_codes uint8 (H_kv, M, D)``,
         ``block (H_kv, M, 3)`` in ``scale_dtype``.
     """
-    check_bits(bits)
-    check_codebook(codebook)
-    H, N, D = k.shape
-    check_head_dim(D, bits)
-    scale_dtype = scale_dtype or k.dtype
+    H, N, D, scale_dtype = check_segment(k, bits, codebook, scale_dtype)
     if N == 0:
         empty = k.new_zeros((H, 0, D), dtype=torch.uint8)
         return empty[..., : D * bits // 8], empty, empty, k.new_zeros((H, 0, 3), dtype=scale_dtype)
@@ -142,11 +129,7 @@ def quantize_pack_values8(
         ``codes uint8 (H_kv, N, D*bits//8)``, ``scale_codes uint8 (H_kv, N, D//G)``, ``zero_codes uint8 (H_kv, N,
         D//G)``, ``block (H_kv, M, 3)`` in ``scale_dtype``.
     """
-    check_bits(bits)
-    check_codebook(codebook)
-    H, N, D = v.shape
-    check_head_dim(D, bits, group_size)
-    scale_dtype = scale_dtype or v.dtype
+    H, N, D, scale_dtype = check_segment(v, bits, codebook, scale_dtype, group_size)
     if N == 0:
         empty = v.new_zeros((H, 0, D), dtype=torch.uint8)
         return (

@@ -179,6 +179,18 @@ def check_finite(x: torch.Tensor, what: str) -> None:
         )
 
 
+def check_segment(
+    x: torch.Tensor, bits: int, codebook: str, scale_dtype: torch.dtype | None, group_size: int | None = None
+) -> tuple[int, int, int, torch.dtype]:
+    """The checks every quantizer of a ``(H_kv, N, D)`` segment runs first; returns ``(H, N, D, scale_dtype)`` with
+    ``scale_dtype`` defaulting to ``x.dtype``."""
+    check_bits(bits)
+    check_codebook(codebook)
+    H, N, D = x.shape
+    check_head_dim(D, bits, group_size)
+    return H, N, D, scale_dtype or x.dtype
+
+
 def quantize_pack_keys(
     k: torch.Tensor, bits: int, chunk_size: int, scale_dtype: torch.dtype | None = None, codebook: str = "uniform"
 ):
@@ -194,11 +206,7 @@ def quantize_pack_keys(
     Returns:
         ``codes uint8 (H_kv, N, D*bits//8)``, ``scale (H_kv, M, D)``, ``zero (H_kv, M, D)`` with ``M = ceil(N/C)``.
     """
-    check_bits(bits)
-    check_codebook(codebook)
-    H, N, D = k.shape
-    check_head_dim(D, bits)
-    scale_dtype = scale_dtype or k.dtype
+    H, N, D, scale_dtype = check_segment(k, bits, codebook, scale_dtype)
     if N == 0:
         return (
             k.new_zeros((H, 0, D * bits // 8), dtype=torch.uint8),
@@ -234,11 +242,7 @@ def quantize_pack_values(
     Returns:
         ``codes uint8 (H_kv, N, D*bits//8)``, ``scale (H_kv, N, D//G)``, ``zero (H_kv, N, D//G)``.
     """
-    check_bits(bits)
-    check_codebook(codebook)
-    H, N, D = v.shape
-    check_head_dim(D, bits, group_size)
-    scale_dtype = scale_dtype or v.dtype
+    H, N, D, scale_dtype = check_segment(v, bits, codebook, scale_dtype, group_size)
     if N:
         check_finite(v, "values")
     x = v.float().reshape(H, N, D // group_size, group_size)
