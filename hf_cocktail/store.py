@@ -207,14 +207,15 @@ class PackedSegment:
         scale, zero = self.k_scale[:, c0:c1], self.k_zero[:, c0:c1]
         if self.k_block is None:
             return scale, zero
-        return decode(scale, zero, self.k_block[:, c0:c1])
+        return decode(scale, zero, self.k_block[:, c0:c1]) if scale.numel() else (scale.float(), zero.float())
 
     def value_params(self, a: int = 0, e: int | None = None, decode: Callable = _DECODE) -> Pair:
-        """Scales and zeros of tokens ``[a, e)`` as numbers, ``(H_kv, e - a, D // G)`` each (``decode``: as for
-        :meth:`key_params`)."""
+        """Scales and zeros of tokens ``[a, e)`` as numbers, ``(H_kv, e - a, D // G)`` each (``decode``: see above)."""
         scale, zero = self.v_scale[:, a:e], self.v_zero[:, a:e]
         if self.v_block is None:
             return scale, zero
+        if not scale.numel():  # an empty segment (each decode step of a uniform setting): nothing to decode
+            return scale.float(), zero.float()
         return decode(scale, zero, self.v_block, self._token_chunks()[a:e])
 
     def _token_chunks(self) -> torch.Tensor:
@@ -260,8 +261,7 @@ class PackedSegment:
         return k, v
 
     def tensors(self, decode: Callable = _DECODE) -> list[torch.Tensor]:
-        """Codes, scales and zeros as the kernels read them: the scales and zeros as numbers (decoded by ``decode``,
-        for the call only, where they are stored as 8-bit codes)."""
+        """Codes, scales and zeros as the kernels read them (scales and zeros as numbers, decoded for the call only)."""
         return [self.k_codes, *self.key_params(decode=decode), self.v_codes, *self.value_params(decode=decode)]
 
     def max_sequence_tokens(self) -> int:

@@ -112,6 +112,27 @@ def test_fused_cpu_kernel_equals_the_reference():
     torch.testing.assert_close(out, split_precision_attention_torch(query, store, 32**-0.5), atol=2e-6, rtol=1e-5)
 
 
+def test_an_empty_segment_gives_empty_fp32_numbers_to_the_kernels():
+    """A uniform setting leaves the low segment empty at every decode step: nothing is decoded, the kernels get empty
+    fp32 numbers, and attention over the store still equals the reference."""
+    g = torch.Generator().manual_seed(2)
+    k, v = torch.randn(1, 2, 40, 32, generator=g), torch.randn(1, 2, 40, 32, generator=g)
+    positions = [{"full": torch.arange(32, 40), 4: torch.arange(0, 32), 2: torch.arange(0)}]
+    store = LayerStore.build(k, v, positions, 8, 16, torch.float16, scale_bits=8)
+    empty = store.segments[1]
+    assert empty.num_tokens == 0
+    assert [(t.dtype, tuple(t.shape)) for t in empty.tensors()[1:3]] == [(torch.float32, (2, 0, 32))] * 2
+    query = torch.randn(1, 4, 1, 32, generator=g)
+    ref = split_precision_attention_torch(query, store, 32**-0.5)
+    keys, values = store.dequantized(positions, 40, 40)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(query, keys, values, scale=32**-0.5, enable_gqa=True)
+    torch.testing.assert_close(ref, sdpa, atol=2e-5, rtol=1e-4)
+    cpu_ops = pytest.importorskip("cpu_ops")
+    if cpu_ops.available():
+        out = dispatch.split_precision_attention(query, store, 32**-0.5, "cpu")
+        torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_fused_cpu_decoder_equals_the_reference(scale_dtype):
     """cpu_ops.decode_params8 gives the reference's fp32 numbers bit for bit, for key blocks (one per row) and value
