@@ -18,6 +18,7 @@ from . import layout, planning, reports
 from .config import CocktailConfig
 from .inputs import prepare_plans
 from .layer import CocktailLayer, LayerState
+from .layer_bits import capped_positions, check_layer_count, layer_pair
 from .lifecycles import CacheLifecycles
 from .planning import PlanView, SequencePlan
 from .prefill_watch import PrefillWatch, check_head_dims, check_prefill_ids
@@ -144,12 +145,14 @@ class CocktailCache(CacheLifecycles, Cache):
             self.prefill_len = L
         return self._plans
 
-    def layer_positions(self, all_full: bool = False) -> list[dict]:
-        """Per sequence, the prompt positions of each part of a layer's store (see
-        :meth:`SequencePlan.build_positions`); ``all_full``: a layer kept entirely at full precision."""
+    def layer_positions(self, layer_idx: int, all_full: bool = False) -> list[dict]:
+        """Per sequence, the prompt positions of each part of layer ``layer_idx``'s store (see
+        :meth:`SequencePlan.build_positions`; with ``layer_bits`` the parts above the layer's key width merge into
+        it); ``all_full``: a layer kept entirely at full precision."""
         if all_full:
             return [plan.all_full_positions(self.prefill_len, self.config.packed_bits) for plan in self._plans]
-        return [plan.positions for plan in self._plans]
+        pair = layer_pair(self.config.layer_bits, layer_idx)
+        return [capped_positions(plan.positions, pair and pair[0]) for plan in self._plans]
 
     def run_search(self) -> None:
         """Score every chunk and assign its precision (done automatically at prefill, once per ``generate``)."""
@@ -239,6 +242,7 @@ class CocktailCache(CacheLifecycles, Cache):
         check_prefill_ids(self._watch, self._input_ids, k, past, self.prompt_len)
 
     def _check_layer_count(self, num_layers: int) -> None:
+        check_layer_count(self.config.layer_bits, num_layers)
         layers = self.config.full_precision_layers
         if layers and layers[-1] >= num_layers:
             raise ValueError(

@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 
-from .hub import CONFIG_NAME, README_NAME, download_config, hub_has_readme, upload_folder
-from .model_card import make_model_card
+from .hub import CONFIG_NAME, README_NAME, download_config, hub_has_readme, looks_like_local_path, upload_folder
+from .layer_bits import check_layer_bits, mean_code_bits
+from .model_card import write_card
 from .quant import CODEBOOKS, SCALE_BITS, SUPPORTED_BITS
 from .rotation import ROTATIONS
 
@@ -96,6 +97,11 @@ class CocktailConfig:
         scale_bits: storage of the packed chunks' scales and zeros: 16 (the paper: ``scale_dtype`` numbers) or 8
             (8-bit codes on three numbers per chunk and head, :func:`hf_cocktail.params8.encode_params8`; key parameters
             then cost 16/C bits per element instead of 32/C, value parameters 16/G instead of 32/G).
+        layer_bits: ``None`` (every layer alike) or one ``(key_bits, value_bits)`` pair per model layer, each of 2, 3,
+            4 with ``value_bits <= key_bits``: the most code bits packed keys and values keep in that layer (a chunk
+            planned at ``b`` bits stores ``min(b, key_bits)``-bit keys there; FP16 chunks stay FP16;
+            :mod:`hf_cocktail.layer_bits`). Calibrated per model (``eval/calibrate_layers.py``): the layers that
+            tolerate low bits give their bytes to those that do not. Needs ``codebook="uniform"``.
         keep_context_copy: keep a full-precision copy of the prompt up to the end of the context on CPU, so that
             :meth:`CocktailCache.requery` can answer a new question about the same document without a new prefill.
     """
@@ -123,6 +129,7 @@ class CocktailConfig:
     codebook: str = "uniform"
     value_bits: int | None = None
     scale_bits: int = 16
+    layer_bits: tuple | None = None
 
     def __post_init__(self) -> None:
         for name, allowed in _CHOICES.items():  # of the allowed values' own types (True is not 1, 8.0 is not 8)
@@ -192,6 +199,7 @@ class CocktailConfig:
             f"value_bits applies with codebook='uniform' (keys and values of a chunk share a codebook's width), got "
             f"codebook={self.codebook!r}, value_bits={self.value_bits!r}",
         )
+        object.__setattr__(self, "layer_bits", check_layer_bits(self.layer_bits, self.codebook))  # lists -> tuples
         object.__setattr__(self, "_validated", True)  # from now on, assignments are validated (__setattr__)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -227,15 +235,16 @@ class CocktailConfig:
         return (4, low)
 
     def chunk_value_bits(self, bits: int) -> int:
-        """The code width of a ``bits``-bit chunk's values (``value_bits`` caps it)."""
+        """The code width of a ``bits``-bit chunk's values (``value_bits`` caps it; ``layer_bits`` may cap it more)."""
         return bits if self.value_bits is None else min(bits, self.value_bits)
 
     def packed_bits_per_element(self, bits: int) -> float:
         """Storage bits per K/V element of a ``bits``-bit chunk, scales and zeros included (K: 2 per C tokens per
-        channel, V: 2 per G channels), averaged over K and V (values at :meth:`chunk_value_bits`). With
-        ``scale_bits=8`` each is 8 bits; the 3 numbers per chunk and head (~0.02 bits at C=32, D=64) are left out."""
+        channel, V: 2 per G channels), averaged over K and V (values capped by ``value_bits``) and over the layers
+        (``layer_bits``). With ``scale_bits=8`` each is 8 bits; the 3 numbers per chunk and head (~0.02 bits at C=32,
+        D=64) are left out."""
         p = 8 if self.scale_bits == 8 else 32 if self.scale_dtype == "float32" else 16
-        return (bits + self.chunk_value_bits(bits)) / 2 + p / self.chunk_size + p / self.group_size
+        return mean_code_bits(bits, self.layer_bits, self.value_bits) + p / self.chunk_size + p / self.group_size
 
     def torch_scale_dtype(self, model_dtype):
         """The torch dtype of scales/zeros for a model whose keys/values have ``model_dtype``."""
@@ -284,8 +293,8 @@ class CocktailConfig:
         """Write ``cocktail_config.json`` (and a model card) into ``save_directory``; returns the config file path.
 
         Args:
-            model_card: ``True``: write a generated ``README.md`` (:func:`hf_cocktail.hub.make_model_card`) unless
-                the folder already has one, which is kept (a hand-written card is never overwritten silently);
+            model_card: ``True``: write a generated ``README.md`` (:func:`hf_cocktail.model_card.make_model_card`)
+                unless the folder already has one, which is kept (a hand-written card is never overwritten silently);
                 a ``str``: the card text, written over any existing ``README.md``; ``False``: no card.
             push_to_hub: then upload ``cocktail_config.json`` and ``README.md`` of the folder, as they are on disk,
                 to ``repo_id`` (default: the folder's name), creating the repo if needed.
@@ -297,7 +306,7 @@ class CocktailConfig:
             f.write(self.to_json_string())
         if push_to_hub and repo_id is None:
             repo_id = os.path.basename(os.path.abspath(save_directory))
-        _write_card(self, save_directory, model_card, repo_id or os.fspath(save_directory), card_kwargs)
+        write_card(self, save_directory, model_card, repo_id or os.fspath(save_directory), card_kwargs)
         if push_to_hub:
             upload_folder(
                 save_directory,
@@ -324,7 +333,7 @@ class CocktailConfig:
 
         ``model_card``: ``True`` uploads a generated card unless the repo already has a ``README.md`` (kept); a
         ``str`` is uploaded as ``README.md`` (replacing the repo's); ``False`` uploads the config only.
-        ``card_kwargs`` go to :func:`hf_cocktail.hub.make_model_card`.
+        ``card_kwargs`` go to :func:`hf_cocktail.model_card.make_model_card`.
         """
         if model_card is True:
             if hub_has_readme(repo_id, token=token, revision=revision):
@@ -361,7 +370,7 @@ class CocktailConfig:
         ``encoder=hf_cocktail.offline_encoder_path()`` to run a MiniLM preset without the Hub.
         """
         name = os.path.expanduser(os.fspath(name_or_path))
-        if os.path.exists(name) or _looks_like_local_path(name):
+        if os.path.exists(name) or looks_like_local_path(name):
             path = os.path.join(name, CONFIG_NAME) if os.path.isdir(name) else name
             if not os.path.isfile(path):
                 raise FileNotFoundError(
@@ -386,34 +395,3 @@ class CocktailConfig:
 
 _COMMIT_MESSAGE = "Upload Cocktail KV-cache config"
 RECOMMENDED: dict[str, Any] = {"rotation": "hadamard", "uniform_bits": 4, "value_bits": 3, "group_size": 64}
-
-
-def _looks_like_local_path(name: str) -> bool:
-    """True when ``name`` can only be meant as a filesystem path, never a ``namespace/repo`` Hub id."""
-    return (
-        os.path.isabs(name)
-        or name.startswith((".", "~"))
-        or "\\" in name
-        or name.endswith(".json")
-        or name.count("/") > 1
-    )
-
-
-def _write_card(
-    config: CocktailConfig,
-    folder: str | os.PathLike,
-    model_card: bool | str,
-    name_or_path: str,
-    card_kwargs: dict[str, Any],
-) -> None:
-    if not isinstance(model_card, (bool, str)):
-        raise TypeError(f"model_card must be True, False or the card text (str), got {type(model_card).__name__}")
-    if card_kwargs and model_card is not True:
-        raise TypeError(f"card options {sorted(card_kwargs)} only apply with model_card=True (a generated card)")
-    path = os.path.join(folder, "README.md")
-    if model_card is False or (model_card is True and os.path.exists(path)):
-        return
-    if model_card is True:
-        model_card = make_model_card(config, **({"name_or_path": name_or_path} | card_kwargs))
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(model_card)

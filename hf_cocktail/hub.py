@@ -124,3 +124,14 @@ def upload_folder(
 def hub_has_readme(repo_id: str, token: str | bool | None = None, revision: str | None = None) -> bool:
     """Whether ``repo_id`` already has a ``README.md`` (False when the repo or revision does not exist yet)."""
     return _hub().HfApi(token=token).file_exists(repo_id, README_NAME, revision=revision, token=token)
+
+
+def looks_like_local_path(name: str) -> bool:
+    """True when ``name`` can only be meant as a filesystem path, never a ``namespace/repo`` Hub id."""
+    return (
+        os.path.isabs(name)
+        or name.startswith((".", "~"))
+        or "\\" in name
+        or name.endswith(".json")
+        or name.count("/") > 1
+    )

@@ -18,6 +18,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .dispatch import quantizers
+from .layer_bits import code_widths, layer_pair
 from .rotation import Rotation
 from .store import LayerStore
 
@@ -31,7 +32,7 @@ class LayerOwner(Protocol):
 
     def plans_for_prefill(self, k: torch.Tensor, search: bool = True) -> list: ...
 
-    def layer_positions(self, all_full: bool = False) -> list[dict]: ...
+    def layer_positions(self, layer_idx: int, all_full: bool = False) -> list[dict]: ...
 
     def scores_from_attention(self) -> bool: ...
 
@@ -195,7 +196,7 @@ class CocktailLayer(CacheLayerMixin):
         plans = self.cache.plans_for_prefill(k)
         cfg = self.config
         quantize_k, quantize_v = quantizers(cfg.backend, k.device)
-        positions = self.cache.layer_positions(self.all_full)
+        positions = self.cache.layer_positions(self.layer_idx, self.all_full)
         rotation = (
             None if self.all_full else Rotation.make(cfg.rotation, k.shape[1], k.shape[3], cfg.rotation_seed, k.device)
         )
@@ -210,7 +211,7 @@ class CocktailLayer(CacheLayerMixin):
             quantize_v,
             rotation,
             cfg.codebook,
-            cfg.value_bits,
+            code_widths(16, layer_pair(cfg.layer_bits, self.layer_idx), cfg.value_bits)[1],
             cfg.scale_bits,
         )
         if cfg.keep_context_copy and self.context_copy is None:
@@ -222,8 +223,8 @@ class CocktailLayer(CacheLayerMixin):
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole cache at the model's precision in original token order, ``(B, H_kv, seq_len, D)`` each, left
         padding as zeros (masked by the attention mask). Used by the plain sdpa/eager fallback."""
-        cache = self.cache
-        return self.store.dequantized(cache.layer_positions(self.all_full), self.seq_len, cache.prefill_len)
+        positions = self.cache.layer_positions(self.layer_idx, self.all_full)
+        return self.store.dequantized(positions, self.seq_len, self.cache.prefill_len)
 
     # ----------------------------------------------------------------- batch manipulation
     def select_sequences(self, indices: list[int], same_packed: bool = False) -> None:

@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from .hub import CONFIG_NAME
+from .hub import CONFIG_NAME, README_NAME
 
 CARD_TAGS = ("kv-cache", "quantization", "cocktail", "long-context")
 RESULT_COLUMNS = ("task", "method", "score", "kv_ratio", "prefill_s", "decode_ms_per_token", "n")
@@ -245,3 +245,25 @@ def make_model_card(
     )
     out += ["## Notes", *paras]
     return "\n\n".join(out) + "\n"
+
+
+def write_card(
+    config: Any,
+    folder: str | os.PathLike,
+    model_card: bool | str,
+    name_or_path: str,
+    card_kwargs: dict[str, Any],
+) -> None:
+    """Write ``folder/README.md`` for ``save_pretrained``: ``model_card`` True (a generated card, unless the folder
+    has one), False (none) or the card text."""
+    if not isinstance(model_card, (bool, str)):
+        raise TypeError(f"model_card must be True, False or the card text (str), got {type(model_card).__name__}")
+    if card_kwargs and model_card is not True:
+        raise TypeError(f"card options {sorted(card_kwargs)} only apply with model_card=True (a generated card)")
+    path = os.path.join(folder, README_NAME)
+    if model_card is False or (model_card is True and os.path.exists(path)):
+        return
+    if model_card is True:
+        model_card = make_model_card(config, **({"name_or_path": name_or_path} | card_kwargs))
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(model_card)

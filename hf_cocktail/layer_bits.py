@@ -1,0 +1,99 @@
+"""Per-layer code widths (``CocktailConfig.layer_bits``): the most bits each layer's packed keys and values keep.
+
+Layers of one model differ a lot in how much low-bit noise they tolerate (on SmolLM2-135M a few of 30 layers carry
+most of the KL divergence; ``eval/calibrate_layers.py`` measures it). ``layer_bits`` gives layer ``l`` a pair
+``(key_bits, value_bits)``: a chunk the plan puts at ``b < 16`` bits stores its keys at ``min(b, key_bits)`` and its
+values at ``min(b, value_bits)`` (and at most ``CocktailConfig.value_bits``) in that layer. FP16 chunks stay FP16 in
+every layer, so the query-relevant chunks the search finds keep full precision. One plan serves every layer: a
+layer merges the plan's parts above its key width into that width (:func:`capped_positions`).
+
+Plain data here: no model, no kernels. Shapes: positions are 1-D LongTensors of prompt positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .quant import SUPPORTED_BITS
+
+Pairs = tuple[tuple[int, int], ...]
+
+
+def _pair_ok(p: Any) -> bool:
+    return (
+        isinstance(p, (list, tuple))
+        and len(p) == 2
+        and all(type(b) is int and b in SUPPORTED_BITS for b in p)
+        and p[1] <= p[0]
+    )
+
+
+def check_layer_bits(layer_bits: Any, codebook: str) -> Pairs | None:
+    """Validate ``layer_bits`` (``None`` or one ``(key_bits, value_bits)`` pair per layer) and return it as a tuple of
+    int pairs (JSON gives lists)."""
+    if layer_bits is None:
+        return None
+    allowed = f"pairs (key_bits, value_bits) with both in {SUPPORTED_BITS} and value_bits <= key_bits"
+    if not isinstance(layer_bits, (list, tuple)) or not layer_bits:
+        raise ValueError(f"layer_bits must be None or a non-empty list of {allowed}, one per layer; got {layer_bits!r}")
+    bad = [(i, p) for i, p in enumerate(layer_bits) if not _pair_ok(p)]
+    if bad:
+        raise ValueError(f"layer_bits must hold {allowed}; entries (index, value) {bad[:4]} are not")
+    if codebook != "uniform":
+        raise ValueError(
+            f"layer_bits applies with codebook='uniform' (a layer may store values at fewer bits than keys), got "
+            f"codebook={codebook!r}"
+        )
+    return tuple((int(k), int(v)) for k, v in layer_bits)
+
+
+def check_layer_count(layer_bits: Pairs | None, num_layers: int) -> None:
+    """``layer_bits`` must name exactly the model's layers."""
+    if layer_bits is not None and len(layer_bits) != num_layers:
+        raise ValueError(
+            f"layer_bits has {len(layer_bits)} entries but the model has {num_layers} layers: give one "
+            f"(key_bits, value_bits) pair per layer"
+        )
+
+
+def layer_pair(layer_bits: Pairs | None, layer_idx: int) -> tuple[int, int] | None:
+    """Layer ``layer_idx``'s ``(key_bits, value_bits)`` cap (``None`` without ``layer_bits``)."""
+    if layer_bits is None:
+        return None
+    if layer_idx >= len(layer_bits):
+        raise ValueError(
+            f"layer_bits has {len(layer_bits)} entries (layers 0..{len(layer_bits) - 1}) but the model has a layer "
+            f"{layer_idx}: give one (key_bits, value_bits) pair per layer"
+        )
+    return layer_bits[layer_idx]
+
+
+def code_widths(bits: int, pair: tuple[int, int] | None, value_bits: int | None) -> tuple[int, int]:
+    """``(key, value)`` code widths of a ``bits``-bit chunk in a layer with cap ``pair`` (``None``: no cap) under the
+    config's ``value_bits`` cap."""
+    k, v = (bits, bits) if pair is None else (min(bits, pair[0]), min(bits, pair[1]))
+    return k, v if value_bits is None else min(v, value_bits)
+
+
+def mean_code_bits(bits: int, layer_bits: Pairs | None, value_bits: int | None) -> float:
+    """Code bits per K/V element of a ``bits``-bit chunk, averaged over keys and values and over the layers."""
+    pairs: Sequence = layer_bits or (None,)
+    return sum(sum(code_widths(bits, p, value_bits)) for p in pairs) / (2 * len(pairs))
+
+
+def capped_positions(positions: dict, key_cap: int | None) -> dict:
+    """A plan's positions (``"full"`` and one part per packed width) for a layer whose keys keep at most ``key_cap``
+    bits: parts above the cap merge into it in token order (whole chunks stay contiguous)."""
+    if key_cap is None:
+        return positions
+    out: dict = {"full": positions["full"]}
+    for bits, pos in positions.items():
+        if bits != "full":
+            out.setdefault(min(bits, key_cap), []).append(pos)
+    for part, pieces in list(out.items()):
+        if part != "full":
+            out[part] = torch.sort(torch.cat(pieces)).values if len(pieces) > 1 else pieces[0]
+    return out
