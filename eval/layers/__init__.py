@@ -1,0 +1,1 @@
+"""Per-layer calibration of ``CocktailConfig.layer_bits`` (``python -m eval.layers``)."""

@@ -1,0 +1,53 @@
+"""What a layer's packed store gives back, without building one: a context's keys and values rotated, quantized with
+the package's own quantizers (the PyTorch reference, which the fused ones equal bit for bit), dequantized and
+rotated back. Feeding these into a ``DynamicCache`` scores one layer's code widths in a plain forward.
+
+Shapes: ``(H_kv, N, D)`` for one sequence's context tokens (N: the chunk-aligned context, chunks of C tokens; the
+last may be partial).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_cocktail import CocktailConfig, params8, quant
+from hf_cocktail.rotation import orthonormal_matrices
+
+
+class FakeQuantizer:
+    """Quantize-dequantize context keys/values as a ``config``'s store would (its rotation, C, G, scales)."""
+
+    def __init__(self, config: CocktailConfig, num_heads: int, head_dim: int, model_dtype: torch.dtype):
+        self.config = config
+        self.scale_dtype = config.torch_scale_dtype(model_dtype)
+        rotated = config.rotation is not None
+        self.R = orthonormal_matrices(num_heads, head_dim, config.rotation_seed) if rotated else None
+        self.rotate_k = config.rotation in ("hadamard", "hadamard_keys")
+        self.rotate_v = config.rotation in ("hadamard", "hadamard_values")
+
+    def _rotate(self, x: torch.Tensor, on: bool, back: bool = False) -> torch.Tensor:
+        if not on or self.R is None:
+            return x
+        return x @ (self.R.transpose(-1, -2) if back else self.R)
+
+    def keys(self, k: torch.Tensor, bits: int) -> torch.Tensor:
+        """``k (H_kv, N, D)`` -> its ``bits``-bit store round trip, fp32."""
+        C = self.config.chunk_size
+        y = self._rotate(k.float(), self.rotate_k)
+        if self.config.scale_bits == 8:
+            codes, sc, zc, block = params8.quantize_pack_keys8(y, bits, C, self.scale_dtype)
+            scale, zero = params8.decode_params8(sc, zc, block)
+        else:
+            codes, scale, zero = quant.quantize_pack_keys(y, bits, C, self.scale_dtype)
+        return self._rotate(quant.dequantize_keys(codes, scale, zero, bits, C), self.rotate_k, back=True)
+
+    def values(self, v: torch.Tensor, bits: int) -> torch.Tensor:
+        """``v (H_kv, N, D)`` -> its ``bits``-bit store round trip, fp32."""
+        C, G = self.config.chunk_size, self.config.group_size
+        y = self._rotate(v.float(), self.rotate_v)
+        if self.config.scale_bits == 8:
+            codes, sc, zc, block = params8.quantize_pack_values8(y, bits, G, self.scale_dtype, chunk_size=C)
+            scale, zero = params8.decode_params8(sc, zc, block, torch.arange(y.shape[1]) // C)
+        else:
+            codes, scale, zero = quant.quantize_pack_values(y, bits, G, self.scale_dtype)
+        return self._rotate(quant.dequantize_values(codes, scale, zero, bits, G), self.rotate_v, back=True)
