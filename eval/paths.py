@@ -10,3 +10,4 @@ DATA_DIR = os.environ.get("HF_COCKTAIL_DATA") or os.path.normpath(os.path.join(R
 ESSAY_DIR = os.path.join(DATA_DIR, "paul_graham_essays")
 LONGBENCH_DIR = os.path.join(DATA_DIR, "longbench")
 GPU_PACKAGES = os.path.join(os.path.dirname(DATA_DIR), "gpu_machine", "packages.txt")  # the GPU machine's python3
+LAYER_BITS_FILE = os.path.join(REPO_ROOT, "eval", "results", "layer_calibration", "layer_bits.json")  # eval.layers

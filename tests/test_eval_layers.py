@@ -117,3 +117,21 @@ def test_reports_average_the_prompts_and_solve_each_budget(tmp_path):
 def test_cli_refuses_bad_arguments(tmp_path, argv, says):
     with pytest.raises(UsageError, match=says):
         cli.parse_args(["--out-dir", str(tmp_path), *argv])
+
+
+def test_layer_methods_come_from_the_calibration_file(tmp_path):
+    from eval.methods.registry import layer_methods
+
+    assert layer_methods(str(tmp_path / "missing.json")) == []
+    records = [_record("a", 0.01, [0.0, 0.01], [0.001, 0.05], [0.0, 0.002], [0.0, -0.001])]
+    args = cli.parse_args(["--out-dir", str(tmp_path), "--budgets", "2,2.5"])
+    cli.write_reports(str(tmp_path), records, args)
+    methods = layer_methods(str(tmp_path / "layer_bits.json"))
+    assert [m.name for m in methods] == ["layers2_had_s8", "layers2.5_had_s8"]
+    cfg = CocktailConfig(**methods[1].overrides)
+    assert cfg.layer_bits == ((2, 2), (4, 2)) and cfg.uniform_bits == 4 and cfg.scale_bits == 8
+    assert cfg.rotation == "hadamard" and cfg.group_size == 32
+    args = cli.parse_args(["--out-dir", str(tmp_path), "--budgets", "2", "--config", '{"rotation": null}'])
+    cli.write_reports(str(tmp_path), records, args)
+    with pytest.raises(ValueError, match="need a hadamard / scale_bits=8 calibration"):
+        layer_methods(str(tmp_path / "layer_bits.json"))

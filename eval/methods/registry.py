@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 from hf_cocktail import CocktailConfig
 
 from ..cli import UsageError
+from ..paths import LAYER_BITS_FILE
 from .kinds import (
     BudgetMatchedMethod,
     CocktailMethod,
@@ -275,6 +279,31 @@ _ROTATION_METHODS += [
     if m.name in _LLOYD_TWINS
 ]
 METHODS.update({m.name: m for m in _ROTATION_METHODS})
+
+
+def layer_methods(path: str = LAYER_BITS_FILE) -> list[Method]:
+    """``layers<b>_had_s8``: every chunk planned at 4 bits, each layer capped by the ``layer_bits`` that ``eval.layers``
+    chose at ``b`` mean code bits (``path``: SmolLM2's calibration; none when it is absent). The storage is the
+    calibration's (Hadamard, 8-bit parameters); rerunning the calibration into that folder changes these methods, so
+    their old records must then be deleted."""
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        solved = json.load(f)
+    storage = {k: solved["config"][k] for k in ("rotation", "scale_bits", "group_size", "chunk_size")}
+    if (storage["rotation"], storage["scale_bits"]) != ("hadamard", 8):
+        raise ValueError(f"{path}: layers*_had_s8 methods need a hadamard / scale_bits=8 calibration, got {storage}")
+    return [
+        CocktailMethod(
+            f"layers{b}_had_s8",
+            f"4-bit chunks, layer_bits of eval.layers at {b} mean code bits: {a['layer_bits']}",
+            {"uniform_bits": 4, **storage, "layer_bits": a["layer_bits"]},
+        )
+        for b, a in solved["allocations"].items()
+    ]
+
+
+METHODS.update({m.name: m for m in layer_methods()})
 
 
 def register_preset(name_or_path: str) -> Method:
