@@ -50,13 +50,28 @@ def test_measure_case_on_a_tiny_llama(tiny_tokenizer):
     case = KldCase("tiny/0", "longbench", "tiny", Request(prompt, ctx, q))
     cfg = CocktailConfig(**STORAGE)
     ticks = []
-    rec = measure_case(model, tiny_tokenizer, case, cfg, (4, 3), [2], [2, 4], 6, None, lambda: ticks.append(1))
+    rec = measure_case(model, tiny_tokenizer, case, cfg, [(4, 3)], [2], [2, 4], 6, None, lambda: ticks.append(1))
     assert len(ticks) == 1 + 2 * 3  # the base, then 2 layers x 3 options
     assert rec["base_kl"] > 0 and set(rec["key_deltas"]) == {"2"} and set(rec["value_deltas"]) == {"2", "4"}
     assert all(len(d) == 2 for d in [*rec["key_deltas"].values(), *rec["value_deltas"].values()])
     assert sum(rec["key_deltas"]["2"]) > 0  # 2-bit keys in one layer add divergence on this model
-    again = measure_case(model, tiny_tokenizer, case, cfg, (4, 3), [2], [2, 4], 6)
-    assert again == rec  # deterministic
+    again = measure_case(model, tiny_tokenizer, case, cfg, [(4, 3), (4, 3)], [2], [2, 4], 6)
+    assert again == rec  # deterministic; one pair stands for every layer
+    # a per-layer base, measured one bit around it
+    ticks.clear()
+    near = measure_case(
+        model, tiny_tokenizer, case, cfg, [(4, 3), (3, 2)], [2, 3, 4], [2, 3, 4], 6, None, lambda: ticks.append(1), 1
+    )
+    assert near["key_deltas"]["2"][0] is None and near["key_deltas"]["3"][0] is not None  # 4 -> 2 is two steps
+    assert near["key_deltas"]["3"][1] is None and near["value_deltas"]["2"][1] is None  # the layer's own base
+    assert [near["value_deltas"][w][1] is None for w in ("3", "4")] == [False, True]
+    assert len(ticks) == 1 + sum(d is not None for side in ("key_deltas", "value_deltas") for d in _all(near[side]))
+    with pytest.raises(ValueError, match="base must be a list of"):
+        measure_case(model, tiny_tokenizer, case, cfg, (4, 3), [2], [2], 6)
+
+
+def _all(side: dict) -> list:
+    return [d for widths in side.values() for d in widths]
 
 
 def _brute_force(deltas, budget):
@@ -105,10 +120,22 @@ def test_reports_average_the_prompts_and_solve_each_budget(tmp_path):
     assert os.path.getsize(tmp_path / "sensitivity.png") > 1000
 
 
+def test_a_second_round_starts_from_an_earlier_allocation(tmp_path):
+    records = [_record("a", 0.01, [0.0, 0.01], [0.001, 0.05], [0.0, 0.002], [0.0, -0.001])]
+    first = cli.parse_args(["--out-dir", str(tmp_path), "--budgets", "2.5"])
+    cli.write_reports(str(tmp_path), records, first)
+    args = cli.parse_args(["--out-dir", str(tmp_path), "--base", f"{tmp_path}/layer_bits.json:2.5", "--max-step", "1"])
+    assert args.base_pairs == [(2, 2), (4, 2)]
+    assert cli.settings_of(args)["base"] == [[2, 2], [4, 2]] and cli.settings_of(first)["base"] == [4, 3]
+    with pytest.raises(UsageError, match=r"no allocation '9' readable"):
+        cli.parse_args(["--out-dir", str(tmp_path), "--base", f"{tmp_path}/layer_bits.json:9"])
+
+
 @pytest.mark.parametrize(
     "argv, says",
     [
-        (["--base", "3,4"], "--base must be 'key_bits,value_bits' with value_bits <= key_bits"),
+        (["--base", "3,4"], r"--base must be 'key_bits,value_bits' \(or FILE:BUDGET\) with value_bits <= key_bits"),
+        (["--max-step", "0"], "--max-step must be >= 1"),
         (["--key-bits", "3,1"], "every width in 2, 3, 4"),
         (["--config", '{"group_size": 3}'], "group_size must be a power of two"),
         (["--per-task", "0"], "--per-task >= 1"),

@@ -31,11 +31,23 @@ from ..models import DTYPES, eos_token_ids, load_model_and_tokenizer, set_thread
 from ..paths import LONGBENCH_DIR
 from ..records import append_jsonl, check_settings, iter_jsonl, lock_out_dir
 from ..run_info import command_line, git_commit, now, update_run_info
-from .measure import measure_case
+from .measure import measure_case, measured
 from .solve import OPTIONS, option_delta, solve
 
 MODULE = "eval.layers"
-SETTINGS_KEYS = ("model", "dtype", "window", "skip", "per_task", "seed", "config", "base", "key_bits", "value_bits")
+SETTINGS_KEYS = (
+    "model",
+    "dtype",
+    "window",
+    "skip",
+    "per_task",
+    "seed",
+    "config",
+    "base",
+    "key_bits",
+    "value_bits",
+    "max_step",
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,9 +67,17 @@ def _parser() -> argparse.ArgumentParser:
         default='{"rotation": "hadamard", "scale_bits": 8, "group_size": 32}',
         help="CocktailConfig fields (JSON) of the storage: rotation, chunk_size, group_size, scale_bits, ...",
     )
-    p.add_argument("--base", default="4,3", help="the base (key_bits, value_bits) of every layer")
+    p.add_argument(
+        "--base",
+        default="4,3",
+        help="the base: 'key_bits,value_bits' for every layer, or FILE:BUDGET, the allocation at BUDGET in an earlier "
+        "run's layer_bits.json (a second round measured around the first one's choice)",
+    )
     p.add_argument("--key-bits", default="3,2", help="key widths measured per layer (values at the base)")
     p.add_argument("--value-bits", default="2,4", help="value widths measured per layer (keys at the base)")
+    p.add_argument(
+        "--max-step", type=int, default=None, help="measure only widths within this many bits of each layer's base"
+    )
     p.add_argument("--budgets", default="2.6,2.8,3.0,3.2", help="mean code bits per K/V element to solve for")
     p.add_argument("--max-answer-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=None)
@@ -73,20 +93,35 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.storage = CocktailConfig(**json.loads(args.config))
     except (ValueError, TypeError) as e:
         raise UsageError(f"--config {args.config!r}: {e}") from e
-    args.base_pair = tuple(parse_int_list(args.base, "--base"))
+    args.base_pairs = _parse_base(args.base)
     args.key_list = parse_int_list(args.key_bits, "--key-bits")
     args.value_list = parse_int_list(args.value_bits, "--value-bits")
     args.budget_list = parse_float_list(args.budgets, "--budgets")
-    widths = [*args.base_pair, *args.key_list, *args.value_list]
-    if len(args.base_pair) != 2 or args.base_pair[1] > args.base_pair[0] or not set(widths) <= {2, 3, 4}:
+    widths = [w for p in args.base_pairs for w in p] + [*args.key_list, *args.value_list]
+    if any(len(p) != 2 or p[1] > p[0] for p in args.base_pairs) or not set(widths) <= {2, 3, 4}:
         raise UsageError(
-            f"--base must be 'key_bits,value_bits' with value_bits <= key_bits and every width in 2, 3, 4; got "
-            f"--base {args.base!r} --key-bits {args.key_bits!r} --value-bits {args.value_bits!r}"
+            f"--base must be 'key_bits,value_bits' (or FILE:BUDGET) with value_bits <= key_bits and every width in "
+            f"2, 3, 4; got --base {args.base!r} --key-bits {args.key_bits!r} --value-bits {args.value_bits!r}"
         )
+    if args.max_step is not None and args.max_step < 1:
+        raise UsageError(f"--max-step must be >= 1, got {args.max_step}")
     if args.skip < 0 or args.per_task < 1:
         raise UsageError(f"--skip must be >= 0 and --per-task >= 1, got {args.skip} and {args.per_task}")
     args.task_list = [t.strip() for t in args.tasks.split(",") if t.strip()]
     return args
+
+
+def _parse_base(spec: str) -> list[tuple[int, ...]]:
+    """``--base``: one pair for every layer, or FILE:BUDGET (the allocation of an earlier run)."""
+    if ":" not in spec:
+        return [tuple(parse_int_list(spec, "--base"))]
+    path, budget = spec.rsplit(":", 1)
+    try:
+        with open(path, encoding="utf-8") as f:
+            allocations = json.load(f)["allocations"]
+        return [tuple(p) for p in allocations[budget]["layer_bits"]]
+    except (OSError, KeyError, ValueError) as e:
+        raise UsageError(f"--base {spec!r}: no allocation {budget!r} readable in {path!r} ({e!r})") from e
 
 
 def settings_of(args) -> dict:
@@ -98,7 +133,8 @@ def settings_of(args) -> dict:
         "per_task": args.per_task,
         "seed": args.seed,
         "config": args.storage.to_dict(),
-        "base": list(args.base_pair),
+        "base": list(args.base_pairs[0]) if len(args.base_pairs) == 1 else [list(p) for p in args.base_pairs],
+        "max_step": args.max_step,
         "key_bits": args.key_list,
         "value_bits": args.value_list,
     }
@@ -114,24 +150,31 @@ def calibration_cases(args, tok) -> list:
     return [c for c in draw(args.skip + args.per_task) if c.key not in skipped]
 
 
-def mean_deltas(records: list[dict], side: str) -> dict[int, list[float]]:
-    """``side`` ("key_deltas" / "value_deltas"): per measured width, the per-layer deltas averaged over prompts."""
-    widths = records[0][side]
-    return {int(b): [statistics.fmean(layer) for layer in zip(*(r[side][b] for r in records))] for b in widths}
+def mean_deltas(records: list[dict], side: str) -> dict[int, list[float | None]]:
+    """``side`` ("key_deltas" / "value_deltas"): per measured width, the per-layer deltas averaged over prompts
+    (``None`` where that layer did not measure it)."""
+    out = {}
+    for w in records[0][side]:
+        per_layer = zip(*(r[side][w] for r in records))
+        out[int(w)] = [None if layer[0] is None else statistics.fmean(layer) for layer in per_layer]
+    return out
 
 
-def layer_deltas(records: list[dict], base: tuple[int, int]) -> list[dict[tuple[int, int], float]]:
-    """Per layer, every allowed option's estimated delta (means over the prompts; the base's own widths cost 0)."""
+def layer_deltas(records: list[dict], base: list[tuple[int, ...]]) -> list[dict[tuple[int, int], float]]:
+    """Per layer, every option's estimated delta from the measured widths (means over the prompts; the layer's base
+    widths cost 0); options needing a width the layer did not measure are left out."""
     keys, values = mean_deltas(records, "key_deltas"), mean_deltas(records, "value_deltas")
+    L = len(next(iter(keys.values())))
+    base = base * L if len(base) == 1 else base
     out = []
-    for layer in range(len(next(iter(keys.values())))):
-        kd = {base[0]: 0.0, **{b: d[layer] for b, d in keys.items()}}
-        vd = {base[1]: 0.0, **{b: d[layer] for b, d in values.items()}}
+    for layer in range(L):
+        kd = {base[layer][0]: 0.0, **{b: d[layer] for b, d in keys.items() if d[layer] is not None}}
+        vd = {base[layer][1]: 0.0, **{b: d[layer] for b, d in values.items() if d[layer] is not None}}
         out.append({o: option_delta(kd, vd, o) for o in OPTIONS if o[0] in kd and o[1] in vd})
     return out
 
 
-def allocations(records: list[dict], budgets: list[float], base: tuple[int, int]) -> dict:
+def allocations(records: list[dict], budgets: list[float], base: list[tuple[int, ...]]) -> dict:
     deltas = layer_deltas(records, base)
     base_kl = statistics.fmean(r["base_kl"] for r in records)
     out = {}
@@ -145,49 +188,55 @@ def allocations(records: list[dict], budgets: list[float], base: tuple[int, int]
     return {"base_kl": base_kl, "prompts": len(records), "allocations": out}
 
 
+def _base_text(base: list[tuple[int, ...]]) -> str:
+    if len(base) == 1:
+        return f"every layer at {base[0][0]}-bit keys / {base[0][1]}-bit values"
+    return f"per layer `{[list(p) for p in base]}`"
+
+
 def write_reports(out_dir: str, records: list[dict], args) -> str:
     if not records:
         return "no calibration prompt finished yet"
-    solved = allocations(records, args.budget_list, args.base_pair)
+    solved = allocations(records, args.budget_list, args.base_pairs)
     solved["config"] = args.storage.to_dict()
     with open(os.path.join(out_dir, "layer_bits.json"), "w", encoding="utf-8") as f:
         json.dump(solved, f, indent=1)
-    kb, vb = args.base_pair
-    cols = [(k, vb) for k in args.key_list] + [(kb, v) for v in args.value_list]
     keys, values = mean_deltas(records, "key_deltas"), mean_deltas(records, "value_deltas")
+    names = [f"keys {k}" for k in args.key_list] + [f"values {v}" for v in args.value_list]
     measured = [keys[k] for k in args.key_list] + [values[v] for v in args.value_list]  # one list per column
     lines = [
-        f"# Per-layer sensitivity ({len(records)} prompts; base: every layer at {kb}-bit keys / {vb}-bit values, "
-        f"mean KL {solved['base_kl']:.5f})",
+        f"# Per-layer sensitivity ({len(records)} prompts; base: {_base_text(args.base_pairs)}, mean KL "
+        f"{solved['base_kl']:.5f})",
         "",
-        "Mean KL divergence added when one layer alone takes the column's widths, in 1e-4 nats.",
+        "Mean KL divergence added when one layer alone takes the column's width (keys with that layer's base values,",
+        "values with its base keys), in 1e-4 nats; blank: not measured there.",
         "",
-        "| layer | " + " | ".join(f"keys {k} / values {v}" for k, v in cols) + " |",
-        "| --- |" + " --- |" * len(cols),
+        "| layer | " + " | ".join(names) + " |",
+        "| --- |" + " --- |" * len(names),
     ]
     for layer, row in enumerate(zip(*measured)):
-        lines.append(f"| {layer} | " + " | ".join(f"{1e4 * d:+.1f}" for d in row) + " |")
+        lines.append(f"| {layer} | " + " | ".join("" if d is None else f"{1e4 * d:+.1f}" for d in row) + " |")
     lines += ["", "| mean code bits | estimated KL | layer_bits |", "| --- | --- | --- |"]
     for budget, a in solved["allocations"].items():
         lines.append(f"| {a['mean_code_bits']:.3f} (<= {budget}) | {a['estimated_kl']:.5f} | `{a['layer_bits']}` |")
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out_dir, "sensitivity.md"), "w", encoding="utf-8") as f:
         f.write(text)
-    _plot(os.path.join(out_dir, "sensitivity.png"), measured, cols)
+    _plot(os.path.join(out_dir, "sensitivity.png"), measured, names)
     return text
 
 
-def _plot(path: str, measured: list[list[float]], cols: list[tuple[int, int]]) -> None:
+def _plot(path: str, measured: list[list[float | None]], names: list[str]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(12, 4))
-    width = 0.8 / len(cols)
-    for i, (c, deltas) in enumerate(zip(cols, measured)):
-        xs = [layer + (i - (len(cols) - 1) / 2) * width for layer in range(len(deltas))]
-        ax.bar(xs, [1e4 * d for d in deltas], width, label=f"keys {c[0]} / values {c[1]}")
+    width = 0.8 / len(names)
+    for i, (name, deltas) in enumerate(zip(names, measured)):
+        xs = [layer + (i - (len(names) - 1) / 2) * width for layer in range(len(deltas))]
+        ax.bar(xs, [0.0 if d is None else 1e4 * d for d in deltas], width, label=name)
     ax.set_xlabel("layer")
     ax.set_ylabel("KL added (1e-4 nats)")
     ax.set_title("KL divergence from FP16 added by one layer at fewer bits")
@@ -215,7 +264,12 @@ def main(argv=None) -> int:
             args.out_dir, started_at, {"command": command_line(MODULE), "commit": commit, "status": "running"}
         )
     L = model.config.get_text_config(decoder=True).num_hidden_layers
-    per_case = 1 + L * (len(args.key_list) + len(args.value_list))
+    base = args.base_pairs * L if len(args.base_pairs) == 1 else args.base_pairs
+    per_case = 1 + sum(
+        sum(measured(base, side, w, args.max_step))
+        for side, widths in ((0, args.key_list), (1, args.value_list))
+        for w in widths
+    )
     bar = tqdm(total=len(todo) * per_case, desc="layers", disable=args.no_progress, dynamic_ncols=True)
     ran = 0
     for case in todo:
@@ -226,12 +280,13 @@ def main(argv=None) -> int:
             tok,
             case,
             args.storage,
-            args.base_pair,
+            args.base_pairs,
             args.key_list,
             args.value_list,
             args.max_answer_tokens,
             eos_token_ids(model, tok),
             bar.update,
+            args.max_step,
         )
         append_jsonl(rec_path, rec)
         done[case.key] = rec

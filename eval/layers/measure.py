@@ -67,22 +67,30 @@ class LayerProbe:
         return float(kl.mean())
 
 
+def measured(base: list[tuple[int, int]], side: int, width: int, max_step: int | None) -> list[bool]:
+    """Per layer, whether ``width`` is measured on ``side`` (0 keys, 1 values): it is not the layer's base width and,
+    with ``max_step``, within ``max_step`` bits of it."""
+    return [b[side] != width and (max_step is None or abs(b[side] - width) <= max_step) for b in base]
+
+
 @torch.no_grad()
 def measure_case(
     model,
     tok,
     case: KldCase,
     config: CocktailConfig,
-    base: tuple[int, int],
+    base: list[tuple[int, int]],
     key_options: list[int],
     value_options: list[int],
     max_answer_tokens: int = 32,
     eos_token_id=None,
     tick: Callable[[], None] = lambda: None,
+    max_step: int | None = None,
 ) -> dict:
-    """One record: the base KL and one delta per layer for each key width (values at the base width, even above
-    the keys: the deltas are parts of a sum) and each value width (keys at the base); ``tick`` runs after every
-    forward."""
+    """One record: the KL with every layer ``l`` at ``base[l]`` (``(key_bits, value_bits)``; one pair for every
+    layer if ``base`` has one entry) and, per layer, the delta of each key width (values at the layer's base, even
+    above the keys: the deltas are parts of a sum) and each value width (keys at the base); ``None`` where the
+    width is the layer's base or more than ``max_step`` bits from it. ``tick`` runs after every forward."""
     req = case.request
     device = next(model.parameters()).device
     input_ids = tok(req.prompt, return_tensors="pt", **req.tokenizer_kwargs)["input_ids"].to(device)
@@ -95,13 +103,22 @@ def measure_case(
     k0 = dyn.layers[0].keys
     probe = LayerProbe(model, dyn, span, FakeQuantizer(config, k0.shape[1], k0.shape[3], k0.dtype), answer_in, ref)
     L = probe.num_layers
-    base_kl = probe.kl([base] * L)
+    if not all(isinstance(b, (tuple, list)) and len(b) == 2 for b in base):
+        raise ValueError(f"base must be a list of (key_bits, value_bits) pairs, got {base!r}")
+    base = list(base) * L if len(base) == 1 else list(base)
+    if len(base) != L:
+        raise ValueError(f"base has {len(base)} (key_bits, value_bits) pairs but the model has {L} layers")
+    base_kl = probe.kl(base)
     tick()
 
-    def deltas(option: Callable[[int], tuple[int, int]]) -> list[float]:
-        out = []
-        for layer in range(L):
-            out.append(probe.kl([option(layer) if i == layer else base for i in range(L)]) - base_kl)
+    def deltas(side: int, width: int) -> list[float | None]:
+        out: list[float | None] = []
+        for layer, on in enumerate(measured(base, side, width, max_step)):
+            if not on:
+                out.append(None)
+                continue
+            pair = (width, base[layer][1]) if side == 0 else (base[layer][0], width)
+            out.append(probe.kl([pair if i == layer else b for i, b in enumerate(base)]) - base_kl)
             tick()
         return out
 
@@ -111,6 +128,6 @@ def measure_case(
         "context_tokens": span[1] - span[0],
         "answer_tokens": int(answer.shape[1]),
         "base_kl": base_kl,
-        "key_deltas": {str(b): deltas(lambda _, b=b: (b, base[1])) for b in key_options},  # values at base
-        "value_deltas": {str(b): deltas(lambda _, b=b: (base[0], b)) for b in value_options},
+        "key_deltas": {str(b): deltas(0, b) for b in key_options},
+        "value_deltas": {str(b): deltas(1, b) for b in value_options},
     }
