@@ -10,4 +10,9 @@ DATA_DIR = os.environ.get("HF_COCKTAIL_DATA") or os.path.normpath(os.path.join(R
 ESSAY_DIR = os.path.join(DATA_DIR, "paul_graham_essays")
 LONGBENCH_DIR = os.path.join(DATA_DIR, "longbench")
 GPU_PACKAGES = os.path.join(os.path.dirname(DATA_DIR), "gpu_machine", "packages.txt")  # the GPU machine's python3
-LAYER_BITS_FILE = os.path.join(REPO_ROOT, "eval", "results", "layer_calibration", "layer_bits.json")  # eval.layers
+# eval.layers' allocations for SmolLM2: the first round (around 4-bit keys / 3-bit values) and the second (around the
+# first round's 3-bit choice)
+LAYER_BITS_FILES = {
+    "": os.path.join(REPO_ROOT, "eval", "results", "layer_calibration", "layer_bits.json"),
+    "r2": os.path.join(REPO_ROOT, "eval", "results", "layer_calibration_r2", "layer_bits.json"),
+}

@@ -8,7 +8,7 @@ import os
 from hf_cocktail import CocktailConfig
 
 from ..cli import UsageError
-from ..paths import LAYER_BITS_FILE
+from ..paths import LAYER_BITS_FILES
 from .kinds import (
     BudgetMatchedMethod,
     CocktailMethod,
@@ -281,11 +281,11 @@ _ROTATION_METHODS += [
 METHODS.update({m.name: m for m in _ROTATION_METHODS})
 
 
-def layer_methods(path: str = LAYER_BITS_FILE) -> list[Method]:
-    """``layers<b>_had_s8``: every chunk planned at 4 bits, each layer capped by the ``layer_bits`` that ``eval.layers``
-    chose at ``b`` mean code bits (``path``: SmolLM2's calibration; none when it is absent). The storage is the
-    calibration's (Hadamard, 8-bit parameters); rerunning the calibration into that folder changes these methods, so
-    their old records must then be deleted."""
+def layer_methods(path: str, tag: str = "") -> list[Method]:
+    """``layers<b><tag>_had_s8``: every chunk planned at 4 bits, each layer capped by the ``layer_bits`` that
+    ``eval.layers`` chose at ``b`` mean code bits (``path``: its ``layer_bits.json``; none when it is absent). The
+    storage is the calibration's (Hadamard, 8-bit parameters); rerunning the calibration into that folder changes
+    these methods, so their old records must then be deleted."""
     if not os.path.exists(path):
         return []
     with open(path, encoding="utf-8") as f:
@@ -295,7 +295,7 @@ def layer_methods(path: str = LAYER_BITS_FILE) -> list[Method]:
         raise ValueError(f"{path}: layers*_had_s8 methods need a hadamard / scale_bits=8 calibration, got {storage}")
     return [
         CocktailMethod(
-            f"layers{b}_had_s8",
+            f"layers{b}{tag}_had_s8",
             f"4-bit chunks, layer_bits of eval.layers at {b} mean code bits: {a['layer_bits']}",
             {"uniform_bits": 4, **storage, "layer_bits": a["layer_bits"]},
         )
@@ -303,7 +303,7 @@ def layer_methods(path: str = LAYER_BITS_FILE) -> list[Method]:
     ]
 
 
-METHODS.update({m.name: m for m in layer_methods()})
+METHODS.update({m.name: m for tag, path in LAYER_BITS_FILES.items() for m in layer_methods(path, tag)})
 
 
 def register_preset(name_or_path: str) -> Method:
