@@ -146,6 +146,13 @@ def _storage(config: Any) -> str:
         stored += f" Values get at most {value_bits} bits (`value_bits={value_bits}`; keys keep their chunk's bits)."
     if getattr(config, "scale_bits", 16) == 8:
         stored += " Scales and zeros are stored as 8-bit codes on three numbers per chunk and head (`scale_bits=8`)."
+    layer_bits = getattr(config, "layer_bits", None)
+    if layer_bits:
+        caps = ", ".join(f"{k}/{v}" for k, v in layer_bits)
+        stored += (
+            f" Each of the {len(layer_bits)} layers caps its packed keys / values at its own code widths "
+            f"(`layer_bits`, layer 0 first): {caps}."
+        )
     return stored
 
 

@@ -103,3 +103,14 @@ def test_layer_bits_must_name_every_layer(tiny_tokenizer, layer_bits):
     inputs = cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q)
     with pytest.raises(ValueError, match=rf"layer_bits has {len(layer_bits)} entries .*one \(key_bits, value_bits\)"):
         model.generate(**inputs, **cache_kwargs(model, cache), max_new_tokens=2, do_sample=False)
+
+
+def test_model_card_lists_the_layer_caps():
+    from hf_cocktail.model_card import make_model_card
+
+    card = make_model_card(CocktailConfig(uniform_bits=4, layer_bits=((4, 3), (2, 2))))
+    assert (
+        "Each of the 2 layers caps its packed keys / values at its own code widths (`layer_bits`, layer 0 first): "
+        "4/3, 2/2." in card
+    )
+    assert "caps its packed keys" not in make_model_card(CocktailConfig())  # (the JSON lists "layer_bits": null)
