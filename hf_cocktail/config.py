@@ -100,7 +100,7 @@ class CocktailConfig:
         layer_bits: ``None`` (every layer alike) or one ``(key_bits, value_bits)`` pair per model layer, each of 2, 3,
             4 with ``value_bits <= key_bits``: the most code bits packed keys and values keep in that layer (a chunk
             planned at ``b`` bits stores ``min(b, key_bits)``-bit keys there; FP16 chunks stay FP16;
-            :mod:`hf_cocktail.layer_bits`). Calibrated per model (``eval/calibrate_layers.py``): the layers that
+            :mod:`hf_cocktail.layer_bits`). Calibrated per model (``python -m eval.layers``): the layers that
             tolerate low bits give their bytes to those that do not. Needs ``codebook="uniform"``.
         keep_context_copy: keep a full-precision copy of the prompt up to the end of the context on CPU, so that
             :meth:`CocktailCache.requery` can answer a new question about the same document without a new prefill.
