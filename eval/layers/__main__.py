@@ -1,5 +1,5 @@
-import sys
-
+from ..cli import run_cli
 from .cli import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    run_cli(main)
