@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from .cli import UsageError
 
@@ -84,3 +84,15 @@ def lock_out_dir(out_dir: str):
             "finish or use another --out-dir"
         ) from None
     return f
+
+
+def left_out_note(done: Iterable[tuple[str, str]], names: list[str]) -> str | None:
+    """A line naming the methods a folder's records hold that a report of ``names`` leaves out (``done``: the
+    ``(case, method)`` keys of the records), or None: a run rewrites the reports for its own ``--methods`` only."""
+    others = sorted({m for _, m in done} - set(names))
+    if not others:
+        return None
+    return (
+        f"note: the reports cover --methods only; records.jsonl also holds {others}: to keep them in the reports, "
+        "rerun with --report-only and every method in --methods"
+    )

@@ -413,3 +413,14 @@ def test_two_workers_give_the_records_of_one(tmp_path, tiny_tokenizer):
     assert again == two
     info = json.loads((tmp_path / "two" / "run_info.json").read_text())
     assert [x["cases_processed"] for x in info["invocations"]] == [2, 0]
+
+
+def test_a_report_names_the_methods_it_leaves_out():
+    from eval.records import left_out_note
+
+    done = {("c1", "fp16"): {}, ("c1", "int4"): {}, ("c2", "layers3_had_s8"): {}, ("c2", "int4"): {}}
+    assert left_out_note(done, ["fp16", "int4", "layers3_had_s8"]) is None
+    note = left_out_note(done, ["fp16"])
+    assert note.startswith(
+        "note: the reports cover --methods only; records.jsonl also holds ['int4', 'layers3_had_s8']"
+    )

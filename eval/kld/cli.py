@@ -33,7 +33,7 @@ from ..longbench.metrics import ENGLISH_TASKS
 from ..methods.registry import parse_methods
 from ..models import DTYPES, load_model_and_tokenizer, resolve_model_path, set_threads
 from ..paths import ESSAY_DIR, LONGBENCH_DIR
-from ..records import append_jsonl, check_settings, iter_jsonl, lock_out_dir
+from ..records import append_jsonl, check_settings, iter_jsonl, left_out_note, lock_out_dir
 from ..run_info import command_line, git_commit, now, update_run_info
 from .cases import KldCase, longbench_cases, needle_cases
 from .measure import KldRunner
@@ -299,6 +299,8 @@ def main(argv=None) -> int:
     keys = {c.key for c in cases}
     records = [r for (k, m), r in done.items() if k in keys and m in names]
     print(write_reports(args.out_dir, records, names, describe(args, cases)))
+    if note := left_out_note(done, names):
+        print(note)
     if not args.report_only:
         finished = {
             "runtime_s": round(time.time() - t_start, 1),

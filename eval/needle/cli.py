@@ -39,7 +39,7 @@ from ..methods.kinds import Request
 from ..methods.registry import parse_methods
 from ..models import DTYPES, load_model_and_tokenizer, resolve_model_path, set_threads
 from ..paths import ESSAY_DIR
-from ..records import append_jsonl, check_settings, iter_jsonl, lock_out_dir
+from ..records import append_jsonl, check_settings, iter_jsonl, left_out_note, lock_out_dir
 from ..run_info import command_line, git_commit, now, update_run_info
 from ..runner import CaseRunner, Outcome
 from . import ruler
@@ -348,6 +348,8 @@ def main(argv=None) -> int:
                 args.out_dir, rows, [m.name for m in methods], args.length_list, args.depth_list, args.samples
             )
         )
+    if note := left_out_note(done, [m.name for m in methods]):
+        print(note)
     if args.report_only:
         return 0
     finished = {
