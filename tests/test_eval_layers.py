@@ -10,9 +10,10 @@ import torch
 
 from eval.cli import UsageError
 from eval.kld.cases import KldCase
+from eval.kld.measure import context_span
 from eval.layers import cli
 from eval.layers.fake_quant import FakeQuantizer
-from eval.layers.measure import context_span, measure_case
+from eval.layers.measure import measure_case
 from eval.layers.solve import OPTIONS, solve
 from eval.methods.kinds import Request
 from hf_cocktail import CocktailCache, CocktailConfig
@@ -33,7 +34,7 @@ def test_fake_quantizer_gives_back_what_the_store_holds(tiny_tokenizer, scale_bi
     with torch.no_grad():
         model(**inputs, **cache_kwargs(model, cache), use_cache=True)
         plain = model(input_ids=inputs["input_ids"], use_cache=True).past_key_values
-    s, e = context_span(tiny_tokenizer, Request(prompt, ctx, q), cfg)
+    s, e = context_span(tiny_tokenizer, Request(prompt, ctx, q))
     assert (s, e) == (cache.plans[0].ctx_start, cache.plans[0].ctx_end) and e - s > 3 * cfg.chunk_size
     for layer, (kb, vb) in zip(cache.layers, cfg.layer_bits):
         keys, values = layer.dequantized()

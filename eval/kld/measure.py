@@ -40,18 +40,33 @@ from .divergence import kl_and_top1, teacher_force
 REFERENCE = DynamicMethod("fp16_reference", "DynamicCache: the FP16 reference of the comparison")
 
 
-def context_end(tok, request: Request) -> int:
-    """Token index where the request's context ends in its prompt (the prompt's length when there is no context),
-    as ``CocktailCache.prepare_inputs`` locates it."""
-    if not request.context:
-        return len(tok(request.prompt, **request.tokenizer_kwargs)["input_ids"])
+def context_span(tok, request: Request) -> tuple[int, int]:
+    """``[start, end)`` of the request's context tokens in its prompt, as ``CocktailCache.prepare_inputs`` locates
+    them (the request must have a context)."""
     probe = CocktailCache(CocktailConfig(uniform_bits=16))
     probe.prepare_inputs(
         tok, request.prompt, contexts=request.context, queries=request.query, **request.tokenizer_kwargs
     )
-    end = probe.plans[0].ctx_end
+    span = probe.plans[0].ctx_start, probe.plans[0].ctx_end
     probe.reset()
-    return end
+    return span
+
+
+def context_end(tok, request: Request) -> int:
+    """Token index where the request's context ends in its prompt (the prompt's length when there is no context)."""
+    if not request.context:
+        return len(tok(request.prompt, **request.tokenizer_kwargs)["input_ids"])
+    return context_span(tok, request)[1]
+
+
+def reference_answer(model, tok, dyn, first_logits, input_ids, request: Request, max_answer_tokens: int, eos):
+    """FP16's greedy answer ``(1, n)`` continuing the shared prefill ``dyn``, and FP16's teacher-forced logits
+    ``(n - 1, V)`` over ``answer[:, :-1]`` (each from a fresh ``DynamicCache`` branch)."""
+    ref = branch(REFERENCE, model, tok, dyn, input_ids, request)
+    answer = generate_from_branch(model, ref.cache, input_ids, first_logits, max_answer_tokens, eos_token_id=eos)
+    del ref
+    logits = teacher_force(model, branch(REFERENCE, model, tok, dyn, input_ids, request).cache, answer[:, :-1], False)
+    return answer, logits
 
 
 def encoder_keys(methods: list[Method], encoder: str | None) -> set[tuple]:
@@ -160,17 +175,14 @@ class KldRunner:
         t0 = time.perf_counter()
         dyn, first_logits = prefill(model, input_ids)
         prefill_s = time.perf_counter() - t0
-        ref_br = branch(REFERENCE, model, tok, dyn, input_ids, req, self.encoder)
-        answer = generate_from_branch(
-            model, ref_br.cache, input_ids, first_logits, self.max_answer_tokens, eos_token_id=self.eos
+        answer, ref_answer = reference_answer(
+            model, tok, dyn, first_logits, input_ids, req, self.max_answer_tokens, self.eos
         )
-        del ref_br
         k = max(0, min(self.tail_tokens, L - context_end(tok, req), L - 1))
         full_pairs = [(layer.keys, layer.values) for layer in dyn.layers]
         prefix_pairs = [(kk[:, :, : L - k], vv[:, :, : L - k]) for kk, vv in full_pairs]
         answer_in = answer[:, :-1]
         tail_in = torch.cat([input_ids[:, L - k :], answer_in], dim=1)
-        ref_answer = teacher_force(model, branch(REFERENCE, model, tok, dyn, input_ids, req).cache, answer_in, False)
         ref_tail = teacher_force(
             model, branch_prefix(REFERENCE, model, tok, prefix_pairs, input_ids, req, None), tail_in, False
         )

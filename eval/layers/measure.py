@@ -13,24 +13,13 @@ from collections.abc import Callable
 import torch
 from transformers import DynamicCache
 
-from hf_cocktail import CocktailCache, CocktailConfig
+from hf_cocktail import CocktailConfig
 
 from ..kld.cases import KldCase
 from ..kld.divergence import kl_and_top1, teacher_force
-from ..kld.measure import REFERENCE
-from ..methods.branching import branch, generate_from_branch, prefill
-from ..methods.kinds import Request
+from ..kld.measure import context_span, reference_answer
+from ..methods.branching import prefill
 from .fake_quant import FakeQuantizer
-
-
-def context_span(tok, request: Request, config: CocktailConfig) -> tuple[int, int]:
-    """``[start, end)`` of the request's context tokens, as ``CocktailCache.prepare_inputs`` locates them."""
-    probe = CocktailCache(config)
-    probe.prepare_inputs(
-        tok, request.prompt, contexts=request.context, queries=request.query, **request.tokenizer_kwargs
-    )
-    plan = probe.plans[0]
-    return plan.ctx_start, plan.ctx_end
 
 
 class LayerProbe:
@@ -94,12 +83,10 @@ def measure_case(
     req = case.request
     device = next(model.parameters()).device
     input_ids = tok(req.prompt, return_tensors="pt", **req.tokenizer_kwargs)["input_ids"].to(device)
-    span = context_span(tok, req, config)
+    span = context_span(tok, req)
     dyn, first_logits = prefill(model, input_ids)
-    ref_cache = branch(REFERENCE, model, tok, dyn, input_ids, req).cache
-    answer = generate_from_branch(model, ref_cache, input_ids, first_logits, max_answer_tokens, eos_token_id)
+    answer, ref = reference_answer(model, tok, dyn, first_logits, input_ids, req, max_answer_tokens, eos_token_id)
     answer_in = answer[:, :-1]
-    ref = teacher_force(model, branch(REFERENCE, model, tok, dyn, input_ids, req).cache, answer_in, False)
     k0 = dyn.layers[0].keys
     probe = LayerProbe(model, dyn, span, FakeQuantizer(config, k0.shape[1], k0.shape[3], k0.dtype), answer_in, ref)
     L = probe.num_layers
