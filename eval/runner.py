@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .kv_bytes import cache_kv_bytes, fp16_kv_bytes
-from .methods.branching import Branch, branch, generate_from_branch, prefill
+from .methods.branching import Branch, branch, generate_from_branch, prefill_for
 from .methods.kinds import Method, Request
 from .models import eos_token_ids, model_input_device
 
@@ -75,10 +75,10 @@ class CaseRunner:
             self.device
         )
         t0 = time.perf_counter()
-        dyn, first_logits = prefill(self.model, input_ids)
+        dyn, first_logits, queries = prefill_for(self.model, self.tokenizer, input_ids, request, methods)
         shared_prefill_s = time.perf_counter() - t0
         for method in methods:
-            br = branch(method, self.model, self.tokenizer, dyn, input_ids, request, self.encoder)
+            br = branch(method, self.model, self.tokenizer, dyn, input_ids, request, self.encoder, True, queries)
             t1 = time.perf_counter()
             new = generate_from_branch(
                 self.model,

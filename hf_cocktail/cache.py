@@ -22,8 +22,9 @@ from .layer_bits import capped_positions, check_layer_count, layer_pair
 from .lifecycles import CacheLifecycles
 from .planning import PlanView, SequencePlan
 from .prefill_watch import PrefillWatch, check_head_dims, check_prefill_ids
-from .scoring import TextEncoder, attention_mass
-from .search import search_plan
+from .salient import record_layer_mass, with_salient
+from .scoring import TextEncoder
+from .search import add_query_attention, search_plan
 
 logger = logging.getLogger(__name__)
 
@@ -106,17 +107,20 @@ class CocktailCache(CacheLifecycles, Cache):
         """True while the chunk scores still have to come from the prefill attention (scorer="attention")."""
         return self.config.scorer == "attention" and self.config.uniform_bits is None and not self._searched
 
-    def accumulate_attention(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
-        """scorer="attention": add the attention mass that the query's tokens give each context token in one layer's
-        prefill. ``query (B, H_q, L, D)``, ``key (B, H_kv, L, D)``."""
-        if query.shape[2] != key.shape[2] or any(p.query_span[1] > key.shape[2] for p in self._plans):
-            raise ValueError(
-                "scorer='attention' needs the whole prompt in one prefill forward; generation's "
-                "prefill_chunk_size (chunked prefill) is not supported with it"
-            )
-        for b, plan in enumerate(self._plans):
-            mass = attention_mass(query[b], key[b], scaling, plan.pad, plan.query_span, (plan.ctx_start, plan.ctx_end))
-            plan.attn_mass = mass if plan.attn_mass is None else plan.attn_mass + mass.to(plan.attn_mass.device)
+    def waits_for_prefill_attention(self, layer_idx: int) -> bool:
+        """True when layer ``layer_idx`` quantizes only after its prefill attention was seen (scorer="attention"
+        or salient_tokens)."""
+        salient = self.config.salient_tokens > 0 and layer_idx not in self.config.full_precision_layers
+        return salient or self.scores_from_attention()
+
+    def accumulate_attention(self, query: torch.Tensor, key: torch.Tensor, scaling: float, layer_idx: int) -> None:
+        """Record one layer's prefill attention: scorer="attention" adds the mass that the query's tokens give each
+        context token to the chunk scores; salient_tokens keeps the layer's mass from the tokens after the context.
+        ``query (B, H_q, L_q, D)`` (the last ``L_q`` prompt tokens), ``key (B, H_kv, L, D)``."""
+        if self.scores_from_attention():
+            add_query_attention(self._plans, query, key, scaling)
+        if self.config.salient_tokens > 0 and layer_idx not in self.config.full_precision_layers:
+            record_layer_mass(self._plans, query, key, scaling, layer_idx)
 
     def plans_for_prefill(self, k: torch.Tensor, search: bool = True) -> list[SequencePlan]:
         """The plans for a prefill of keys ``k (B, H_kv, L, D)``: runs the search once, follows generate's batch
@@ -152,7 +156,11 @@ class CocktailCache(CacheLifecycles, Cache):
         if all_full:
             return [plan.all_full_positions(self.prefill_len, self.config.packed_bits) for plan in self._plans]
         pair = layer_pair(self.config.layer_bits, layer_idx)
-        return [capped_positions(plan.positions, pair and pair[0]) for plan in self._plans]
+        out = [capped_positions(plan.positions, pair and pair[0]) for plan in self._plans]
+        if self.config.salient_tokens > 0:
+            f = self.config.salient_tokens
+            out = [with_salient(pos, plan, layer_idx, f) for pos, plan in zip(out, self._plans)]
+        return out
 
     def run_search(self) -> None:
         """Score every chunk and assign its precision (done automatically at prefill, once per ``generate``)."""

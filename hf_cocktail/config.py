@@ -102,6 +102,11 @@ class CocktailConfig:
             planned at ``b`` bits stores ``min(b, key_bits)``-bit keys there; FP16 chunks stay FP16;
             :mod:`hf_cocktail.layer_bits`). Calibrated per model (``python -m eval.layers``): the layers that
             tolerate low bits give their bytes to those that do not. Needs ``codebook="uniform"``.
+        salient_tokens: the fraction (0 to 1) of each layer's packed context tokens kept at full precision: those
+            with the most attention from the tokens after the context (the question) in that layer's prefill
+            (:mod:`hf_cocktail.salient`). 0 (default) is the paper. Needs ``attn_implementation="cocktail"`` (or
+            ``load_prefill(..., prefill_queries=...)``); quantization then waits for the first decode step. Their
+            bytes come on top of the plan's (``target_bits`` budgets the chunks only).
         keep_context_copy: keep a full-precision copy of the prompt up to the end of the context on CPU, so that
             :meth:`CocktailCache.requery` can answer a new question about the same document without a new prefill.
     """
@@ -130,6 +135,7 @@ class CocktailConfig:
     value_bits: int | None = None
     scale_bits: int = 16
     layer_bits: tuple | None = None
+    salient_tokens: float = 0.0
 
     def __post_init__(self) -> None:
         for name, allowed in _CHOICES.items():  # of the allowed values' own types (True is not 1, 8.0 is not 8)
@@ -198,6 +204,11 @@ class CocktailConfig:
             self.value_bits is None or self.codebook == "uniform",
             f"value_bits applies with codebook='uniform' (keys and values of a chunk share a codebook's width), got "
             f"codebook={self.codebook!r}, value_bits={self.value_bits!r}",
+        )
+        _check(
+            _is_real(self.salient_tokens) and 0.0 <= self.salient_tokens <= 1.0,
+            f"salient_tokens must be a number in [0, 1] (a fraction of the packed context tokens), got "
+            f"{self.salient_tokens!r}",
         )
         object.__setattr__(self, "layer_bits", check_layer_bits(self.layer_bits, self.codebook))  # lists -> tuples
         object.__setattr__(self, "_validated", True)  # from now on, assignments are validated (__setattr__)

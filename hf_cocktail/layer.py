@@ -36,14 +36,16 @@ class LayerOwner(Protocol):
 
     def scores_from_attention(self) -> bool: ...
 
-    def accumulate_attention(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None: ...
+    def waits_for_prefill_attention(self, layer_idx: int) -> bool: ...
+
+    def accumulate_attention(self, query: torch.Tensor, key: torch.Tensor, scaling: float, layer_idx: int) -> None: ...
 
     def warn_dequantize_fallback(self) -> None: ...
 
 
 class LayerState(enum.Enum):
     EMPTY = "empty"  # nothing stored: new, reset, or waiting for a requery's re-prefill (``pending`` set)
-    DEFERRED = "deferred"  # scorer="attention": the prefill's keys/values kept raw until the first decode step
+    DEFERRED = "deferred"  # scorer="attention" / salient_tokens: prefill keys/values kept raw until the first decode
     PREFILL = "prefill"  # the store was built in this forward: attention runs over the keys update returned
     DECODE = "decode"  # store built; new tokens go to its full-precision part
 
@@ -129,8 +131,8 @@ class CocktailLayer(CacheLayerMixin):
             value_states = torch.cat([pv.to(value_states.device, value_states.dtype), value_states], dim=2)
             self.pending = None
         self.lazy_initialization(key_states, value_states)
-        if self.cache.scores_from_attention():
-            self.cache.plans_for_prefill(key_states, search=False)
+        if self.cache.waits_for_prefill_attention(self.layer_idx):
+            self.cache.plans_for_prefill(key_states, search=not self.cache.scores_from_attention())
             self.deferred = (key_states, value_states)
             self.seq_len, self.state = key_states.shape[2], LayerState.DEFERRED
         else:
@@ -171,9 +173,9 @@ class CocktailLayer(CacheLayerMixin):
             self.path = AttentionPath.SPLIT
 
     def observe_prefill_attention(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
-        """scorer="attention": add this layer's prefill attention from the query tokens to the chunk scores."""
+        """scorer="attention" / salient_tokens: record this layer's prefill attention (before it quantizes)."""
         if self.state is LayerState.DEFERRED:
-            self.cache.accumulate_attention(query, key, scaling)
+            self.cache.accumulate_attention(query, key, scaling, self.layer_idx)
 
     def after_load_prefill(self, split_attention: bool | None) -> None:
         """``load_prefill``: the next update is a decode step; ``True``/``False`` fix the attention path."""

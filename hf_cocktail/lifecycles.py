@@ -32,13 +32,22 @@ class CacheLifecycles:
     _check_layer_count: Any
     _cocktail_layers: Any
 
-    def load_prefill(self, past_key_values, split_attention: bool | None = None) -> None:
+    def load_prefill(
+        self,
+        past_key_values,
+        split_attention: bool | None = None,
+        prefill_queries: list[torch.Tensor] | None = None,
+        scaling: float | None = None,
+    ) -> None:
         """Fill the cache from an already computed full-precision prefill, e.g. a ``DynamicCache`` (one ``(keys,
         values)`` pair of ``(B, H_kv, L', D)`` per layer, ``L'`` <= the prepared prompt length and covering the
         context). Lets one prefill be branched into several caches. ``split_attention=None`` (default) detects the
         attention implementation at the first decode step; ``True`` asserts ``attn_implementation="cocktail"``
         (saves that step's dequantization; wrong results under another implementation), ``False`` forces the
-        dequantizing path."""
+        dequantizing path. ``prefill_queries``: per layer, the attention's queries ``(B, H_q, L_q, D)`` of the
+        prefill's last ``L_q`` tokens (after RoPE, as the attention function received them), for what reads the
+        prefill attention (``salient_tokens``, ``scorer="attention"``); ``scaling``: the softmax scale (default
+        ``D ** -0.5``)."""
         self.layers: list = []
         self._partial = {}
         source = list(past_key_values.layers) if hasattr(past_key_values, "layers") else list(past_key_values)
@@ -47,6 +56,10 @@ class CacheLifecycles:
             if k is not None:
                 check_head_dims(k, v, None)
         self._check_layer_count(len(pairs))
+        if prefill_queries is not None and len(prefill_queries) != len(pairs):
+            raise ValueError(
+                f"prefill_queries must hold one query tensor per layer ({len(pairs)}), got {len(prefill_queries)}"
+            )
         for i, (src, (k, v)) in enumerate(zip(source, pairs)):
             if hasattr(src, "keys") and not layout.is_full_attention(src):  # sliding / hybrid / shared: as it is
                 self.layers.append(copy.deepcopy(src))
@@ -54,6 +67,9 @@ class CacheLifecycles:
             layer = CocktailLayer(self, i)  # type: ignore[arg-type]  # the cache this mixin is part of
             self.layers.append(layer)
             layer.update(k.detach(), v.detach())  # aliases: the caller's tensors are not tagged
+            if prefill_queries is not None:
+                q = prefill_queries[i]
+                layer.observe_prefill_attention(q, k, q.shape[-1] ** -0.5 if scaling is None else scaling)
             layer.after_load_prefill(split_attention)
 
     def requery(self, tokenizer, prompt: str, query: str, device=None):
@@ -81,6 +97,7 @@ class CacheLifecycles:
         if plan.pad:
             raise ValueError("requery() needs an unpadded prompt")
         plan.query = query
+        plan.layer_mass = {}  # salient_tokens: the new question's prefill attention decides again
         self.run_search()
         self._input_ids = ids.clone()
         self.prompt_len = ids.shape[1]

@@ -29,6 +29,7 @@ class SequencePlan:
     origin: int = 0  # index of the prepared prompt this row comes from (beams / return sequences repeat it)
     query_span: tuple[int, int] = (0, 0)  # token span of the query inside the prompt (scorer="attention")
     attn_mass: torch.Tensor | None = None  # (ctx_end - ctx_start,) attention mass from the query tokens
+    layer_mass: dict = field(default_factory=dict)  # salient_tokens: layer -> mass from the tokens after the context
 
     @property
     def num_chunks(self) -> int:

@@ -169,13 +169,16 @@ def attention_mass(
     pad: int,
     query_span: tuple[int, int],
     context_span: tuple[int, int],
+    first_query: int = 0,
 ) -> torch.Tensor:
     """Attention mass that the query's tokens give each context token in one layer's prefill of one sequence, summed
     over heads and query tokens (causal softmax over the unpadded prompt, as the model computes it).
 
     Args:
-        query: ``(H_q, L, D)``; key: ``(H_kv, L, D)`` (GQA: ``H_q = n_rep * H_kv``), padded positions first.
-        pad: left padding tokens; query_span / context_span: ``[start, end)`` token spans in padded coordinates.
+        query: ``(H_q, L_q, D)``, the prompt tokens from ``first_query`` on (all of them by default); key:
+            ``(H_kv, L, D)`` (GQA: ``H_q = n_rep * H_kv``), padded positions first.
+        pad: left padding tokens; query_span / context_span: ``[start, end)`` token spans in padded coordinates
+            (``query_span`` must lie in the query's tokens).
 
     Returns:
         ``(context_end - context_start,)`` fp32.
@@ -186,7 +189,11 @@ def attention_mass(
     H_kv = key.shape[0]
     n_rep = query.shape[0] // H_kv
     nq = qe - qs
-    q = query[:, qs:qe].float().reshape(H_kv, n_rep * nq, -1)  # rows ordered (rep, i)
+    if qs < first_query or qe > first_query + query.shape[1]:
+        raise ValueError(
+            f"query_span {query_span} is not inside the query's tokens [{first_query}, {first_query + query.shape[1]})"
+        )
+    q = query[:, qs - first_query : qe - first_query].float().reshape(H_kv, n_rep * nq, -1)  # rows (rep, i)
     k = key[:, pad:qe].float()
     logits = (q @ k.transpose(1, 2)) * scaling  # (H_kv, n_rep*n_q, T)
     j = torch.arange(k.shape[1], device=q.device) + pad

@@ -8,7 +8,7 @@ import torch
 from . import planning
 from .config import CocktailConfig
 from .planning import SequencePlan
-from .scoring import TextEncoder, bm25_scores, get_encoder, score_chunks
+from .scoring import TextEncoder, attention_mass, bm25_scores, get_encoder, score_chunks
 
 
 def search_plan(plan: SequencePlan, cfg: CocktailConfig, encoder: TextEncoder | None = None) -> None:
@@ -44,3 +44,16 @@ def chunk_scores(plan: SequencePlan, cfg: CocktailConfig, encoder: TextEncoder |
         return torch.stack([mass[a - plan.ctx_start : e - plan.ctx_start].mean() for a, e in spans])
     encoder = encoder or get_encoder(cfg.encoder, cfg.encoder_device, cfg.encoder_batch_size)
     return score_chunks(encoder, plan.query or "", plan.chunk_texts)
+
+
+def add_query_attention(plans: list[SequencePlan], query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+    """scorer="attention": add one layer's prefill attention mass from each plan's query tokens to its context
+    tokens (``plan.attn_mass``). ``query (B, H_q, L, D)``, ``key (B, H_kv, L, D)``: the whole prompt."""
+    if query.shape[2] != key.shape[2] or any(p.query_span[1] > key.shape[2] for p in plans):
+        raise ValueError(
+            "scorer='attention' needs the whole prompt in one prefill forward; generation's "
+            "prefill_chunk_size (chunked prefill) is not supported with it"
+        )
+    for b, plan in enumerate(plans):
+        mass = attention_mass(query[b], key[b], scaling, plan.pad, plan.query_span, (plan.ctx_start, plan.ctx_end))
+        plan.attn_mass = mass if plan.attn_mass is None else plan.attn_mass + mass.to(plan.attn_mass.device)

@@ -10,11 +10,11 @@ import torch
 
 from eval.cli import UsageError
 from eval.kld.cases import KldCase
-from eval.kld.measure import context_span
 from eval.layers import cli
 from eval.layers.fake_quant import FakeQuantizer
 from eval.layers.measure import measure_case
 from eval.layers.solve import OPTIONS, solve
+from eval.methods.branching import context_span
 from eval.methods.kinds import Request
 from hf_cocktail import CocktailCache, CocktailConfig
 from hf_cocktail.compat import cache_kwargs

@@ -193,3 +193,32 @@ def test_every_method_builds_its_cache(tiny_llama, tiny_tokenizer):
         )
         assert isinstance(cache, cls), name
         assert (inputs is not None) == (cls is CocktailCache), name
+
+
+def test_a_salient_method_branched_with_its_recorded_queries_equals_its_own_generate(tiny_tokenizer):
+    """salient_tokens reads the prefill attention: the shared prefill records the queries after the context
+    (eval/methods/queries.py) and the branch gives the tokens, salient positions and bytes of a plain generate."""
+    from eval.methods.branching import branch, context_end, generate_from_branch, prefill_for
+    from eval.methods.kinds import Request, cache_and_inputs
+    from eval.methods.registry import METHODS
+
+    from .conftest import make_tiny_llama
+
+    model = make_tiny_llama(attn="cocktail", head_dim=32)
+    prompt, ctx, query = make_prompt(150, seed=1, needle_at=40)
+    request = Request(prompt, ctx, query)
+    method = METHODS["int4v3_had_s8_sal3"]
+    input_ids = tiny_tokenizer(prompt, return_tensors="pt")["input_ids"]
+    dyn, logits, queries = prefill_for(model, tiny_tokenizer, input_ids, request, [method])
+    assert [q.shape[2] for q in queries] == [input_ids.shape[1] - context_end(tiny_tokenizer, request)] * 2
+    assert model.config._attn_implementation == "cocktail"  # restored after recording
+    assert prefill_for(model, tiny_tokenizer, input_ids, request, [METHODS["int4v3_had_s8"]])[2] is None
+    br = branch(method, model, tiny_tokenizer, dyn, input_ids, request, "unused", prefill_queries=queries)
+    new = generate_from_branch(model, br.cache, input_ids, logits, 6)
+    cache, inputs = cache_and_inputs(method, model, tiny_tokenizer, request, "unused")
+    ref = model.generate(**inputs, **cache_kwargs(model, cache), max_new_tokens=6, do_sample=False)
+    assert new.tolist() == ref[:, input_ids.shape[1] :].tolist()
+    for layer in range(2):
+        mine, theirs = br.cache.layer_positions(layer)[0], cache.layer_positions(layer)[0]
+        assert all(torch.equal(mine[p], theirs[p]) for p in theirs)
+    assert cache_kv_bytes(br.cache) == cache_kv_bytes(cache)

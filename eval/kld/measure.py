@@ -27,36 +27,16 @@ from collections.abc import Iterator
 
 import torch
 
-from hf_cocktail import CocktailCache, CocktailConfig
 from hf_cocktail.scoring import get_encoder
 
 from ..kv_bytes import cache_kv_bytes, fp16_kv_bytes
-from ..methods.branching import branch, generate_from_branch, precision_counts, prefill
+from ..methods.branching import branch, context_end, generate_from_branch, precision_counts, prefill_for
 from ..methods.kinds import CocktailMethod, DynamicMethod, Method, Request, build_cache
 from ..models import eos_token_ids, model_input_device
 from .cases import KldCase
 from .divergence import kl_and_top1, teacher_force
 
 REFERENCE = DynamicMethod("fp16_reference", "DynamicCache: the FP16 reference of the comparison")
-
-
-def context_span(tok, request: Request) -> tuple[int, int]:
-    """``[start, end)`` of the request's context tokens in its prompt, as ``CocktailCache.prepare_inputs`` locates
-    them (the request must have a context)."""
-    probe = CocktailCache(CocktailConfig(uniform_bits=16))
-    probe.prepare_inputs(
-        tok, request.prompt, contexts=request.context, queries=request.query, **request.tokenizer_kwargs
-    )
-    span = probe.plans[0].ctx_start, probe.plans[0].ctx_end
-    probe.reset()
-    return span
-
-
-def context_end(tok, request: Request) -> int:
-    """Token index where the request's context ends in its prompt (the prompt's length when there is no context)."""
-    if not request.context:
-        return len(tok(request.prompt, **request.tokenizer_kwargs)["input_ids"])
-    return context_span(tok, request)[1]
 
 
 def reference_answer(model, tok, dyn, first_logits, input_ids, request: Request, max_answer_tokens: int, eos):
@@ -109,15 +89,23 @@ def memoized_encoders(keys: set[tuple]):
 
 
 def branch_prefix(
-    method: Method, model, tok, pairs: list, input_ids: torch.Tensor, request: Request, encoder: str | None
+    method: Method,
+    model,
+    tok,
+    pairs: list,
+    input_ids: torch.Tensor,
+    request: Request,
+    encoder: str | None,
+    prefill_queries: list[torch.Tensor] | None = None,
 ):
-    """``method``'s cache prepared for the whole prompt and filled with the prefill ``pairs`` of its first tokens."""
+    """``method``'s cache prepared for the whole prompt and filled with the prefill ``pairs`` of its first tokens
+    (``prefill_queries``: the queries of those tokens from the context's end on, for the methods that read them)."""
     cache, inputs = build_cache(method, model, tok, request, encoder)
     if inputs is not None and not torch.equal(inputs["input_ids"].to(input_ids.device), input_ids):
         raise RuntimeError(
             f"{method.name}: the cache's preparation tokenized the prompt differently from the shared prefill"
         )
-    method.load_prefill(cache, pairs, split_attention=True)
+    method.load_prefill(cache, pairs, True, prefill_queries if method.reads_prefill_queries else None)
     return cache
 
 
@@ -173,7 +161,7 @@ class KldRunner:
         input_ids = tok(req.prompt, return_tensors="pt", **req.tokenizer_kwargs)["input_ids"].to(self.device)
         L = input_ids.shape[1]
         t0 = time.perf_counter()
-        dyn, first_logits = prefill(model, input_ids)
+        dyn, first_logits, queries = prefill_for(model, tok, input_ids, req, methods)
         prefill_s = time.perf_counter() - t0
         answer, ref_answer = reference_answer(
             model, tok, dyn, first_logits, input_ids, req, self.max_answer_tokens, self.eos
@@ -204,13 +192,14 @@ class KldRunner:
         }
         for method in methods:
             t1 = time.perf_counter()
-            br = branch(method, model, tok, dyn, input_ids, req, self.encoder)
+            br = branch(method, model, tok, dyn, input_ids, req, self.encoder, prefill_queries=queries)
             logits_a = teacher_force(model, br.cache, answer_in, self.step_by_step)
             seq = int(br.cache.get_seq_length())
             kv, fp16 = cache_kv_bytes(br.cache), fp16_kv_bytes(model.config, seq)
             bits = br.precision_map
             del br
-            cache = branch_prefix(method, model, tok, prefix_pairs, input_ids, req, self.encoder)
+            prefix_queries = None if queries is None else [q[:, :, : q.shape[2] - k] for q in queries]
+            cache = branch_prefix(method, model, tok, prefix_pairs, input_ids, req, self.encoder, prefix_queries)
             logits_t = teacher_force(model, cache, tail_in, self.step_by_step)
             del cache
             yield {

@@ -17,8 +17,8 @@ from hf_cocktail import CocktailConfig
 
 from ..kld.cases import KldCase
 from ..kld.divergence import kl_and_top1, teacher_force
-from ..kld.measure import context_span, reference_answer
-from ..methods.branching import prefill
+from ..kld.measure import reference_answer
+from ..methods.branching import context_span, prefill
 from .fake_quant import FakeQuantizer
 
 

@@ -19,9 +19,42 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
+from hf_cocktail import CocktailCache, CocktailConfig
 from hf_cocktail.compat import cache_kwargs
 
 from .kinds import Method, Request, build_cache
+from .queries import recording_queries
+
+
+def context_span(tok, request: Request) -> tuple[int, int]:
+    """``[start, end)`` of the request's context tokens in its prompt, as ``CocktailCache.prepare_inputs`` locates
+    them (the request must have a context)."""
+    probe = CocktailCache(CocktailConfig(uniform_bits=16))
+    probe.prepare_inputs(
+        tok, request.prompt, contexts=request.context, queries=request.query, **request.tokenizer_kwargs
+    )
+    span = probe.plans[0].ctx_start, probe.plans[0].ctx_end
+    probe.reset()
+    return span
+
+
+def context_end(tok, request: Request) -> int:
+    """Token index where the request's context ends in its prompt (the prompt's length when there is no context)."""
+    if not request.context:
+        return len(tok(request.prompt, **request.tokenizer_kwargs)["input_ids"])
+    return context_span(tok, request)[1]
+
+
+def prefill_for(
+    model, tok, input_ids: torch.Tensor, request: Request, methods: list[Method]
+) -> tuple[DynamicCache, torch.Tensor, list[torch.Tensor] | None]:
+    """:func:`prefill`, and the attention queries of the tokens after the request's context (:mod:`.queries`) when
+    one of ``methods`` reads them (else ``None``)."""
+    if not any(m.reads_prefill_queries for m in methods):
+        return (*prefill(model, input_ids), None)
+    with recording_queries(model, context_end(tok, request)) as queries:
+        dyn, logits = prefill(model, input_ids)
+    return dyn, logits, queries
 
 
 def prefill(model, input_ids: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
@@ -60,8 +93,10 @@ def branch(
     request: Request,
     encoder: str | None = None,
     split_attention: bool = True,
+    prefill_queries: list[torch.Tensor] | None = None,
 ) -> Branch:
-    """Build ``method``'s cache holding the shared prefill ``dyn`` (all prompt tokens).
+    """Build ``method``'s cache holding the shared prefill ``dyn`` (all prompt tokens); ``prefill_queries``
+    (:mod:`.queries`) for the methods that read them.
 
     ``input_ids`` (1, L) must be ``tokenizer(request.prompt, **request.tokenizer_kwargs)``; ``request.context``
     must appear verbatim in the prompt (the Cocktail kinds search over its chunks with ``request.query``)."""
@@ -74,7 +109,8 @@ def branch(
         raise RuntimeError(
             f"{method.name}: the cache's preparation tokenized the prompt differently from the shared prefill"
         )
-    method.load_prefill(cache, [(layer.keys, layer.values) for layer in dyn.layers], split_attention)
+    pairs = [(layer.keys, layer.values) for layer in dyn.layers]
+    method.load_prefill(cache, pairs, split_attention, prefill_queries if method.reads_prefill_queries else None)
     bits = method.precision_map(cache)
     counts = None if bits is None else precision_counts(bits)
     return Branch(cache, time.perf_counter() - t0, counts, bits)

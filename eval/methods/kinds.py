@@ -66,8 +66,14 @@ class Method:
         prompt's plain tokenization is the input."""
         return None
 
-    def load_prefill(self, cache: Cache, pairs: list, split_attention: bool = True) -> None:
-        """Fill ``cache`` with a full-precision prefill: one ``(keys, values)`` pair per layer."""
+    @property
+    def reads_prefill_queries(self) -> bool:
+        """True when ``load_prefill`` needs the prefill's attention queries (``prefill_queries``)."""
+        return False
+
+    def load_prefill(self, cache: Cache, pairs: list, split_attention: bool = True, prefill_queries=None) -> None:
+        """Fill ``cache`` with a full-precision prefill: one ``(keys, values)`` pair per layer (``prefill_queries``:
+        per layer the queries of the prompt's last tokens, for the methods that read them)."""
         for i, (k, v) in enumerate(pairs):
             cache.update(k, v, i)
 
@@ -98,7 +104,7 @@ class QuantizedCacheMethod(Method):
     def new_cache(self, model, encoder=None) -> Cache:
         return QuantizedCache(backend=self.backend, config=model.config, nbits=self.bits)
 
-    def load_prefill(self, cache, pairs, split_attention=True) -> None:
+    def load_prefill(self, cache, pairs, split_attention=True, prefill_queries=None) -> None:
         for i, (k, v) in enumerate(pairs):
             cache.update(k.clone(), v.clone(), i)  # it may quantize in place: the shared prefill stays intact
 
@@ -165,9 +171,14 @@ class CocktailMethod(Method):
     def plan(self, cache: CocktailCache, example_id: str) -> None:
         """Impose a precision plan before the cache is filled (the plain kind lets the search run at prefill)."""
 
-    def load_prefill(self, cache, pairs, split_attention=True) -> None:
+    @property
+    def reads_prefill_queries(self) -> bool:
+        return dict(self.overrides).get("salient_tokens", 0) > 0
+
+    def load_prefill(self, cache, pairs, split_attention=True, prefill_queries=None) -> None:
         # detached aliases: load_prefill tags the key tensors it is given, which must not leak into the shared prefill
-        cache.load_prefill([(k.detach(), v.detach()) for k, v in pairs], split_attention=split_attention)
+        pairs = [(k.detach(), v.detach()) for k, v in pairs]
+        cache.load_prefill(pairs, split_attention=split_attention, prefill_queries=prefill_queries)
 
     def precision_map(self, cache) -> list[int]:
         return cache.precision_map()[0]

@@ -305,6 +305,29 @@ def layer_methods(path: str, tag: str = "") -> list[Method]:
 
 METHODS.update({m.name: m for tag, path in LAYER_BITS_FILES.items() for m in layer_methods(path, tag)})
 
+# salient tokens (salient_tokens=f): per layer the fraction f of the packed context tokens that the question attends
+# to most kept at full precision; ``<method>_sal<percent>``, each the twin of a method above
+_SALIENT_TWINS = (
+    "int4v3_had_s8",
+    "recommended",
+    "int3_had",
+    "layers2.6_had_s8",
+    "layers2.8_had_s8",
+    "layers3.2r2_had_s8",
+)
+METHODS.update(
+    {
+        f"{name}_sal{pct}": CocktailMethod(
+            f"{name}_sal{pct}",
+            f"{METHODS[name].description}; salient_tokens={pct / 100:g}",
+            {**METHODS[name].overrides, "salient_tokens": pct / 100},
+        )
+        for name in _SALIENT_TWINS
+        if name in METHODS
+        for pct in (1, 2, 3, 5)
+    }
+)
+
 
 def register_preset(name_or_path: str) -> Method:
     """Add the method ``preset``: a CocktailCache with ``CocktailConfig.from_pretrained(name_or_path)`` (its encoder
