@@ -313,6 +313,7 @@ _SALIENT_TWINS = (
     "int3_had",
     "layers2.6_had_s8",
     "layers2.8_had_s8",
+    "layers3r2_had_s8",
     "layers3.2r2_had_s8",
 )
 METHODS.update(
@@ -325,6 +326,21 @@ METHODS.update(
         for name in _SALIENT_TWINS
         if name in METHODS
         for pct in (1, 2, 3, 5)
+    }
+)
+
+
+# the same storage with other random signs of the rotation (rotation_seed=1): how much a comparison moves by chance
+_SEED_TWINS = ("int4_had_s8", "int4v3_had_s8", "layers3.2r2_had_s8", "layers3.2r2_had_s8_sal2")
+METHODS.update(
+    {
+        f"{name}_seed1": CocktailMethod(
+            f"{name}_seed1",
+            f"{METHODS[name].description}; rotation_seed=1 (other random signs of the Hadamard rotation)",
+            {**METHODS[name].overrides, "rotation_seed": 1},
+        )
+        for name in _SEED_TWINS
+        if name in METHODS
     }
 )
 
