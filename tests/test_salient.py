@@ -191,3 +191,17 @@ def test_requery_chooses_the_new_questions_salient_tokens(tiny_tokenizer):
     assert cache.layer_positions(0)[0]["full"].tolist() == fcache.layer_positions(0)[0]["full"].tolist() != first
     assert torch.equal(out.sequences, fresh.sequences)
     torch.testing.assert_close(torch.stack(out.logits), torch.stack(fresh.logits), rtol=1e-4, atol=1e-4)
+
+
+def test_a_generation_that_ends_at_the_prefill_still_stores_its_salient_tokens(tiny_tokenizer):
+    prompt, ctx, q = make_prompt(120, needle_at=60)
+    model = make_tiny_llama(attn="cocktail", head_dim=32)
+    cache = CocktailCache(CocktailConfig(**BASE, salient_tokens=0.1), encoder=FakeEncoder())
+    inputs = cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q)
+    model.generate(**inputs, **cache_kwargs(model, cache), max_new_tokens=1, do_sample=False)
+    assert all(layer.store is None for layer in cache.layers)  # quantization waits for a decode step
+    report = cache.memory_report()  # stores what the prefill left
+    plan = cache._plans[0]
+    n = round(0.1 * sum(p.numel() for part, p in plan.positions.items() if part != "full"))
+    assert all(layer.store.full.length == plan.positions["full"].numel() + n for layer in cache.layers)
+    assert report["total_bytes"] == cache.nbytes()
