@@ -331,7 +331,7 @@ METHODS.update(
 
 
 # the same storage with other random signs of the rotation (rotation_seed=1): how much a comparison moves by chance
-_SEED_TWINS = ("int4_had_s8", "int4v3_had_s8", "layers3.2r2_had_s8", "layers3.2r2_had_s8_sal2")
+_SEED_TWINS = ("int4_had_s8", "int4v3_had_s8", "layers3.2r2_had_s8", "layers3.2r2_had_s8_sal2", "layers3r2_had_s8_sal1")
 METHODS.update(
     {
         f"{name}_seed1": CocktailMethod(
