@@ -136,6 +136,17 @@ def random_text(n_words, seed=0):
     return " ".join(rng.choice(WORDS[:180]) for _ in range(n_words))
 
 
+def two_question_document():
+    """``(context, (prompt_1, question_1), (prompt_2, question_2))``: one document with two facts, asked about twice
+    (a requery's case)."""
+    ctx = random_text(90, seed=11).split()
+    ctx.insert(20, "the secret code is w7 w8 w9 .")
+    ctx.insert(70, "w5 w6 is the code .")
+    ctx = " ".join(ctx)
+    q1, q2 = "what is the secret code ?", "w5 w6 is what ?"
+    return ctx, (f"<s> w1 w2 {ctx} w3 {q1}", q1), (f"<s> w1 w2 {ctx} w3 {q2}", q2)
+
+
 def make_prompt(n_words, seed=0, needle_at=None):
     """(prompt, context, query) in the tiny vocabulary; the context sits between a prefix and the question."""
     ctx = random_text(n_words, seed)

@@ -7,7 +7,7 @@ from transformers import DynamicCache
 from hf_cocktail import CocktailCache, CocktailConfig
 from hf_cocktail.compat import cache_kwargs
 
-from .conftest import FakeEncoder, make_prompt, make_tiny_llama, random_text
+from .conftest import FakeEncoder, make_prompt, make_tiny_llama, random_text, two_question_document
 from .test_core_cache import GEN, cfg, dynamic, logits, run
 
 QUANT = dict(alpha=0.3, beta=0.2)
@@ -219,12 +219,7 @@ def test_config_budget_and_option_errors():
 
 
 def test_requery_equals_a_fresh_run_on_the_new_question(tiny_llama, tiny_tokenizer):
-    ctx = random_text(90, seed=11).split()
-    ctx.insert(20, "the secret code is w7 w8 w9 .")
-    ctx.insert(70, "w5 w6 is the code .")
-    ctx = " ".join(ctx)
-    q1, q2 = "what is the secret code ?", "w5 w6 is what ?"
-    p1, p2 = f"<s> w1 w2 {ctx} w3 {q1}", f"<s> w1 w2 {ctx} w3 {q2}"
+    ctx, (p1, q1), (p2, q2) = two_question_document()
     config = cfg(keep_context_copy=True, **QUANT)
     cache = CocktailCache(config, encoder=FakeEncoder())
     tiny_llama.generate(

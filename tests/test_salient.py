@@ -10,7 +10,7 @@ from hf_cocktail import CocktailCache, CocktailConfig
 from hf_cocktail.compat import cache_kwargs
 from hf_cocktail.salient import move_to_full, salient_positions, tail_attention_mass
 
-from .conftest import FakeEncoder, make_prompt, make_tiny_llama
+from .conftest import FakeEncoder, make_prompt, make_tiny_llama, two_question_document
 
 BASE = dict(chunk_size=8, group_size=16, alpha=0.3, beta=0.3, rotation="hadamard", low_bits=3)
 GEN = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True)
@@ -173,14 +173,7 @@ def test_a_batch_decodes_as_each_prompt_alone(tiny_tokenizer):
 
 
 def test_requery_chooses_the_new_questions_salient_tokens(tiny_tokenizer):
-    from .conftest import random_text
-
-    ctx = random_text(90, seed=11).split()
-    ctx.insert(20, "the secret code is w7 w8 w9 .")
-    ctx.insert(70, "w5 w6 is the code .")
-    ctx = " ".join(ctx)
-    q1, q2 = "what is the secret code ?", "w5 w6 is what ?"
-    p1, p2 = f"<s> w1 w2 {ctx} w3 {q1}", f"<s> w1 w2 {ctx} w3 {q2}"
+    ctx, (p1, q1), (p2, q2) = two_question_document()
     config = CocktailConfig(**BASE, salient_tokens=0.1, keep_context_copy=True)
     out1, cache, _ = run(tiny_tokenizer, config, prompt=(p1, ctx, q1))
     first = cache.layer_positions(0)[0]["full"].tolist()
