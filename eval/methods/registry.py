@@ -311,6 +311,7 @@ _SALIENT_TWINS = (
     "int4v3_had_s8",
     "recommended",
     "int3_had",
+    "layers2.4_had_s8",
     "layers2.6_had_s8",
     "layers2.8_had_s8",
     "layers3r2_had_s8",
