@@ -22,7 +22,7 @@ from .layer_bits import capped_positions, check_layer_count, layer_pair
 from .lifecycles import CacheLifecycles
 from .planning import PlanView, SequencePlan
 from .prefill_watch import PrefillWatch, check_head_dims, check_prefill_ids
-from .salient import record_layer_mass, with_salient
+from .salient import keeps_salient, record_layer_mass, with_salient
 from .scoring import TextEncoder
 from .search import add_query_attention, search_plan
 
@@ -110,8 +110,8 @@ class CocktailCache(CacheLifecycles, Cache):
     def waits_for_prefill_attention(self, layer_idx: int) -> bool:
         """True when layer ``layer_idx`` quantizes only after its prefill attention was seen (scorer="attention"
         or salient_tokens)."""
-        salient = self.config.salient_tokens > 0 and layer_idx not in self.config.full_precision_layers
-        return salient or self.scores_from_attention()
+        cfg = self.config
+        return keeps_salient(cfg.salient_tokens, cfg.full_precision_layers, layer_idx) or self.scores_from_attention()
 
     def accumulate_attention(self, query: torch.Tensor, key: torch.Tensor, scaling: float, layer_idx: int) -> None:
         """Record one layer's prefill attention: scorer="attention" adds the mass that the query's tokens give each
@@ -119,7 +119,7 @@ class CocktailCache(CacheLifecycles, Cache):
         ``query (B, H_q, L_q, D)`` (the last ``L_q`` prompt tokens), ``key (B, H_kv, L, D)``."""
         if self.scores_from_attention():
             add_query_attention(self._plans, query, key, scaling)
-        if self.config.salient_tokens > 0 and layer_idx not in self.config.full_precision_layers:
+        if keeps_salient(self.config.salient_tokens, self.config.full_precision_layers, layer_idx):
             record_layer_mass(self._plans, query, key, scaling, layer_idx)
 
     def plans_for_prefill(self, k: torch.Tensor, search: bool = True) -> list[SequencePlan]:

@@ -21,6 +21,11 @@ from .planning import SequencePlan
 from .scoring import attention_mass
 
 
+def keeps_salient(salient_tokens: float, full_precision_layers: Sequence[int], layer_idx: int) -> bool:
+    """True when layer ``layer_idx`` keeps salient tokens (a layer kept entirely at full precision has none)."""
+    return salient_tokens > 0 and layer_idx not in full_precision_layers
+
+
 def tail_attention_mass(
     query: torch.Tensor, key: torch.Tensor, scaling: float, pad: int, ctx_start: int, ctx_end: int
 ) -> torch.Tensor:
