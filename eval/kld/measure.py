@@ -160,13 +160,14 @@ class KldRunner:
         model, tok, req = self.model, self.tok, case.request
         input_ids = tok(req.prompt, return_tensors="pt", **req.tokenizer_kwargs)["input_ids"].to(self.device)
         L = input_ids.shape[1]
+        ctx_end = context_end(tok, req)
         t0 = time.perf_counter()
-        dyn, first_logits, queries = prefill_for(model, tok, input_ids, req, methods)
+        dyn, first_logits, queries = prefill_for(model, tok, input_ids, req, methods, ctx_end)
         prefill_s = time.perf_counter() - t0
         answer, ref_answer = reference_answer(
             model, tok, dyn, first_logits, input_ids, req, self.max_answer_tokens, self.eos
         )
-        k = max(0, min(self.tail_tokens, L - context_end(tok, req), L - 1))
+        k = max(0, min(self.tail_tokens, L - ctx_end, L - 1))
         full_pairs = [(layer.keys, layer.values) for layer in dyn.layers]
         prefix_pairs = [(kk[:, :, : L - k], vv[:, :, : L - k]) for kk, vv in full_pairs]
         answer_in = answer[:, :-1]

@@ -46,13 +46,13 @@ def context_end(tok, request: Request) -> int:
 
 
 def prefill_for(
-    model, tok, input_ids: torch.Tensor, request: Request, methods: list[Method]
+    model, tok, input_ids: torch.Tensor, request: Request, methods: list[Method], ctx_end: int | None = None
 ) -> tuple[DynamicCache, torch.Tensor, list[torch.Tensor] | None]:
     """:func:`prefill`, and the attention queries of the tokens after the request's context (:mod:`.queries`) when
-    one of ``methods`` reads them (else ``None``)."""
+    one of ``methods`` reads them (else ``None``); ``ctx_end``: the context's end when the caller knows it."""
     if not any(m.reads_prefill_queries for m in methods):
         return (*prefill(model, input_ids), None)
-    with recording_queries(model, context_end(tok, request)) as queries:
+    with recording_queries(model, context_end(tok, request) if ctx_end is None else ctx_end) as queries:
         dyn, logits = prefill(model, input_ids)
     return dyn, logits, queries
 
