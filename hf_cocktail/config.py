@@ -14,7 +14,7 @@ import torch
 from .hub import CONFIG_NAME, README_NAME, download_config, hub_has_readme, looks_like_local_path, upload_folder
 from .layer_bits import check_layer_bits, mean_code_bits
 from .model_card import write_card
-from .quant import CODEBOOKS, SCALE_BITS, SUPPORTED_BITS
+from .quant import CODEBOOKS, FULL_PART_BITS, SCALE_BITS, SUPPORTED_BITS
 from .rotation import ROTATIONS
 
 FORMAT_VERSION = 1
@@ -25,7 +25,7 @@ _LOW_BITS = (2, 3)
 _SCALE_DTYPES = ("float16", "bfloat16", "float32", "model")
 _SCORERS = ("encoder", "bm25", "attention")
 _CHOICES: dict[str, tuple] = dict(backend=_BACKENDS, scorer=_SCORERS, scale_dtype=_SCALE_DTYPES)  # one of these
-_CHOICES.update(rotation=ROTATIONS, codebook=CODEBOOKS, scale_bits=SCALE_BITS)
+_CHOICES.update(rotation=ROTATIONS, codebook=CODEBOOKS, scale_bits=SCALE_BITS, full_part_bits=FULL_PART_BITS)
 _COUNTS = {"chunk_size": 1, "encoder_batch_size": 1, "sink_tokens": 0, "recent_tokens": 0, "neighbors": 0}
 
 
@@ -107,6 +107,10 @@ class CocktailConfig:
             (:mod:`hf_cocktail.salient`). 0 (default) is the paper. Needs ``attn_implementation="cocktail"`` (or
             ``load_prefill(..., prefill_queries=...)``); quantization then waits for the first decode step. Their
             bytes come on top of the plan's (``target_bits`` budgets the chunks only).
+        full_part_bits: storage of the tokens outside the packed chunks (template, question, FP16 chunks, sink and
+            salient tokens, generated tokens): 16 (the paper: the model's precision) or 8 (8-bit codes with one scale
+            per token and head, in the rotated basis with ``rotation``; :mod:`hf_cocktail.full_part`).
+            ``full_precision_layers`` stay at the model's precision.
         keep_context_copy: keep a full-precision copy of the prompt up to the end of the context on CPU, so that
             :meth:`CocktailCache.requery` can answer a new question about the same document without a new prefill.
     """
@@ -136,6 +140,7 @@ class CocktailConfig:
     scale_bits: int = 16
     layer_bits: tuple | None = None
     salient_tokens: float = 0.0
+    full_part_bits: int = 16
 
     def __post_init__(self) -> None:
         for name, allowed in _CHOICES.items():  # of the allowed values' own types (True is not 1, 8.0 is not 8)

@@ -215,6 +215,7 @@ class CocktailLayer(CacheLayerMixin):
             cfg.codebook,
             code_widths(16, layer_pair(cfg.layer_bits, self.layer_idx), cfg.value_bits)[1],
             cfg.scale_bits,
+            16 if self.all_full else cfg.full_part_bits,
         )
         if cfg.keep_context_copy and self.context_copy is None:
             end = max(p.ctx_end for p in plans)

@@ -153,6 +153,17 @@ def _storage(config: Any) -> str:
             f" Each of the {len(layer_bits)} layers caps its packed keys / values at its own code widths "
             f"(`layer_bits`, layer 0 first): {caps}."
         )
+    salient = getattr(config, "salient_tokens", 0.0)
+    if salient:
+        stored += (
+            f" Per layer, the {salient:.0%} of the packed context tokens the question attends to most stay out of the "
+            f"packed chunks (`salient_tokens={salient:g}`; needs `attn_implementation=\"cocktail\"`)."
+        )
+    if getattr(config, "full_part_bits", 16) == 8:
+        stored += (
+            " The tokens outside the packed chunks (template, question, generated tokens) are stored as 8-bit codes "
+            "with one scale per token and head (`full_part_bits=8`)."
+        )
     return stored
 
 

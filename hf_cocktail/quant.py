@@ -23,6 +23,10 @@ Storage format of one precision segment (INT4 or INT2) of one layer, tokens of o
   in fp32. Same bytes as uniform. The kernels take the fp32 table ``L`` (:func:`level_tensors`) as ``levels=``.
 
 * 8-bit scales and zeros (``CocktailConfig(scale_bits=8)``): :mod:`hf_cocktail.params8`.
+* the 8-bit full part (``CocktailConfig(full_part_bits=8)``, :mod:`hf_cocktail.full_part`): every token and head
+  symmetric absmax over its ``D`` channels: ``scale = absmax / 127`` rounded to the storage dtype, then
+  ``code = clamp(round_half_even(x * (1 / scale)), -127, 127)`` as ``int8`` in fp32 (a vector whose ``scale`` is 0
+  gets code 0); dequantization is ``code * scale`` in fp32 (:func:`quantize_tokens8`).
 
 The Triton kernels in ``triton_ops`` and the fused CPU kernels in ``cpu_ops`` implement the same functions with the
 same signatures (a codebook passed as its level table, ``levels=``) and are tested against these, integers bit for
@@ -41,6 +45,7 @@ PACKED_BITS = (4, 2)  # the packed segments of a layer with the default low prec
 FULL_BITS = 16  # a chunk kept at full precision
 CHUNK_BITS = (FULL_BITS, 4, 3, 2)  # every precision a context chunk can get
 CODEBOOKS = ("uniform", "lloyd")  # the code -> level maps (CocktailConfig.codebook)
+FULL_PART_BITS = (16, 8)  # the full part: the model's precision, or 8-bit codes per token and head
 SCALE_BITS = (16, 8)  # storage of scales and zeros: scale_dtype numbers, or 8-bit codes per block (params8)
 
 # Anchored Lloyd-Max levels in code units: Lloyd's algorithm (min squared error) on min-max-normalized groups of
@@ -285,3 +290,27 @@ def dequantize_values(
     c = c.reshape(H, N, D // group_size, group_size)
     out = c * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
     return out.reshape(H, N, D).to(out_dtype)
+
+
+def quantize_tokens8(x: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """8-bit symmetric codes of every vector along the last axis (one token of one head).
+
+    Args:
+        x: ``(..., D)``, e.g. ``(B, H_kv, R, D)``.
+        scale_dtype: the storage dtype of the scales.
+
+    Returns:
+        ``codes`` int8 ``(..., D)`` in ``[-127, 127]`` and ``scale`` ``(..., 1)`` in ``scale_dtype``.
+    """
+    check_finite(x, "key/value states")
+    x32 = x.float()
+    scale = (x32.abs().amax(dim=-1, keepdim=True) / 127.0).to(scale_dtype)
+    check_params_finite([scale], scale_dtype, x32)
+    s32 = scale.float()
+    inv = torch.where(s32 > 0, 1.0 / s32, torch.zeros_like(s32))
+    return torch.round(x32 * inv).clamp_(-127, 127).to(torch.int8), scale
+
+
+def dequantize_tokens8(codes: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``codes`` int8 ``(..., D)``, ``scale`` ``(..., 1)`` -> ``(..., D)`` in ``out_dtype`` (computed in fp32)."""
+    return (codes.float() * scale.float()).to(out_dtype)

@@ -19,14 +19,15 @@ def memory_report(
 ) -> dict[str, Any]:
     """Breakdown of the stores' bytes plus what the model's default cache would hold in FP16 for the same tokens.
     ``ratio_to_fp16`` counts full-precision tensors at 2 bytes per element (an FP16 deployment) even for fp32
-    models. ``native_bytes`` / ``native_fp16_bytes``: the keys/values of the model's own (sliding-window) layers,
-    held as they are: in ``total_bytes`` and, at 2 bytes per element, on both sides of the ratio."""
+    models (an 8-bit full part as its codes and scales). ``native_bytes`` / ``native_fp16_bytes``: the keys/values
+    of the model's own (sliding-window) layers, held as they are: in ``total_bytes`` and, at 2 bytes per element, on
+    both sides of the ratio."""
     rep: dict[str, Any] = {"codes_bytes": 0, "scales_zeros_bytes": 0, "full_precision_bytes": 0, "layers": len(stores)}
-    fp16_equiv = full_elements = 0
+    fp16_equiv = full_deployed = 0
     for st in stores:
-        H, D = st.full.keys.shape[1], st.full.keys.shape[3]
+        H, D = st.full.shape[1], st.full.shape[3]
         rep["full_precision_bytes"] += st.full.nbytes()
-        full_elements += st.full.keys.numel() + st.full.values.numel()
+        full_deployed += st.full.deployed_bytes()
         rep["codes_bytes"] += sum(s.nbytes_codes() for s in st.segments)
         rep["scales_zeros_bytes"] += sum(s.nbytes_params() for s in st.segments)
         tokens = st.full.valid_tokens() + sum(s.num_tokens for s in st.segments)
@@ -37,7 +38,7 @@ def memory_report(
     rep["context_copy_bytes"] = sum(sum(t.numel() * t.element_size() for t in copy) for copy in context_copies)
     fp16_equiv += native_fp16_bytes
     rep["fp16_equivalent_bytes"] = fp16_equiv
-    fp16_total = rep["codes_bytes"] + rep["scales_zeros_bytes"] + 2 * full_elements + native_fp16_bytes
+    fp16_total = rep["codes_bytes"] + rep["scales_zeros_bytes"] + full_deployed + native_fp16_bytes
     rep["ratio_to_fp16"] = fp16_total / fp16_equiv if fp16_equiv else float("nan")
     counts = {16: 0, 4: 0, 3: 0, 2: 0}
     for bits in plan_bits:

@@ -19,12 +19,12 @@ BLOCK_TOKENS = 4096  # the PyTorch path dequantizes at most this many tokens of 
 Getter = Callable[[str], torch.Tensor]
 
 
-def _segment_blocks(store: LayerStore, b: int) -> Iterator[tuple[str, Getter]]:
-    """Yield ``(kind, getter)`` for the blocks of sequence ``b``: the full-precision part, then each packed segment
-    in blocks of at most ``BLOCK_TOKENS`` tokens; ``getter(which)`` dequantizes keys (``"k"``) or values."""
-    full = store.full
-    s = full.start[b]
-    yield "full", lambda which: (full.keys if which == "k" else full.values)[b, :, s:].float()
+def _segment_blocks(store: LayerStore, b: int, full: tuple[torch.Tensor, torch.Tensor]) -> Iterator[tuple[str, Getter]]:
+    """Yield ``(kind, getter)`` for the blocks of sequence ``b``: the full part (``full``: its keys and values as read
+    once for the step, ``(B, H_kv, R, D)`` each), then each packed segment in blocks of at most ``BLOCK_TOKENS``
+    tokens; ``getter(which)`` dequantizes keys (``"k"``) or values."""
+    s = store.full.start[b]
+    yield "full", lambda which: full[0 if which == "k" else 1][b, :, s:].float()
     for seg in store.segments:
         t0, t1 = seg.tok_off[b], seg.tok_off[b + 1]
         for a in range(t0, t1, BLOCK_TOKENS):
@@ -98,15 +98,16 @@ def attend_in_store_basis(
 ) -> torch.Tensor:
     """:func:`split_precision_attention_torch` on a query already in the store's (rotated) basis."""
     B, H_q, Lq, D = query.shape
-    H_kv = store.full.keys.shape[1]
+    H_kv = store.full.shape[1]
     if H_q % H_kv:
         raise ValueError(f"query heads H_q={H_q} must be a multiple of key/value heads H_kv={H_kv}")
     n_rep = H_q // H_kv
     R = store.full.length
     out = torch.empty(query.shape, dtype=out_dtype, device=query.device)
+    full = (store.full.keys, store.full.values)  # an 8-bit full part dequantizes here, once per step
     for b in range(B):
         q = query[b].float().reshape(H_kv, n_rep * Lq, D) * scaling  # rows ordered (rep, i)
-        blocks = list(_segment_blocks(store, b))
+        blocks = list(_segment_blocks(store, b, full))
         scores = []
         for kind, get in blocks:
             s = q @ get("k").transpose(1, 2)  # (H_kv, n_rep*Lq, T_block)

@@ -2,9 +2,9 @@
 
 Shapes: B batch, H_kv key/value heads, D head dim, C chunk size, G value group size.
 
-* :class:`FullPart` holds every token kept at the model's precision (FP16 context chunks, the template and question
-  tokens, generated tokens) as ``(B, H_kv, R, D)``, right-aligned: sequence ``b`` owns ``[start[b], R)``. Left
-  padding is never stored as a valid token.
+* the full part (:mod:`hf_cocktail.full_part`) holds every token outside the packed chunks (FP16 context chunks, the
+  template and question tokens, generated tokens) as ``(B, H_kv, R, D)``, right-aligned: sequence ``b`` owns
+  ``[start[b], R)``; at the model's precision or as 8-bit codes (``full_part_bits``).
 * :class:`PackedSegment` holds the chunks of one precision (4, 3 or 2 bits) of all sequences laid end to end along the
   token axis: sequence ``b`` owns tokens ``[tok_off[b], tok_off[b+1])`` and chunks ``[chunk_off[b], chunk_off[b+1])``;
   within a sequence the chunks keep their original order and only the last one may be partial.
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import params8, quant
+from .full_part import FullPart, Int8FullPart, full_part_from_sequences
 from .rotation import Rotation
 
 _DECODE = params8.decode_params8  # the reference decoder of 8-bit scales and zeros, the default of every decode=
@@ -28,71 +29,6 @@ Pair = tuple[torch.Tensor, torch.Tensor]
 
 def _offsets(lengths: list[int]) -> list[int]:
     return [0, *itertools.accumulate(lengths)]
-
-
-@dataclass
-class FullPart:
-    keys: torch.Tensor  # (B, H_kv, R, D)
-    values: torch.Tensor  # (B, H_kv, R, D)
-    start: list[int]  # (B,) first valid index per sequence
-    _start_t: torch.Tensor | None = field(default=None, repr=False)
-    _buffers: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)  # (B, H_kv, capacity, D)
-
-    @classmethod
-    def from_sequences(cls, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> FullPart:
-        """``ks[b]``, ``vs[b]``: ``(H_kv, R_b, D)`` -> right-aligned ``(B, H_kv, max R_b, D)``."""
-        R = max(k.shape[1] for k in ks)
-        H, D = ks[0].shape[0], ks[0].shape[2]
-        keys = ks[0].new_zeros((len(ks), H, R, D))
-        values = vs[0].new_zeros((len(vs), H, R, D))
-        start = []
-        for b, (k, v) in enumerate(zip(ks, vs)):
-            s = R - k.shape[1]
-            keys[b, :, s:] = k
-            values[b, :, s:] = v
-            start.append(s)
-        return cls(keys, values, start)
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append ``(B, H_kv, L_new, D)`` new tokens for every sequence. ``keys``/``values`` are views of buffers
-        whose capacity grows geometrically (by a quarter, at least 64 tokens), so a long generation copies the part
-        O(log) times instead of once per step."""
-        R, n = self.length, k.shape[2]
-        if self._buffers is None or R + n > self._buffers[0].shape[2]:
-            B, H, _, D = self.keys.shape
-            capacity = R + n + max(64, (R + n) // 4)
-            bufs = tuple(t.new_empty((B, H, capacity, D)) for t in (self.keys, self.values))
-            bufs[0][:, :, :R], bufs[1][:, :, :R] = self.keys, self.values
-            self._buffers = (bufs[0], bufs[1])
-        buf_k, buf_v = self._buffers
-        buf_k[:, :, R : R + n] = k
-        buf_v[:, :, R : R + n] = v
-        self.keys, self.values = buf_k[:, :, : R + n], buf_v[:, :, : R + n]
-
-    def truncate(self, n: int) -> None:
-        """Drop the last ``n`` tokens (their buffer room is reused by the next append)."""
-        self.keys, self.values = self.keys[:, :, : self.length - n], self.values[:, :, : self.length - n]
-
-    def reserved_bytes(self) -> int:
-        """Buffer capacity held beyond the valid tokens (room for the next appended tokens)."""
-        if self._buffers is None:
-            return 0
-        return sum(b.numel() * b.element_size() for b in self._buffers) - self.nbytes()
-
-    @property
-    def length(self) -> int:
-        return self.keys.shape[2]
-
-    def start_tensor(self) -> torch.Tensor:
-        if self._start_t is None or self._start_t.device != self.keys.device:
-            self._start_t = torch.tensor(self.start, dtype=torch.int32, device=self.keys.device)
-        return self._start_t
-
-    def valid_tokens(self) -> int:
-        return sum(self.length - s for s in self.start)
-
-    def nbytes(self) -> int:
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
 
 def check_value_bits(bits: int, value_bits: int, codebook: str) -> None:
@@ -324,7 +260,7 @@ class PackedSegment:
 class LayerStore:
     """Everything one layer holds after prefill: the full-precision part and the INT4 / INT2 segments."""
 
-    full: FullPart
+    full: FullPart | Int8FullPart
     segments: list[PackedSegment]  # INT4 then the low precision; a segment may hold 0 tokens
     rotation: Rotation | None = None  # everything stored (full part included) is rotated by it
 
@@ -352,12 +288,13 @@ class LayerStore:
         codebook: str = "uniform",
         max_value_bits: int | None = None,
         scale_bits: int = 16,
+        full_part_bits: int = 16,
     ) -> LayerStore:
         """Store a prefill: ``k, v (B, H_kv, L, D)``; ``positions[b]`` maps ``"full"`` and each packed bit width to
         the prompt positions of sequence ``b`` that go there (chunk order kept). With ``rotation`` everything is
         stored rotated (see :mod:`.rotation`); ``codebook`` maps the packed codes to levels (:mod:`.quant`);
         ``max_value_bits`` caps the values' code width (``None``: values get their chunk's bits, as keys do);
-        ``scale_bits=8`` stores 8-bit scales and zeros."""
+        ``scale_bits=8`` stores 8-bit scales and zeros; ``full_part_bits=8`` the full part as 8-bit codes."""
         if rotation is not None:
             k, v = rotation.rotate_keys(k), rotation.rotate_values(v)
         fulls_k, fulls_v = [], []
@@ -385,20 +322,20 @@ class LayerStore:
             )
             for bits in packed_bits
         ]
-        return cls(FullPart.from_sequences(fulls_k, fulls_v), packed, rotation)
+        return cls(full_part_from_sequences(fulls_k, fulls_v, full_part_bits, scale_dtype), packed, rotation)
 
     def dequantized(self, positions: list[dict], seq_len: int, prefill_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole layer at the model's precision in original token order, ``(B, H_kv, seq_len, D)`` each, left
         padding as zeros; tokens from ``prefill_len`` on are the appended ones (see :meth:`build`)."""
-        full = self.full
-        B, H, _, D = full.keys.shape
-        keys = full.keys.new_zeros((B, H, seq_len, D))
+        full, full_k, full_v = self.full, self.full.keys, self.full.values
+        B, H, _, D = full_k.shape
+        keys = full_k.new_zeros((B, H, seq_len, D))
         values = torch.zeros_like(keys)
         dev = keys.device
         for b, pos in enumerate(positions):
             fpos = torch.cat([pos["full"].to(dev), torch.arange(prefill_len, seq_len, device=dev)])
-            keys[b, :, fpos] = full.keys[b, :, full.start[b] :]
-            values[b, :, fpos] = full.values[b, :, full.start[b] :]
+            keys[b, :, fpos] = full_k[b, :, full.start[b] :]
+            values[b, :, fpos] = full_v[b, :, full.start[b] :]
             for seg in self.segments:
                 k_b, v_b = seg.sequence(b, keys.dtype)
                 p = pos[seg.bits].to(dev)
@@ -411,10 +348,5 @@ class LayerStore:
     def select(self, indices: list[int], same_packed: bool = False) -> LayerStore:
         """Keep (and reorder / repeat) sequences ``indices``. ``same_packed``: each new row comes from the same prompt
         as the old row at its place (beams of one prompt), so only the full-precision part moves."""
-        full = self.full
-        idx = torch.tensor(indices, dtype=torch.long, device=full.keys.device)
-        new_full = FullPart(
-            full.keys.index_select(0, idx), full.values.index_select(0, idx), [full.start[i] for i in indices]
-        )
         segments = self.segments if same_packed else [seg.select(indices) for seg in self.segments]
-        return LayerStore(new_full, segments, self.rotation)
+        return LayerStore(self.full.select(indices), segments, self.rotation)

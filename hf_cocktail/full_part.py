@@ -1,0 +1,180 @@
+"""The full part of a layer's storage: the tokens outside the packed chunks (template, question, FP16 chunks, sink
+and salient tokens, generated tokens), at the model's precision or as 8-bit codes.
+
+Shapes: B batch, H_kv key/value heads, R tokens of the part (right-aligned: sequence ``b`` owns ``[start[b], R)``;
+left padding is never stored as a valid token), D head dim.
+
+* :class:`FullPart` holds them at the model's precision, ``(B, H_kv, R, D)``.
+* :class:`Int8FullPart` (``CocktailConfig(full_part_bits=8)``) holds 8-bit codes and one scale per token and head
+  (:func:`hf_cocktail.quant.quantize_tokens8`): 8 + 16/D bits per element instead of 16. Its ``keys`` and ``values``
+  are dequantized on each read (the decode attention reads them once per step), so the codes are all it keeps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import quant
+
+
+@dataclass
+class FullPart:
+    keys: torch.Tensor  # (B, H_kv, R, D)
+    values: torch.Tensor  # (B, H_kv, R, D)
+    start: list[int]  # (B,) first valid index per sequence
+    _start_t: torch.Tensor | None = field(default=None, repr=False)
+    _buffers: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)  # (B, H_kv, capacity, D)
+
+    @classmethod
+    def from_sequences(cls, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> FullPart:
+        """``ks[b]``, ``vs[b]``: ``(H_kv, R_b, D)`` -> right-aligned ``(B, H_kv, max R_b, D)``."""
+        R = max(k.shape[1] for k in ks)
+        H, D = ks[0].shape[0], ks[0].shape[2]
+        keys = ks[0].new_zeros((len(ks), H, R, D))
+        values = vs[0].new_zeros((len(vs), H, R, D))
+        start = []
+        for b, (k, v) in enumerate(zip(ks, vs)):
+            s = R - k.shape[1]
+            keys[b, :, s:] = k
+            values[b, :, s:] = v
+            start.append(s)
+        return cls(keys, values, start)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append ``(B, H_kv, L_new, D)`` new tokens for every sequence. ``keys``/``values`` are views of buffers
+        whose capacity grows geometrically (by a quarter, at least 64 tokens), so a long generation copies the part
+        O(log) times instead of once per step."""
+        R, n = self.length, k.shape[2]
+        if self._buffers is None or R + n > self._buffers[0].shape[2]:
+            B, H, _, D = self.keys.shape
+            capacity = R + n + max(64, (R + n) // 4)
+            bufs = tuple(t.new_empty((B, H, capacity, D)) for t in (self.keys, self.values))
+            bufs[0][:, :, :R], bufs[1][:, :, :R] = self.keys, self.values
+            self._buffers = (bufs[0], bufs[1])
+        buf_k, buf_v = self._buffers
+        buf_k[:, :, R : R + n] = k
+        buf_v[:, :, R : R + n] = v
+        self.keys, self.values = buf_k[:, :, : R + n], buf_v[:, :, : R + n]
+
+    def truncate(self, n: int) -> None:
+        """Drop the last ``n`` tokens (their buffer room is reused by the next append)."""
+        self.keys, self.values = self.keys[:, :, : self.length - n], self.values[:, :, : self.length - n]
+
+    def reserved_bytes(self) -> int:
+        """Buffer capacity held beyond the valid tokens (room for the next appended tokens)."""
+        if self._buffers is None:
+            return 0
+        return sum(b.numel() * b.element_size() for b in self._buffers) - self.nbytes()
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[2]
+
+    def start_tensor(self) -> torch.Tensor:
+        if self._start_t is None or self._start_t.device != self.keys.device:
+            self._start_t = torch.tensor(self.start, dtype=torch.int32, device=self.keys.device)
+        return self._start_t
+
+    def valid_tokens(self) -> int:
+        return sum(self.length - s for s in self.start)
+
+    def nbytes(self) -> int:
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+    def deployed_bytes(self) -> int:
+        """Bytes in an FP16 deployment: 2 per key/value element whatever the dtype here."""
+        return 2 * (self.keys.numel() + self.values.numel())
+
+    @property
+    def shape(self) -> torch.Size:
+        """``(B, H_kv, R, D)``."""
+        return self.keys.shape
+
+    def select(self, indices: list[int]) -> FullPart:
+        """The part holding sequences ``indices`` (reordered / repeated) of this one."""
+        idx = torch.tensor(indices, dtype=torch.long, device=self.keys.device)
+        return FullPart(
+            self.keys.index_select(0, idx), self.values.index_select(0, idx), [self.start[i] for i in indices]
+        )
+
+
+@dataclass
+class Int8FullPart:
+    """The full part as 8-bit codes: two :class:`FullPart` of the same tokens, the int8 codes ``(B, H_kv, R, D)``
+    and their scales ``(B, H_kv, R, 1)`` (so appending, cropping and row selection are :class:`FullPart`'s own);
+    ``keys`` / ``values`` dequantize to ``dtype``."""
+
+    codes: FullPart
+    scales: FullPart
+    dtype: torch.dtype
+
+    @classmethod
+    def from_sequences(cls, ks: list[torch.Tensor], vs: list[torch.Tensor], scale_dtype: torch.dtype) -> Int8FullPart:
+        """``ks[b]``, ``vs[b]``: ``(H_kv, R_b, D)`` -> right-aligned codes and scales."""
+        qk = [quant.quantize_tokens8(k, scale_dtype) for k in ks]
+        qv = [quant.quantize_tokens8(v, scale_dtype) for v in vs]
+        codes = FullPart.from_sequences([c for c, _ in qk], [c for c, _ in qv])
+        scales = FullPart.from_sequences([s for _, s in qk], [s for _, s in qv])
+        return cls(codes, scales, ks[0].dtype)
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """``(B, H_kv, R, D)`` in ``dtype`` (left padding dequantizes to zeros)."""
+        return quant.dequantize_tokens8(self.codes.keys, self.scales.keys, self.dtype)
+
+    @property
+    def values(self) -> torch.Tensor:
+        return quant.dequantize_tokens8(self.codes.values, self.scales.values, self.dtype)
+
+    @property
+    def start(self) -> list[int]:
+        return self.codes.start
+
+    @property
+    def length(self) -> int:
+        return self.codes.length
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantize and append ``(B, H_kv, L_new, D)`` new tokens for every sequence."""
+        scale_dtype = self.scales.keys.dtype
+        (ck, sk), (cv, sv) = quant.quantize_tokens8(k, scale_dtype), quant.quantize_tokens8(v, scale_dtype)
+        self.codes.append(ck, cv)
+        self.scales.append(sk, sv)
+
+    def truncate(self, n: int) -> None:
+        self.codes.truncate(n)
+        self.scales.truncate(n)
+
+    def start_tensor(self) -> torch.Tensor:
+        return self.codes.start_tensor()
+
+    def valid_tokens(self) -> int:
+        return self.codes.valid_tokens()
+
+    def nbytes(self) -> int:
+        return self.codes.nbytes() + self.scales.nbytes()
+
+    def deployed_bytes(self) -> int:
+        """The codes and scales as held (scales in their storage dtype, 2 bytes for the default float16)."""
+        return self.nbytes()
+
+    def reserved_bytes(self) -> int:
+        return self.codes.reserved_bytes() + self.scales.reserved_bytes()
+
+    def select(self, indices: list[int]) -> Int8FullPart:
+        return Int8FullPart(self.codes.select(indices), self.scales.select(indices), self.dtype)
+
+
+def full_part_from_sequences(
+    ks: list[torch.Tensor], vs: list[torch.Tensor], bits: int, scale_dtype: torch.dtype
+) -> FullPart | Int8FullPart:
+    """The full part of ``ks[b]``, ``vs[b]`` (``(H_kv, R_b, D)``) at ``bits`` (:data:`quant.FULL_PART_BITS`)."""
+    if bits not in quant.FULL_PART_BITS:
+        raise ValueError(f"full_part_bits must be one of {quant.FULL_PART_BITS}, got {bits!r}")
+    return FullPart.from_sequences(ks, vs) if bits == 16 else Int8FullPart.from_sequences(ks, vs, scale_dtype)
