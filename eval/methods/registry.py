@@ -331,8 +331,40 @@ METHODS.update(
 )
 
 
+# the full part (template, question, salient and generated tokens) as 8-bit codes (full_part_bits=8): ``<method>_f8``
+_FULL8_TWINS = (
+    "int4_had_s8",
+    "recommended",
+    "int4v3_had_s8_sal1",
+    "layers3r2_had_s8",
+    "layers2.8_had_s8_sal1",
+    "layers3r2_had_s8_sal1",
+    "layers3r2_had_s8_sal2",
+    "layers3.2r2_had_s8_sal1",
+    "layers3.2r2_had_s8_sal2",
+)
+METHODS.update(
+    {
+        f"{name}_f8": CocktailMethod(
+            f"{name}_f8",
+            f"{METHODS[name].description}; full_part_bits=8 (the tokens outside the packed chunks as 8-bit codes)",
+            {**METHODS[name].overrides, "full_part_bits": 8},
+        )
+        for name in _FULL8_TWINS
+        if name in METHODS
+    }
+)
+
+
 # the same storage with other random signs of the rotation (rotation_seed=1): how much a comparison moves by chance
-_SEED_TWINS = ("int4_had_s8", "int4v3_had_s8", "layers3.2r2_had_s8", "layers3.2r2_had_s8_sal2", "layers3r2_had_s8_sal1")
+_SEED_TWINS = (
+    "int4_had_s8",
+    "int4v3_had_s8",
+    "layers3.2r2_had_s8",
+    "layers3.2r2_had_s8_sal2",
+    "layers3r2_had_s8_sal1",
+    "layers3r2_had_s8_sal1_f8",
+)
 METHODS.update(
     {
         f"{name}_seed1": CocktailMethod(
