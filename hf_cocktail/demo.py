@@ -1,6 +1,7 @@
 """Offline demo: SmolLM2-135M-Instruct + MiniLM on a long generated document, three KV caches side by side:
-FP16 (``DynamicCache``), Cocktail with the paper's settings, and Cocktail with the recommended setting
-(:meth:`CocktailConfig.recommended`: rotated storage, 4-bit keys and 3-bit values).
+FP16 (``DynamicCache``), Cocktail with the paper's settings, and Cocktail with the recommended setting for SmolLM2
+(the preset ``model_cards/smollm2-135m-instruct`` of a source checkout; where the package is installed without
+it, :meth:`CocktailConfig.recommended`; ``--preset`` picks another).
 
     python -m hf_cocktail.demo                       # a generated ~4.4K-token document with one hidden fact
     python -m hf_cocktail.demo --text-file my.txt --question "..."
@@ -22,6 +23,7 @@ from transformers import DynamicCache
 from .cache import CocktailCache
 from .compat import cache_kwargs
 from .config import CocktailConfig
+from .layer_bits import mean_code_bits
 from .scoring import offline_encoder_path
 from .smollm2 import load_smollm2
 
@@ -156,24 +158,47 @@ def _describe(name, answer, seconds, cache, fp16_bytes, expected):
     ok = "" if expected is None else f"  correct: {expected in answer}"
     setup = "chunk search" if cache.chunk_scores()[0] is not None else "quantization, no chunk search"
     print(f"\n{name}: {answer!r}   [{seconds:.1f}s incl. {setup}]{ok}")
-    vb = cache.config.value_bits
+    cfg, vb = cache.config, cache.config.value_bits
     print(
         f"  precision mix over {len(bits)} chunks: FP16 {bits.count(16)}, INT4 {bits.count(4)}"
         + (f" (values at {vb} bits)" if vb is not None and vb < 4 and 4 in bits else "")
+        + (
+            f" (capped per layer: {mean_code_bits(4, cfg.layer_bits, vb):.2f} code bits on average)"
+            if cfg.layer_bits and 4 in bits
+            else ""
+        )
         + ", "
         + (f"INT3 {bits.count(3)}, " if 3 in bits else "")
         + f"INT2 {bits.count(2)}; "
         f"KV {rep['total_bytes'] / 2**20:.2f} MiB = {rep['total_bytes'] / fp16_bytes:.3f}x FP16 (codes "
         f"{rep['codes_bytes'] / 2**20:.2f}, scales/zeros {rep['scales_zeros_bytes'] / 2**20:.2f}, full precision "
-        f"{rep['full_precision_bytes'] / 2**20:.2f} MiB)"
+        f"{rep['full_precision_bytes'] / 2**20:.2f} MiB"
+        + (", 8-bit" if cfg.full_part_bits == 8 else "")
+        + (f", with {cfg.salient_tokens:.0%} salient tokens per layer" if cfg.salient_tokens else "")
+        + ")"
     )
+
+
+SMOLLM2_PRESET = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model_cards", "smollm2-135m-instruct"
+)
+
+
+def recommended_config(preset: str | None, encoder: str) -> tuple[CocktailConfig, str]:
+    """The demo's recommended setting and where it came from: ``preset`` if given, else the checkout's SmolLM2 preset
+    (:data:`SMOLLM2_PRESET`) where it exists, else :meth:`CocktailConfig.recommended`."""
+    if preset is None and os.path.isdir(SMOLLM2_PRESET):
+        preset = SMOLLM2_PRESET
+    if preset is not None:
+        return CocktailConfig.from_pretrained(preset, encoder=encoder), f"CocktailConfig.from_pretrained({preset!r})"
+    return CocktailConfig.recommended(encoder=encoder), "CocktailConfig.recommended() (no SmolLM2 preset here)"
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--text-file", help="your own document (UTF-8 text); default: a generated one")
     ap.add_argument("--question", help="question about the document (required with --text-file)")
-    ap.add_argument("--preset", help="folder or Hub id of a cocktail_config.json used instead of the recommended one")
+    ap.add_argument("--preset", help="folder or Hub id of a cocktail_config.json used instead of the SmolLM2 preset")
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--out-dir", default="demo_out")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -192,11 +217,8 @@ def main(argv=None):
     print(f"model loaded in {time.perf_counter() - t0:.1f}s ({args.dtype})")
     encoder = offline_encoder_path()
     paper = CocktailConfig(encoder=encoder)
-    recommended = (
-        CocktailConfig.from_pretrained(args.preset, encoder=encoder)
-        if args.preset
-        else CocktailConfig.recommended(encoder=encoder)
-    )
+    recommended, source = recommended_config(args.preset, encoder)
+    print(f"recommended setting: {source}")
     prompt = build_prompt(tok, document, question)
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
 

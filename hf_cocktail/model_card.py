@@ -157,7 +157,7 @@ def _storage(config: Any) -> str:
     if salient:
         stored += (
             f" Per layer, the {salient:.0%} of the packed context tokens the question attends to most stay out of the "
-            f"packed chunks (`salient_tokens={salient:g}`; needs `attn_implementation=\"cocktail\"`)."
+            f'packed chunks (`salient_tokens={salient:g}`; needs `attn_implementation="cocktail"`).'
         )
     if getattr(config, "full_part_bits", 16) == 8:
         stored += (

@@ -18,3 +18,22 @@ def test_demo_answers_right_with_the_recommended_setting(smollm2, minilm, tmp_pa
     assert "correct: True" in answers["Cocktail, recommended setting"]
     assert "no chunk search" in answers["Cocktail, recommended setting"]
     assert (tmp_path / "chunk_precisions.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("where", ["checkout", "given", "installed"])
+def test_the_recommended_setting_comes_from_the_smollm2_preset_when_there_is_one(where, tmp_path, monkeypatch):
+    from hf_cocktail import CocktailConfig
+
+    other = tmp_path / "other"
+    CocktailConfig(chunk_size=64).save_pretrained(str(other))
+    if where == "installed":  # a package installed without the checkout's model_cards/
+        monkeypatch.setattr(demo, "SMOLLM2_PRESET", str(tmp_path / "missing"))
+    cfg, source = demo.recommended_config(str(other) if where == "given" else None, "enc")
+    assert cfg.encoder == "enc"
+    if where == "checkout":
+        assert cfg == CocktailConfig.from_pretrained(demo.SMOLLM2_PRESET, encoder="enc")
+        assert cfg.salient_tokens > 0 and source.endswith("smollm2-135m-instruct')")
+    elif where == "given":
+        assert cfg.chunk_size == 64 and str(other) in source
+    else:
+        assert cfg == CocktailConfig.recommended(encoder="enc") and "no SmolLM2 preset" in source
