@@ -48,7 +48,8 @@ $(COMPAT_VENV)/.installed: pyproject.toml Makefile
 
 test-compat: $(COMPAT_VENV)/.installed
 	$(COMPAT_VENV)/bin/python -m pytest -q -ra tests/test_core_units.py tests/test_core_cache.py \
-		tests/test_robustness.py tests/test_properties.py tests/test_devices.py tests/test_salient.py
+		tests/test_robustness.py tests/test_properties.py tests/test_devices.py tests/test_salient.py \
+		tests/test_full_part.py
 
 bench: $(STAMP)
 	$(PY) -m eval.benchmarks.bench_latency --quick
