@@ -64,8 +64,9 @@ def _walk_tensors(obj, seen: set) -> Iterator[torch.Tensor]:
 
 def cocktail_fp16_deployed_bytes(cache: CocktailCache) -> int:
     """A CocktailCache's bytes in an FP16 deployment, from its public ``memory_report``: packed codes, scales/zeros
-    and the full-precision part at 2 bytes per element (``ratio_to_fp16`` x ``fp16_equivalent_bytes``; the
-    evaluation runs one sequence with FP16 scales, where this is exact)."""
+    and the full part at 2 bytes per element (an 8-bit full part, ``full_part_bits=8``: its codes and scales as
+    held) (``ratio_to_fp16`` x ``fp16_equivalent_bytes``; the evaluation runs one sequence with FP16 scales, where
+    this is exact)."""
     rep = cache.memory_report()
     if not rep["fp16_equivalent_bytes"]:
         return 0

@@ -171,10 +171,11 @@ class CocktailCache(CacheLifecycles, Cache):
 
     def plan_bits_per_element(self) -> list[float]:
         """Per sequence, the storage bits per context K/V element of the current precision plan (scales and zeros
-        included, FP16 chunks at 16 bits): what ``target_bits`` budgets. Needs the search (or set_precisions)."""
+        included, FP16 chunks at 16 bits, 8 with ``full_part_bits=8``): what ``target_bits`` budgets. Needs the
+        search (or set_precisions)."""
         if not self._plans or not self._searched:
             raise RuntimeError("plan_bits_per_element() needs run_search() or set_precisions() first")
-        cost = planning.bits_cost(self.config.packed_bits_per_element)
+        cost = planning.bits_cost(self.config.packed_bits_per_element, self.config.full_part_bits)
         return [planning.plan_bits_per_element(p, self.config.chunk_size, cost) for p in self._plans]
 
     def set_precisions(self, bits: list[list[int]]) -> None:

@@ -109,8 +109,9 @@ class CocktailConfig:
             bytes come on top of the plan's (``target_bits`` budgets the chunks only).
         full_part_bits: storage of the tokens outside the packed chunks (template, question, FP16 chunks, sink and
             salient tokens, generated tokens): 16 (the paper: the model's precision) or 8 (8-bit codes with one scale
-            per token and head, in the rotated basis with ``rotation``; :mod:`hf_cocktail.full_part`).
-            ``full_precision_layers`` stay at the model's precision.
+            per token and head, in the rotated basis with ``rotation``; :mod:`hf_cocktail.full_part`). The plan's
+            FP16 tier (16 in ``precision_map``) is then 8-bit; ``target_bits`` counts it at 8 (the scale's 16/D bits
+            left out). ``full_precision_layers`` stay at the model's precision.
         keep_context_copy: keep a full-precision copy of the prompt up to the end of the context on CPU, so that
             :meth:`CocktailCache.requery` can answer a new question about the same document without a new prefill.
     """

@@ -7,7 +7,8 @@ left padding is never stored as a valid token), D head dim.
 * :class:`FullPart` holds them at the model's precision, ``(B, H_kv, R, D)``.
 * :class:`Int8FullPart` (``CocktailConfig(full_part_bits=8)``) holds 8-bit codes and one scale per token and head
   (:func:`hf_cocktail.quant.quantize_tokens8`): 8 + 16/D bits per element instead of 16. Its ``keys`` and ``values``
-  are dequantized on each read (the decode attention reads them once per step), so the codes are all it keeps.
+  are dequantized on each read (the decode attention reads them once per step; ``update`` hands out the codes,
+  :meth:`Int8FullPart.split_path_tensors`), so the codes are all it keeps.
 """
 
 from __future__ import annotations
@@ -92,6 +93,11 @@ class FullPart:
         """``(B, H_kv, R, D)``."""
         return self.keys.shape
 
+    def split_path_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a decode ``update`` returns on the split path, where attention reads the store, not these: the keys
+        and values themselves (views, no copy)."""
+        return self.keys, self.values
+
     def select(self, indices: list[int]) -> FullPart:
         """The part holding sequences ``indices`` (reordered / repeated) of this one."""
         idx = torch.tensor(indices, dtype=torch.long, device=self.keys.device)
@@ -140,10 +146,18 @@ class Int8FullPart:
     def shape(self) -> torch.Size:
         return self.codes.shape
 
+    def split_path_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a decode ``update`` returns on the split path, where attention reads the store, not these: the int8
+        codes (views), so that the part is dequantized once per step, by the attention that reads it."""
+        return self.codes.keys, self.codes.values
+
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Quantize and append ``(B, H_kv, L_new, D)`` new tokens for every sequence."""
+        """Quantize and append ``(B, H_kv, L_new, D)`` new tokens for every sequence. Unchecked (no device sync per
+        step, as the 16-bit part): a non-finite state or a scale beyond its dtype gives NaN keys/values, which
+        the attention output shows."""
         scale_dtype = self.scales.keys.dtype
-        (ck, sk), (cv, sv) = quant.quantize_tokens8(k, scale_dtype), quant.quantize_tokens8(v, scale_dtype)
+        ck, sk = quant.quantize_tokens8(k, scale_dtype, check=False)
+        cv, sv = quant.quantize_tokens8(v, scale_dtype, check=False)
         self.codes.append(ck, cv)
         self.scales.append(sk, sv)
 

@@ -115,8 +115,9 @@ class CocktailLayer(CacheLayerMixin):
         self.state = LayerState.DECODE
         self.store.append(key_states, value_states)
         self.seq_len += key_states.shape[2]
-        if self.path is AttentionPath.SPLIT:
-            return self._tagged(self.store.full.keys), self.store.full.values
+        if self.path is AttentionPath.SPLIT:  # attention reads the store; these only lead it to this layer
+            keys, values = self.store.full.split_path_tensors()
+            return self._tagged(keys), values
         # still here at a second decode step means another attention implementation consumes the dequantized cache
         self._dequantized_steps += 1
         if self._dequantized_steps == 2 and self.path is AttentionPath.UNKNOWN:

@@ -161,8 +161,8 @@ def _storage(config: Any) -> str:
         )
     if getattr(config, "full_part_bits", 16) == 8:
         stored += (
-            " The tokens outside the packed chunks (template, question, generated tokens) are stored as 8-bit codes "
-            "with one scale per token and head (`full_part_bits=8`)."
+            " The tokens outside the packed chunks (template, question, FP16 chunks, sink and salient tokens, "
+            "generated tokens) are stored as 8-bit codes with one scale per token and head (`full_part_bits=8`)."
         )
     return stored
 

@@ -148,9 +148,9 @@ def chunk_texts(prompt: str, offsets: torch.Tensor, start: int, end: int, chunk_
     return [prompt[a:b] for a, b in zip(cuts, cuts[1:])]
 
 
-def bits_cost(packed_bits_per_element: Callable[[int], float]) -> dict[int, float]:
-    """Storage bits per element of each chunk precision (FP16 counted at 16)."""
-    return {16: 16.0, **{b: packed_bits_per_element(b) for b in (4, 3, 2)}}
+def bits_cost(packed_bits_per_element: Callable[[int], float], full_bits: float = 16.0) -> dict[int, float]:
+    """Storage bits per element of each chunk precision (the FP16 tier counted at ``full_bits``)."""
+    return {16: float(full_bits), **{b: packed_bits_per_element(b) for b in (4, 3, 2)}}
 
 
 def plan_bits_per_element(plan: SequencePlan, chunk_size: int, cost: dict[int, float]) -> float:

@@ -21,7 +21,7 @@ def search_plan(plan: SequencePlan, cfg: CocktailConfig, encoder: TextEncoder | 
         bits = planning.assign_precisions(scores, cfg.alpha, cfg.beta, cfg.low_bits)
         bits = planning.promote_neighbors(bits, cfg.neighbors)
     else:
-        cost = planning.bits_cost(cfg.packed_bits_per_element)
+        cost = planning.bits_cost(cfg.packed_bits_per_element, cfg.full_part_bits)
         sizes = plan.chunk_sizes(cfg.chunk_size)
         bits = planning.assign_budget(scores, sizes, cfg.target_bits, cfg.beta, cost, cfg.low_bits)
     plan.scores, plan.bits = scores.tolist(), bits

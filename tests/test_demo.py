@@ -32,7 +32,8 @@ def test_the_recommended_setting_comes_from_the_smollm2_preset_when_there_is_one
     assert cfg.encoder == "enc"
     if where == "checkout":
         assert cfg == CocktailConfig.from_pretrained(demo.SMOLLM2_PRESET, encoder="enc")
-        assert cfg.salient_tokens > 0 and source.endswith("smollm2-135m-instruct')")
+        assert cfg.salient_tokens > 0 and cfg.full_part_bits == 8 and cfg.layer_bits is not None
+        assert source.endswith("smollm2-135m-instruct')")
     elif where == "given":
         assert cfg.chunk_size == 64 and str(other) in source
     else:

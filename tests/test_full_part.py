@@ -173,10 +173,11 @@ def test_beams_and_crop_keep_the_8_bit_part(tiny_tokenizer):
         runs[attn] = model.generate(
             **inputs, **cache_kwargs(model, cache), max_new_tokens=4, num_beams=2, do_sample=False
         )
-        n, keys = cache.get_seq_length(), cache.layers[0].store.full.keys
+        full = cache.layers[0].store.full
+        n, keys, values = cache.get_seq_length(), full.keys, full.values
         cache.crop(-2)
-        assert isinstance(cache.layers[0].store.full, Int8FullPart) and cache.get_seq_length() == n - 2
-        assert torch.equal(cache.layers[0].store.full.keys, keys[:, :, :-2])
+        assert isinstance(full, Int8FullPart) and cache.get_seq_length() == n - 2
+        assert torch.equal(full.keys, keys[:, :, :-2]) and torch.equal(full.values, values[:, :, :-2])
     assert torch.equal(runs["cocktail"], runs["sdpa"])
 
 
@@ -198,3 +199,44 @@ def test_model_card_says_how_the_full_part_and_salient_tokens_are_stored():
     assert "(`full_part_bits=8`)" in card and '(`salient_tokens=0.01`; needs `attn_implementation="cocktail"`)' in card
     plain = make_model_card(CocktailConfig())
     assert "full_part_bits=8" not in plain and "salient_tokens=" not in plain
+
+
+def test_the_part_is_dequantized_once_per_layer_and_decode_step(tiny_tokenizer, monkeypatch):
+    """On the split path ``update`` hands out the codes; only the attention dequantizes (keys and values once)."""
+    calls = []
+    real = quant.dequantize_tokens8
+    monkeypatch.setattr(quant, "dequantize_tokens8", lambda *a: calls.append(1) or real(*a))
+    cfg = CocktailConfig(chunk_size=8, group_size=16, uniform_bits=4, backend="torch", full_part_bits=8)
+    model = make_tiny_llama(attn="cocktail", head_dim=32)
+    cache = CocktailCache(cfg, encoder=FakeEncoder())
+    prompt, ctx, q = make_prompt(100, needle_at=50)
+    inputs = cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q)
+    model.generate(**inputs, **cache_kwargs(model, cache), max_new_tokens=5, do_sample=False)
+    assert len(calls) == 2 * len(cache.layers) * 4  # 4 decode steps after the prefill
+
+
+def test_a_bfloat16_part_dequantizes_to_bfloat16_and_attention_matches_sdpa():
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(1, 2, 40, 32, generator=g).bfloat16(), torch.randn(1, 2, 40, 32, generator=g).bfloat16()
+    positions = [{"full": torch.arange(32, 40), 4: torch.arange(0, 32), 2: torch.arange(0)}]
+    store = LayerStore.build(k, v, positions, 8, 16, torch.float16, full_part_bits=8)
+    assert store.full.keys.dtype == torch.bfloat16 and store.full.scales.keys.dtype == torch.float16
+    query = torch.randn(1, 4, 1, 32, generator=g).bfloat16()
+    out = split_precision_attention_torch(query, store, 32**-0.5)
+    keys, values = store.dequantized(positions, 40, 40)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        query.float(), keys.float(), values.float(), scale=32**-0.5, enable_gqa=True
+    )
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)  # bfloat16 output: 8 mantissa bits
+
+
+def test_the_budget_counts_the_fp16_tier_at_8_bits(tiny_tokenizer):
+    """``target_bits`` and ``plan_bits_per_element`` charge the plan's FP16 tier what the 8-bit part stores."""
+    for bits, want in ((16, 16.0), (8, 8.0)):
+        cache = CocktailCache(CocktailConfig(chunk_size=8, group_size=16, full_part_bits=bits), encoder=FakeEncoder())
+        prompt, ctx, q = make_prompt(60, needle_at=30)
+        cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q)
+        n = cache.plans[0].num_chunks
+        cache.set_precisions([[16] * n])
+        assert cache.plan_bits_per_element() == [want]

@@ -49,8 +49,9 @@ from hf_cocktail import (  # noqa: E402
     quant,
 )
 from hf_cocktail.compat import cache_kwargs  # noqa: E402
+from hf_cocktail.full_part import Int8FullPart, full_part_from_sequences  # noqa: E402
 from hf_cocktail.split_attention import split_precision_attention_torch  # noqa: E402
-from hf_cocktail.store import FullPart, LayerStore, PackedSegment  # noqa: E402
+from hf_cocktail.store import LayerStore, PackedSegment  # noqa: E402
 from triton_ops import checks  # noqa: E402
 
 from .conftest import FakeEncoder, make_prompt, make_tiny_llama, prefill_all_but_last  # noqa: E402
@@ -227,13 +228,17 @@ def make_store(
     codebook="uniform",
     max_value_bits=None,
     scale_bits=16,
+    full_part_bits=16,
 ):
     """A LayerStore of ``len(full)`` sequences with the given per-sequence token counts, on DEV: ``full`` for the
     full-precision part, ``packed`` maps each packed segment's bit width to its counts (in storage order);
-    ``max_value_bits`` caps the values' code width (CocktailConfig.value_bits), ``scale_bits`` is the scales'."""
+    ``max_value_bits`` caps the values' code width (CocktailConfig.value_bits), ``scale_bits`` is the scales',
+    ``full_part_bits`` the full part's."""
     g = torch.Generator().manual_seed(seed)
     rnd = lambda n: torch.randn(H_kv, n, D, generator=g).to(DEV)  # noqa: E731
-    fp = FullPart.from_sequences([rnd(n).to(dtype) for n in full], [rnd(n).to(dtype) for n in full])
+    fp = full_part_from_sequences(
+        [rnd(n).to(dtype) for n in full], [rnd(n).to(dtype) for n in full], full_part_bits, torch.float16
+    )
     quantize_keys, quantize_values = dispatch.quantizers("triton", torch.device(DEV))  # codebook -> levels
     segs = [
         PackedSegment.from_sequences(
@@ -426,6 +431,14 @@ def test_split_attention_8_bit_scales_matches_reference():
     store = make_store([5, 9], {4: [17, 8], 3: [20, 11]}, 2, 64, 8, 32, max_value_bits=3, scale_bits=8)
     assert [seg.scale_bits for seg in store.segments] == [8, 8]
     assert store.segments[0].kernel_args()[4].dtype == torch.float32
+    query = (torch.randn(2, 4, 1, 64, generator=torch.Generator().manual_seed(1)) * 2).to(DEV)
+    check_attention(query, store, 0.125, split_precision_attention_torch(query, store, 0.125))
+
+
+def test_split_attention_8_bit_full_part_matches_reference():
+    """full_part_bits=8: the kernel reads the full part the store dequantizes for the step."""
+    store = make_store([5, 9], {4: [17, 8], 2: [20, 11]}, 2, 64, 8, 32, full_part_bits=8)
+    assert isinstance(store.full, Int8FullPart)
     query = (torch.randn(2, 4, 1, 64, generator=torch.Generator().manual_seed(1)) * 2).to(DEV)
     check_attention(query, store, 0.125, split_precision_attention_torch(query, store, 0.125))
 

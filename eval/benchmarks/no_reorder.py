@@ -42,11 +42,12 @@ def per_chunk_attention(query, store, bits: list[int], chunk_size: int, scaling:
     (prefix, FP16 chunks, suffix, generated tokens) is attended as one block, the ablation is about the packed
     chunks."""
     B, H_q, Lq, D = query.shape
-    H_kv = store.full.keys.shape[1]
+    H_kv = store.full.shape[1]
     q = query[0].float().reshape(H_kv, (H_q // H_kv) * Lq, D) * scaling
     seg = {s.bits: s for s in store.segments}
     s0 = store.full.start[0]
-    blocks = [(store.full.keys[0, :, s0:].float(), store.full.values[0, :, s0:].float())]
+    full_k, full_v = store.full.keys, store.full.values  # an 8-bit full part dequantizes once
+    blocks = [(full_k[0, :, s0:].float(), full_v[0, :, s0:].float())]
     pos = dict.fromkeys((16, 4, 3, 2), 0)  # next chunk index within each precision
     for b in bits:  # original order
         i = pos[b]
