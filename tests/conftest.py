@@ -186,3 +186,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def assert_fused_cpu_kernel_matches_reference(store, query, scaling):
+    """The fused CPU kernel (``cpu_ops``) on ``store`` equals the PyTorch reference (skips where it cannot run)."""
+    cpu_ops = pytest.importorskip("cpu_ops")
+    if not cpu_ops.available():
+        pytest.skip(f"cpu_ops extension unavailable: {cpu_ops.unavailable_reason()}")
+    from hf_cocktail import dispatch
+    from hf_cocktail.split_attention import split_precision_attention_torch
+
+    out = dispatch.split_precision_attention(query, store, scaling, "cpu")
+    torch.testing.assert_close(out, split_precision_attention_torch(query, store, scaling), atol=2e-6, rtol=1e-5)

@@ -5,14 +5,20 @@ CPU kernel), generation, the memory report and the config."""
 import pytest
 import torch
 
-from hf_cocktail import CocktailCache, CocktailConfig, dispatch, quant
+from hf_cocktail import CocktailCache, CocktailConfig, quant
 from hf_cocktail.compat import cache_kwargs
 from hf_cocktail.full_part import FullPart, Int8FullPart, full_part_from_sequences
 from hf_cocktail.rotation import Rotation
 from hf_cocktail.split_attention import split_precision_attention_torch
 from hf_cocktail.store import LayerStore
 
-from .conftest import FakeEncoder, generate_split_and_sdpa, make_prompt, make_tiny_llama
+from .conftest import (
+    FakeEncoder,
+    assert_fused_cpu_kernel_matches_reference,
+    generate_split_and_sdpa,
+    make_prompt,
+    make_tiny_llama,
+)
 
 
 def test_codes_of_a_hand_built_vector():
@@ -133,13 +139,9 @@ def test_split_attention_equals_sdpa_over_the_dequantized_cache(rotation):
 
 
 def test_fused_cpu_kernel_equals_the_reference():
-    cpu_ops = pytest.importorskip("cpu_ops")
-    if not cpu_ops.available():
-        pytest.skip(f"cpu_ops extension unavailable: {cpu_ops.unavailable_reason()}")
     store, _, _ = _store(8, "hadamard")
     query = torch.randn(2, 4, 1, 32, generator=torch.Generator().manual_seed(5))
-    out = dispatch.split_precision_attention(query, store, 32**-0.5, "cpu")
-    torch.testing.assert_close(out, split_precision_attention_torch(query, store, 32**-0.5), atol=2e-6, rtol=1e-5)
+    assert_fused_cpu_kernel_matches_reference(store, query, 32**-0.5)
 
 
 def test_generate_split_equals_dequantized_sdpa_and_reports_the_bytes(tiny_tokenizer):

@@ -317,19 +317,23 @@ _SALIENT_TWINS = (
     "layers3r2_had_s8",
     "layers3.2r2_had_s8",
 )
-METHODS.update(
-    {
-        f"{name}_sal{pct}": CocktailMethod(
-            f"{name}_sal{pct}",
-            f"{METHODS[name].description}; salient_tokens={pct / 100:g}",
-            {**METHODS[name].overrides, "salient_tokens": pct / 100},
-        )
-        for name in _SALIENT_TWINS
-        if name in METHODS
-        for pct in (1, 2, 3, 5)
-    }
-)
 
+
+def _twins(names: tuple[str, ...], suffix: str, note: str, fields: dict) -> dict[str, Method]:
+    """``<name><suffix>`` for each registered ``name``: its method with ``fields`` on top of its overrides."""
+    return {
+        f"{name}{suffix}": CocktailMethod(
+            f"{name}{suffix}", f"{METHODS[name].description}; {note}", {**METHODS[name].overrides, **fields}
+        )
+        for name in names
+        if name in METHODS  # the layers* methods exist only where their calibration file does
+    }
+
+
+for _pct in (1, 2, 3, 5):
+    METHODS.update(
+        _twins(_SALIENT_TWINS, f"_sal{_pct}", f"salient_tokens={_pct / 100:g}", {"salient_tokens": _pct / 100})
+    )
 
 # the full part (template, question, salient and generated tokens) as 8-bit codes (full_part_bits=8): ``<method>_f8``
 _FULL8_TWINS = (
@@ -343,18 +347,8 @@ _FULL8_TWINS = (
     "layers3.2r2_had_s8_sal1",
     "layers3.2r2_had_s8_sal2",
 )
-METHODS.update(
-    {
-        f"{name}_f8": CocktailMethod(
-            f"{name}_f8",
-            f"{METHODS[name].description}; full_part_bits=8 (the tokens outside the packed chunks as 8-bit codes)",
-            {**METHODS[name].overrides, "full_part_bits": 8},
-        )
-        for name in _FULL8_TWINS
-        if name in METHODS
-    }
-)
-
+_F8_NOTE = "full_part_bits=8 (the tokens outside the packed chunks as 8-bit codes)"
+METHODS.update(_twins(_FULL8_TWINS, "_f8", _F8_NOTE, {"full_part_bits": 8}))
 
 # the same storage with other random signs of the rotation (rotation_seed=1): how much a comparison moves by chance
 _SEED_TWINS = (
@@ -365,17 +359,8 @@ _SEED_TWINS = (
     "layers3r2_had_s8_sal1",
     "layers3r2_had_s8_sal1_f8",
 )
-METHODS.update(
-    {
-        f"{name}_seed1": CocktailMethod(
-            f"{name}_seed1",
-            f"{METHODS[name].description}; rotation_seed=1 (other random signs of the Hadamard rotation)",
-            {**METHODS[name].overrides, "rotation_seed": 1},
-        )
-        for name in _SEED_TWINS
-        if name in METHODS
-    }
-)
+_SEED_NOTE = "rotation_seed=1 (other random signs of the Hadamard rotation)"
+METHODS.update(_twins(_SEED_TWINS, "_seed1", _SEED_NOTE, {"rotation_seed": 1}))
 
 
 def register_preset(name_or_path: str) -> Method:
