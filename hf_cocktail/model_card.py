@@ -156,8 +156,8 @@ def _storage(config: Any) -> str:
     salient = getattr(config, "salient_tokens", 0.0)
     if salient:
         stored += (
-            f" Per layer, the {salient:.0%} of the packed context tokens the question attends to most stay out of the "
-            f'packed chunks (`salient_tokens={salient:g}`; needs `attn_implementation="cocktail"`).'
+            f" Per layer, the {salient * 100:g}% of the packed context tokens the question attends to most stay out "
+            f'of the packed chunks (`salient_tokens={salient:g}`; needs `attn_implementation="cocktail"`).'
         )
     if getattr(config, "full_part_bits", 16) == 8:
         stored += (
