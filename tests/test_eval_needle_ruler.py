@@ -136,8 +136,9 @@ def test_string_match_all_matches_ruler():
 def test_ruler_reports(tmp_path):
     from eval.needle.ruler_report import write_reports
 
-    def rec(variant, length, method, score, kvr, bits=None):
+    def rec(variant, length, method, score, kvr, bits=None, sample=None):
         return {
+            "case": f"{variant}-L{length}-s{sample}",
             "variant": variant,
             "ruler_task": f"niah_{variant}",
             "length": length,
@@ -148,13 +149,13 @@ def test_ruler_reports(tmp_path):
         }
 
     rows = [
-        rec("single", 1000, "fp16", 1.0, 1.0),
-        rec("single", 1000, "fp16", 0.5, 1.0),
-        rec("single", 1000, "cocktail", 0.0, 0.3, [[2, 16]]),
-        rec("single", 1000, "cocktail", 1.0, 0.3, [[16]]),
-        rec("multivalue", 1000, "fp16", 0.75, 1.0),
-        rec("multivalue", 2000, "fp16", 0.25, 1.0),
-        rec("multivalue", 1000, "cocktail", 0.25, 0.2, [[16], [2], [4], [16]]),
+        rec("single", 1000, "fp16", 1.0, 1.0, sample=0),
+        rec("single", 1000, "fp16", 0.5, 1.0, sample=1),
+        rec("single", 1000, "cocktail", 0.0, 0.3, [[2, 16]], sample=0),
+        rec("single", 1000, "cocktail", 1.0, 0.3, [[16]], sample=1),
+        rec("multivalue", 1000, "fp16", 0.75, 1.0, sample=0),
+        rec("multivalue", 2000, "fp16", 0.25, 1.0, sample=0),
+        rec("multivalue", 1000, "cocktail", 0.25, 0.2, [[16], [2], [4], [16]], sample=0),
     ]
     table = write_reports(str(tmp_path), rows, ["fp16", "cocktail"], ["single", "multivalue"], [1000, 2000], 2)
     with open(tmp_path / "ruler_summary.csv") as f:
@@ -170,6 +171,34 @@ def test_ruler_reports(tmp_path):
     assert "| method | single 1000 (n=2) | single all (n=2) | multivalue 1000 (n=1) | multivalue 2000 (n=1) |" in table
     assert "| fp16 | 75.0 |" in table and (tmp_path / "ruler_accuracy.png").stat().st_size > 1000
     assert (tmp_path / "ruler_summary.md").read_text().startswith("# RULER-style needles")
+    with open(tmp_path / "ruler_paired.csv") as f:
+        pairs = {(r["variant"], r["length"], r["method"]): r for r in csv.DictReader(f)}
+    single = pairs[("single", "1000", "cocktail")]  # cases s0: 0 - 1, s1: 1 - 0.5 -> mean -25 points
+    assert float(single["diff"]) == -25.0 and (single["cases"], single["higher"], single["lower"]) == ("2", "1", "1")
+    assert float(single["diff_lo"]) == -100.0 and float(single["diff_hi"]) == 50.0  # both cases alike / both s1
+    assert float(pairs[("multivalue", "all", "cocktail")]["diff"]) == -50.0  # only the 1000 case is shared
+    assert pairs[("average", "all", "cocktail")]["cases"] == "3"
+    assert ("multivalue", "2000", "cocktail") not in pairs and not any(k[2] == "fp16" for k in pairs)
+    assert "| cocktail | 1000 | -25.0 [-100.0, +50.0] (2) | -50.0 [-50.0, -50.0] (1) |" in table
+
+
+def test_ruler_paired_differences_on_shared_cases_only():
+    from eval.needle.ruler_report import paired
+
+    rows = [
+        {"case": f"multikey-L{L}-s{i}", "variant": "multikey", "length": L, "method": m, "score": s}
+        for L, scores in ((2000, {"fp16": [1, 1, 0, 0], "q": [1, 0, 0, 1]}), (4000, {"fp16": [1, 0], "q": [0, 0]}))
+        for m, ss in scores.items()
+        for i, s in enumerate(ss)
+    ]
+    rows.append({"case": "multikey-L4000-s9", "variant": "multikey", "length": 4000, "method": "q", "score": 0.0})
+    got = {(r["variant"], r["length"]): r for r in paired(rows, ["fp16", "q"], ["multikey"], [2000, 4000])}
+    assert got[("multikey", 2000)]["diff"] == 0.0 and got[("multikey", 2000)]["cases"] == 4
+    assert got[("multikey", 4000)]["diff"] == -50.0 and got[("multikey", 4000)]["cases"] == 2  # s9 has no fp16
+    assert got[("multikey", "all")]["diff"] == pytest.approx(-100 / 6, abs=0.01)
+    assert got[("multikey", "all")]["diff_lo"] < got[("multikey", "all")]["diff"] < got[("multikey", "all")]["diff_hi"]
+    assert paired(rows, ["q"], ["multikey"], [2000, 4000], ref="fp16") != []  # the reference need not be listed
+    assert paired([r for r in rows if r["method"] == "q"], ["fp16", "q"], ["multikey"], [2000]) == []
 
 
 def _cli_error(capsys, argv) -> str:

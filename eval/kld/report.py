@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import csv
 import os
-import random
 from collections import defaultdict
+
+from ..stats import bootstrap_mean
 
 SEGMENTS = ("answer", "tail")
 CSV_COLUMNS = [
@@ -39,19 +40,6 @@ FOOTNOTE = (
     "argmax equals FP16's. kv_ratio: the method's KV bytes / an FP16 DynamicCache of the same tokens (prompt "
     "+ answer), full-precision tensors at 2 bytes per element."
 )
-
-
-def bootstrap_mean(values_by_stratum: dict[str, list[float]], n_boot: int = 2000, seed: int = 0) -> tuple:
-    """Mean over all values and a 95% percentile interval, values resampled with replacement within each stratum
-    (the stratum sizes are kept), ``n_boot`` times."""
-    flat = [v for vs in values_by_stratum.values() for v in vs]
-    if not flat:
-        return None, None, None
-    mean = sum(flat) / len(flat)
-    rng = random.Random(seed)
-    groups = [vs for vs in values_by_stratum.values() if vs]
-    boots = sorted(sum(sum(rng.choices(vs, k=len(vs))) for vs in groups) / len(flat) for _ in range(n_boot))
-    return mean, boots[int(0.025 * (n_boot - 1))], boots[int(0.975 * (n_boot - 1))]
 
 
 def summarize(records: list[dict], methods: list[str], n_boot: int = 2000) -> list[dict]:

@@ -1,13 +1,18 @@
 """Reports of a RULER-style run (``python -m eval.needle --variant ...``): ``ruler_summary.csv`` (accuracy per variant,
-length and method, with ``average`` rows), ``ruler_summary.md`` (the same as tables, how often Cocktail kinds kept the
-asked needles at FP16) and ``ruler_accuracy.png`` (accuracy per variant per method, one panel per length)."""
+length and method, with ``average`` rows), ``ruler_paired.csv`` (each method minus FP16 on the same cases, with a
+95% bootstrap interval), ``ruler_summary.md`` (both as tables, and how often Cocktail kinds kept the asked needles at
+FP16) and ``ruler_accuracy.png`` (accuracy per variant per method, one panel per length)."""
 
 from __future__ import annotations
 
 import csv
 import os
 
+from ..stats import bootstrap_mean
+
 CSV_COLUMNS = ["variant", "ruler_task", "length", "method", "accuracy", "n", "kv_ratio", "asked_needles_fp16"]
+PAIRED_REF = "fp16"
+PAIRED_COLUMNS = ["variant", "length", "method", "reference", "cases", "diff", "diff_lo", "diff_hi", "higher", "lower"]
 
 
 def _mean(xs: list[float]) -> float:
@@ -53,9 +58,73 @@ def summarize(rows: list[dict], methods: list[str], variants: list[str], lengths
     return out
 
 
-def write_csv(path: str, summary: list[dict]) -> None:
+def _differences(rows: list[dict], method: str, ref: str, variant: str, length) -> dict:
+    """length -> accuracy points of ``method`` minus ``ref`` on each case both have of ``variant`` (every variant
+    for ``average``) and ``length`` (every length for ``all``)."""
+    score = {(r["case"], r["method"]): r["score"] for r in rows}
+    strata: dict = {}
+    for case, r in {r["case"]: r for r in rows}.items():
+        if variant in ("average", r["variant"]) and length in ("all", r["length"]):
+            if (case, method) in score and (case, ref) in score:
+                strata.setdefault(r["length"], []).append(100 * (score[(case, method)] - score[(case, ref)]))
+    return strata
+
+
+def paired(
+    rows: list[dict], methods: list[str], variants: list[str], lengths: list, ref: str = PAIRED_REF, n_boot: int = 2000
+) -> list[dict]:
+    """Each method minus ``ref`` on the cases both have (matched by ``case``), in accuracy points: one row per
+    (variant, length) and per variant over every length (``length=all``), each also for ``variant=average`` (every
+    variant's cases). The 95% interval resamples the paired cases within each length; ``higher`` / ``lower``:
+    cases where the method scored above / below ``ref``. Empty when ``ref`` has no records."""
+    out = []
+    for m, v, L in [(m, v, L) for m in methods if m != ref for v in [*variants, "average"] for L in [*lengths, "all"]]:
+        strata = _differences(rows, m, ref, v, L)
+        if not strata:
+            continue
+        diff, lo, hi = bootstrap_mean(strata, n_boot)
+        flat = [d for ds in strata.values() for d in ds]
+        out.append(
+            {
+                "variant": v,
+                "length": L,
+                "method": m,
+                "reference": ref,
+                "cases": len(flat),
+                "diff": round(diff, 2),
+                "diff_lo": round(lo, 2),
+                "diff_hi": round(hi, 2),
+                "higher": sum(d > 0 for d in flat),
+                "lower": sum(d < 0 for d in flat),
+            }
+        )
+    return out
+
+
+def paired_markdown(rows: list[dict], variants: list[str]) -> str:
+    """One line per (method, length): the difference to the reference per variant, ``diff [lo, hi] (n)``."""
+    if not rows:
+        return ""
+    cell = {(r["method"], r["length"], r["variant"]): r for r in rows}
+    keys = list(dict.fromkeys((r["method"], r["length"]) for r in rows))
+    cols = [v for v in [*variants, "average"] if any(r["variant"] == v for r in rows)]
+    lines = ["| method | length | " + " | ".join(cols) + " |", "|---" * (len(cols) + 2) + "|"]
+    for m, L in keys:
+        vals = []
+        for v in cols:
+            r = cell.get((m, L, v))
+            vals.append(f"{r['diff']:+.1f} [{r['diff_lo']:+.1f}, {r['diff_hi']:+.1f}] ({r['cases']})" if r else "-")
+        lines.append(f"| {m} | {L} | " + " | ".join(vals) + " |")
+    note = (
+        f"Paired with {rows[0]['reference']} on the same cases: method minus {rows[0]['reference']} in accuracy "
+        "points, [95% bootstrap interval, cases resampled within each length] (cases both have)."
+    )
+    return note + "\n\n" + "\n".join(lines) + "\n"
+
+
+def write_csv(path: str, summary: list[dict], columns: list[str] = CSV_COLUMNS) -> None:
     with open(path, "w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        w = csv.DictWriter(f, fieldnames=columns)
         w.writeheader()
         w.writerows(summary)
 
@@ -133,7 +202,11 @@ def write_reports(
     """Write every report of ``rows`` (the records of the requested cases); returns the markdown table."""
     summary = summarize(rows, methods, variants, sorted(set(lengths)))
     write_csv(os.path.join(out_dir, "ruler_summary.csv"), summary)
+    pairs = paired(rows, methods, variants, sorted(set(lengths)))
+    write_csv(os.path.join(out_dir, "ruler_paired.csv"), pairs, PAIRED_COLUMNS)
     table = markdown(summary, methods, variants, sorted(set(lengths)), samples)
+    if pairs:
+        table += "\n" + paired_markdown(pairs, variants)
     with open(os.path.join(out_dir, "ruler_summary.md"), "w", encoding="utf-8") as f:
         f.write("# RULER-style needles\n\n" + table)
     if rows:
