@@ -23,7 +23,7 @@ from eval.benchmarks.rounds import (
     summarize_rounds,
 )
 from eval.cli import UsageError
-from eval.methods.branching import prefill
+from eval.methods.branching import prefill, prefill_for
 from eval.methods.kinds import Request
 
 from .conftest import make_prompt, make_tiny_llama
@@ -86,6 +86,26 @@ def test_batched_branch_decodes_like_batch_one(tiny_tokenizer, tiny_shared, name
     for b in range(3):
         assert torch.equal(three.ids[b], one.ids[0])
     assert shared.dyn.get_seq_length() == shared.prompt_tokens  # the shared prefill is left intact
+
+
+def test_salient_methods_branch_from_the_shared_prefill_queries(tiny_tokenizer, tiny_shared):
+    """A method with ``salient_tokens`` reads the attention queries recorded during the shared prefill
+    (``SharedPrefill.queries``, what ``shared_prefill`` records when a method needs them); batches repeat its rows."""
+    model, shared = tiny_shared
+    method = resolve_method("int4v3_had_s8_sal1")
+    assert method.reads_prefill_queries
+    with pytest.raises(RuntimeError, match="salient_tokens=0.01 .* saw none"):
+        branch_runner(method, model, tiny_tokenizer, shared)  # no queries recorded
+    dyn, logits, queries = prefill_for(model, tiny_tokenizer, shared.input_ids, shared.request, [method])
+    assert queries is not None and len(queries) == 2
+    with_queries = SharedPrefill(shared.request, shared.input_ids, dyn, logits, 0.0, queries)
+    one = branch_runner(method, model, tiny_tokenizer, with_queries)
+    three = branch_runner(method, model, tiny_tokenizer, with_queries, batch=3)
+    one.decode(model, 3, 0)
+    three.decode(model, 3, 0)
+    for b in range(3):
+        assert torch.equal(three.ids[b], one.ids[0])
+    assert prefill_for(model, tiny_tokenizer, shared.input_ids, shared.request, [resolve_method("int2")])[2] is None
 
 
 def test_alternating_rounds_run_every_method_each_round(tiny_tokenizer, tiny_shared):

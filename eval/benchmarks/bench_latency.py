@@ -97,7 +97,7 @@ def run_rounds(args) -> tuple[list[dict], object, object]:
         prefill_model, _ = load_model_and_tokenizer(args.model, args.prefill_dtype, "cocktail", args.device_map)
     results = []
     for ctx in args.context_list:
-        shared = shared_prefill(prefill_model, tok, ctx, args.essay_dir)
+        shared = shared_prefill(prefill_model, tok, ctx, args.essay_dir, args.method_list)
         if prefill_model is not model:
             shared = cast_prefill(shared, getattr(torch, args.dtype))
         print(

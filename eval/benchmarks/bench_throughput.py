@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     model, tok = load_model_and_tokenizer(args.model, args.dtype, "cocktail")
     for m in args.method_list:  # first-call overheads (encoder loading, hqq/quanto) out of the timing
         measure(m, model, tok, essay_prefix(tok, 64, args.essay_dir), 2)
-    shared = shared_prefill(model, tok, args.prompt_tokens, args.essay_dir)
+    shared = shared_prefill(model, tok, args.prompt_tokens, args.essay_dir, args.method_list)
     print(f"prompt {shared.prompt_tokens} tokens, shared prefill {shared.prefill_s:.1f} s", flush=True)
     generated = 1 + args.warmup_steps + args.rounds * args.steps
     sizes = {m.name: per_sequence_bytes(m, model, tok, shared, generated) for m in args.method_list}

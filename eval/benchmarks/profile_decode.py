@@ -290,9 +290,11 @@ def main(argv=None) -> int:
         model, tok = load_model_and_tokenizer(args.model, dtype, "cocktail")
         for ctx in args.context_list:
             if prefill_model is None or args.prefill_dtype == dtype:
-                shared = shared_prefill(model, tok, ctx, args.essay_dir)
+                shared = shared_prefill(model, tok, ctx, args.essay_dir, args.method_list)
             else:
-                shared = cast_prefill(shared_prefill(prefill_model, tok, ctx, args.essay_dir), getattr(torch, dtype))
+                shared = cast_prefill(
+                    shared_prefill(prefill_model, tok, ctx, args.essay_dir, args.method_list), getattr(torch, dtype)
+                )
             print(
                 f"{dtype} context {ctx}: prompt {shared.prompt_tokens} tokens, prefill {shared.prefill_s:.1f} s",
                 flush=True,

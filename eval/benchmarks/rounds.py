@@ -31,7 +31,7 @@ from hf_cocktail.compat import cache_kwargs
 
 from ..cli import UsageError
 from ..essays import essay_prefix
-from ..methods.branching import branch, prefill
+from ..methods.branching import branch, prefill_for
 from ..methods.kinds import CocktailMethod, Method, Request, build_cache
 from ..methods.registry import METHODS, parse_methods
 from ..models import model_input_device
@@ -104,6 +104,7 @@ class SharedPrefill:
     dyn: Cache
     first_logits: torch.Tensor
     prefill_s: float
+    queries: list[torch.Tensor] | None = None  # the tokens after the context, per layer, for salient methods
 
     @property
     def prompt_tokens(self) -> int:
@@ -111,14 +112,18 @@ class SharedPrefill:
 
 
 @torch.no_grad()
-def shared_prefill(model, tok, context_tokens: int, essay_dir: str | None = None) -> SharedPrefill:
-    """Prefill the benchmark prompt over the first ``context_tokens`` tokens of the essays (batch 1)."""
+def shared_prefill(
+    model, tok, context_tokens: int, essay_dir: str | None = None, methods: tuple | list = ()
+) -> SharedPrefill:
+    """Prefill the benchmark prompt over the first ``context_tokens`` tokens of the essays (batch 1), recording the
+    attention queries after the context when one of ``methods`` reads them (``salient_tokens``)."""
     context = essay_prefix(tok, context_tokens, essay_dir)
     prompt, kw = make_prompt(tok, context)
+    request = Request(prompt, context, QUESTION, "bench", kw)
     ids = tok(prompt, return_tensors="pt", **kw)["input_ids"].to(model_input_device(model))
     t0 = time.perf_counter()
-    dyn, logits = prefill(model, ids)
-    return SharedPrefill(Request(prompt, context, QUESTION, "bench", kw), ids, dyn, logits, time.perf_counter() - t0)
+    dyn, logits, queries = prefill_for(model, tok, ids, request, list(methods))
+    return SharedPrefill(request, ids, dyn, logits, time.perf_counter() - t0, queries)
 
 
 def cast_prefill(shared, dtype):
@@ -126,6 +131,8 @@ def cast_prefill(shared, dtype):
     for layer in shared.dyn.layers:
         layer.keys, layer.values = layer.keys.to(dtype), layer.values.to(dtype)
         layer.dtype = dtype
+    if shared.queries is not None:
+        shared.queries = [q.to(dtype) for q in shared.queries]
     return shared
 
 
@@ -180,7 +187,9 @@ def branch_runner(
     values, so identical prompts time what different prompts of the same length would."""
     t0 = time.perf_counter()
     if batch == 1 or isinstance(method, CocktailMethod):
-        cache = branch(method, model, tok, shared.dyn, shared.input_ids, shared.request, encoder).cache
+        cache = branch(
+            method, model, tok, shared.dyn, shared.input_ids, shared.request, encoder, prefill_queries=shared.queries
+        ).cache
         if batch > 1:
             cache.batch_repeat_interleave(batch)
     else:
