@@ -58,12 +58,12 @@ def summarize(rows: list[dict], methods: list[str], variants: list[str], lengths
     return out
 
 
-def _differences(rows: list[dict], method: str, ref: str, variant: str, length) -> dict:
+def _differences(score: dict, cases: dict, method: str, ref: str, variant: str, length) -> dict:
     """length -> accuracy points of ``method`` minus ``ref`` on each case both have of ``variant`` (every variant
-    for ``average``) and ``length`` (every length for ``all``)."""
-    score = {(r["case"], r["method"]): r["score"] for r in rows}
+    for ``average``) and ``length`` (every length for ``all``); ``score``: (case, method) -> score, ``cases``: case ->
+    one of its records."""
     strata: dict = {}
-    for case, r in {r["case"]: r for r in rows}.items():
+    for case, r in cases.items():
         if variant in ("average", r["variant"]) and length in ("all", r["length"]):
             if (case, method) in score and (case, ref) in score:
                 strata.setdefault(r["length"], []).append(100 * (score[(case, method)] - score[(case, ref)]))
@@ -77,9 +77,11 @@ def paired(
     (variant, length) and per variant over every length (``length=all``), each also for ``variant=average`` (every
     variant's cases). The 95% interval resamples the paired cases within each length; ``higher`` / ``lower``:
     cases where the method scored above / below ``ref``. Empty when ``ref`` has no records."""
+    score = {(r["case"], r["method"]): r["score"] for r in rows}
+    cases = {r["case"]: r for r in rows}
     out = []
     for m, v, L in [(m, v, L) for m in methods if m != ref for v in [*variants, "average"] for L in [*lengths, "all"]]:
-        strata = _differences(rows, m, ref, v, L)
+        strata = _differences(score, cases, m, ref, v, L)
         if not strata:
             continue
         diff, lo, hi = bootstrap_mean(strata, n_boot)
