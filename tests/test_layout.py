@@ -1,5 +1,5 @@
-"""The layout rules of the README: one dependency direction among library modules (no import cycle, function-level
-imports included), kernel packages that import nothing from hf_cocktail, and no library file past ~400 lines."""
+"""The layout rules of docs/architecture.md: subpackages in one dependency direction (no import cycle, function-level
+imports included), kernel packages that import nothing from hf_cocktail, and no library file over 400 lines."""
 
 import ast
 import os
@@ -11,31 +11,57 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIBRARY = os.path.join(ROOT, "hf_cocktail")
 
 
-def _imports(path: str, package: str, relative: bool = True) -> set[str]:
-    """Modules of ``package`` imported anywhere in ``path`` (module level or inside functions); ``relative``: the
-    file belongs to ``package`` and its relative imports count."""
+def _imports(path: str, root: str, relative: bool = True, package: str | None = None) -> set[str]:
+    """Modules of ``root`` imported anywhere in ``path`` (module level or inside functions); ``relative``: the file
+    belongs to ``package`` (default ``root``) and its relative imports count."""
+    package = package or root
     tree = ast.parse(open(path, encoding="utf-8").read())
     out = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            if node.level and relative:  # from .x import y / from . import x
-                base = node.module or ""
-                names = [base] if base else [a.name for a in node.names]
-                out.update(f"{package}.{n}".rstrip(".") for n in names)
-            elif node.module and node.module.startswith(package):
+            if node.level and relative:  # from .x import y / from . import x / from ..x import y
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                out.update([base] if node.module else [f"{base}.{a.name}" for a in node.names] + [base])
+            elif node.module and node.module.startswith(root):
                 out.add(node.module)
+                out.update(f"{node.module}.{a.name}" for a in node.names)  # from hf_cocktail.x import module
         elif isinstance(node, ast.Import):
-            out.update(a.name for a in node.names if a.name.startswith(package))
+            out.update(a.name for a in node.names if a.name.startswith(root))
+    return out
+
+
+LAYERS = ("storage", "presets", "planning", "decode", "cache", "integration")  # each imports only those before it
+ARCHITECTURE = os.path.join(ROOT, "docs", "architecture.md")
+
+
+def _library_modules() -> dict[str, str]:
+    """``{dotted module: path}`` of every library module, subpackages included (``__init__`` files too)."""
+    out = {}
+    for root, _, files in os.walk(LIBRARY):
+        for f in files:
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(root, f), ROOT)[:-3].replace(os.sep, ".")
+                out[rel.removesuffix(".__init__")] = os.path.join(root, f)
     return out
 
 
 def _graph() -> dict[str, set[str]]:
-    mods = {
-        f"hf_cocktail.{f[:-3]}": os.path.join(LIBRARY, f)
-        for f in os.listdir(LIBRARY)
-        if f.endswith(".py") and f != "__init__.py"
-    }
-    return {m: {d for d in _imports(p, "hf_cocktail") if d in mods and d != m} for m, p in mods.items()}
+    mods = _library_modules()
+    graph = {}
+    for m, p in mods.items():
+        package = m if p.endswith("__init__.py") else m.rsplit(".", 1)[0]
+        graph[m] = {d for d in _imports(p, "hf_cocktail", package=package) if d in mods and d != m}
+    return graph
+
+
+def _layer(module: str) -> int:
+    """The index of ``module``'s package in :data:`LAYERS`; modules outside them (the demo, loaders, calibrate, the
+    package root) are above every layer."""
+    if module == "hf_cocktail._version":
+        return -1  # the version: below everything
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else len(LAYERS)
 
 
 def test_library_modules_have_no_import_cycle():
@@ -55,6 +81,12 @@ def test_library_modules_have_no_import_cycle():
             visit(m, [])
 
 
+def test_each_package_imports_only_packages_below_it():
+    for module, deps in _graph().items():
+        above = [d for d in deps if _layer(d) > _layer(module) and d != "hf_cocktail"]
+        assert not above, f"{module} ({_layer(module)}) imports {above}, from a package above it in {LAYERS}"
+
+
 @pytest.mark.parametrize("package", ["triton_ops", "cpu_ops"])
 def test_kernel_packages_import_nothing_from_hf_cocktail(package):
     folder = os.path.join(ROOT, package)
@@ -64,29 +96,16 @@ def test_kernel_packages_import_nothing_from_hf_cocktail(package):
             assert not found, f"{package}/{f} imports {found}"
 
 
-def test_no_library_file_passes_about_400_lines():
-    long = {
-        f: n
-        for f in os.listdir(LIBRARY)
-        if f.endswith(".py")
-        for n in [sum(1 for _ in open(os.path.join(LIBRARY, f), encoding="utf-8"))]
-        if n > 420
-    }
-    assert not long, f"library files over ~400 lines: {long}"
+def test_no_library_file_passes_400_lines():
+    lines = {p: sum(1 for _ in open(p, encoding="utf-8")) for p in _library_modules().values()}
+    long = {os.path.relpath(p, ROOT): n for p, n in lines.items() if n > 400}
+    assert not long, f"library files over 400 lines: {long}"
 
 
-def test_the_readme_layout_table_names_every_library_module():
-    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    layout = readme[readme.index("## Layout") :]
-    missing = [f for f in sorted(os.listdir(LIBRARY)) if f.endswith(".py") and f != "__init__.py" and f not in layout]
-    assert not missing, f"README's Layout section does not name {missing}"
-
-
-def test_each_module_imports_only_modules_above_it_in_the_readme_table():
-    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    layout = readme[readme.index("## Layout") :]
-    order = [f"hf_cocktail.{m}" for m in re.findall(r"`hf_cocktail/(\w+)\.py`", layout)]
-    graph = _graph()
-    for i, module in enumerate(order):
-        below = set(order[i + 1 :])
-        assert not graph.get(module, set()) & below, f"{module} imports {graph[module] & below}, listed below it"
+def test_the_architecture_page_names_every_package_and_module_in_order():
+    page = open(ARCHITECTURE, encoding="utf-8").read()
+    named = re.findall(r"^\| `hf_cocktail/(\w+)/` \|", page, flags=re.M)
+    assert named == list(LAYERS), f"docs/architecture.md lists the packages {named}, the layers are {LAYERS}"
+    names = [os.path.basename(p)[:-3] for p in _library_modules().values()]
+    missing = [n for n in names if n != "__init__" and f"`{n}" not in page]
+    assert not missing, f"docs/architecture.md does not name {missing}"
