@@ -1,0 +1,67 @@
+"""Readable labels for the evaluation's method ids (``layers3r2_had_s8_sal1_f8`` -> "per-layer widths at 3.0 bits
+(round 2), rotated, 8-bit scales, 1% salient tokens, 8-bit full part"). The id stays the key of every record and
+file; reports and generated docs show :func:`label` beside it."""
+
+from __future__ import annotations
+
+import re
+
+NAMED = {
+    "fp16": "FP16 (DynamicCache)",
+    "cocktail": "paper Cocktail (FP16/INT4/INT2 by relevance)",
+    "recommended": "recommended() (rotated, 4-bit keys, 3-bit values)",
+    "preset": "calibrated preset",
+    "nosearch": "paper's precision counts on random chunks",
+    "int4first": "budget at paper's bytes, INT4 first",
+    "bm25": "paper Cocktail, BM25 scores",
+    "bm25_int4first": "BM25 scores, budget at paper's bytes, INT4 first",
+}
+MODIFIERS = {
+    "had": "rotated",
+    "hadk": "keys rotated",
+    "hadv": "values rotated",
+    "s8": "8-bit scales",
+    "f8": "8-bit full part",
+    "lloyd": "Lloyd codebook",
+    "nosink": "no sink tokens",
+    "nb1": "FP16 neighbours",
+    "a02": "alpha 0.2",
+    "shuffled": "random chunks",
+    "l3": "INT3 low tier",
+    "l3v3": "INT3 low tier, 3-bit values",
+    "v3": "3-bit values",
+}
+_BASES = [
+    (r"int(\d)v(\d)", lambda m: f"uniform INT{m[1]}, {m[2]}-bit values"),
+    (r"int(\d)", lambda m: f"uniform INT{m[1]}"),
+    (r"int4first([\d.]+)", lambda m: f"INT4 first at {m[1]} bits"),
+    (r"budget([\d.]+)", lambda m: f"chunk search at {m[1]} bits"),
+    (r"layers([\d.]+)(?:r(\d))?", lambda m: f"per-layer widths at {m[1]} bits" + (f" (round {m[2]})" if m[2] else "")),
+    (r"kivi(\d)", lambda m: f"KIVI-like {m[1]}-bit"),
+    (r"(hqq|quanto)(\d)", lambda m: f"QuantizedCache {m[1]} {m[2]}-bit"),
+]
+_SIZED = [
+    (r"g(\d+)", lambda m: f"values in groups of {m[1]}"),
+    (r"c(\d+)", lambda m: f"{m[1]}-token chunks"),
+    (r"sal(\d+)", lambda m: f"{m[1]}% salient tokens"),
+    (r"seed(\d+)", lambda m: f"rotation seed {m[1]}"),
+    (r"r(\d+)", lambda m: f"FP residual {m[1]}"),
+]
+
+
+def _match(patterns, token: str) -> str | None:
+    for pattern, make in patterns:
+        m = re.fullmatch(pattern, token)
+        if m:
+            return make(m)
+    return None
+
+
+def label(method_id: str) -> str:
+    """A reader's name for ``method_id``; an id it cannot read is returned as it is."""
+    if method_id in NAMED:
+        return NAMED[method_id]
+    head, *rest = method_id.split("_")
+    parts = [NAMED.get(head) or _match(_BASES, head)]
+    parts += [MODIFIERS.get(t) or _match(_SIZED, t) for t in rest]
+    return method_id if None in parts else ", ".join(p for p in parts if p)
