@@ -115,12 +115,13 @@ class CocktailCache(CacheLifecycles, Cache):
 
     def accumulate_attention(self, query: torch.Tensor, key: torch.Tensor, scaling: float, layer_idx: int) -> None:
         """Record one layer's prefill attention: scorer="attention" adds the mass that the query's tokens give each
-        context token to the chunk scores; salient_tokens keeps the layer's mass from the tokens after the context.
-        ``query (B, H_q, L_q, D)`` (the last ``L_q`` prompt tokens), ``key (B, H_kv, L, D)``."""
+        context token to the chunk scores; salient_tokens keeps the layer's mass from the prompt's tokens after the
+        context (never from tokens past the prepared prompt, e.g. assisted decoding's candidates in the same
+        forward). ``query (B, H_q, L_q, D)`` (the forward's last ``L_q`` tokens), ``key (B, H_kv, L, D)``."""
         if self.scores_from_attention():
             add_query_attention(self._plans, query, key, scaling)
         if keeps_salient(self.config.salient_tokens, self.config.full_precision_layers, layer_idx):
-            record_layer_mass(self._plans, query, key, scaling, layer_idx)
+            record_layer_mass(self._plans, query, key, scaling, layer_idx, self.prompt_len)
 
     def plans_for_prefill(self, k: torch.Tensor, search: bool = True) -> list[SequencePlan]:
         """The plans for a prefill of keys ``k (B, H_kv, L, D)``: runs the search once, follows generate's batch
