@@ -399,21 +399,33 @@ class CocktailCache(CacheLifecycles, Cache):
         return [layer.store for layer in self._cocktail_layers() if layer.store is not None]
 
     def nbytes(self) -> int:
-        """Bytes really held by the cache's working tensors (codes, scales/zeros and full-precision part, plus the
-        keys/values of the model's own sliding-window layers; the optional CPU context copy of
-        ``keep_context_copy`` is reported apart by :meth:`memory_report`)."""
-        native = sum(layout.native_nbytes(layer) for layer in self.layers if not isinstance(layer, CocktailLayer))
-        return sum(st.nbytes() for st in self._stores()) + native
+        """Bytes really held by the cache: every tensor of its layers (packed codes, scales/zeros, the full part and
+        its room for appended tokens, the rotation matrices counted once, offsets cached on the device, every tensor
+        of the model's own sliding-window / hybrid layers) and of its plans (token positions, attention masses, the
+        prompt's ids); the optional CPU context copy of ``keep_context_copy`` is reported apart by
+        :meth:`memory_report`. Rotation matrices are shared with other caches (:mod:`.rotation`) and counted in
+        each."""
+        return self.memory_report()["total_bytes"]
+
+    def _plan_tensors(self) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = [] if self._input_ids is None else [self._input_ids]
+        for plan in self._plans or []:
+            out += [*plan.positions.values(), *plan.layer_mass.values(), plan.attn_mass]
+        return [t for t in out if t is not None]
 
     def memory_report(self) -> dict[str, Any]:
         """Breakdown of :meth:`nbytes` plus what the same tokens would take in a FP16 cache (see
         :func:`hf_cocktail.reports.memory_report`)."""
         copies = [layer.context_copy for layer in self._cocktail_layers() if layer.context_copy is not None]
-        native = [layer for layer in self.layers if not isinstance(layer, CocktailLayer)]
+        native = [reports.object_tensors(layer) for layer in self.layers if not isinstance(layer, CocktailLayer)]
         return reports.memory_report(
             self._stores(),
             copies,
             [p.bits for p in self._plans or []],
-            native_bytes=sum(layout.native_nbytes(layer) for layer in native),
-            native_fp16_bytes=sum(layout.native_nbytes(layer, fp16=True) for layer in native),
+            native_bytes=reports.storage_bytes(t for ts in native for t in ts),
+            native_fp16_bytes=sum(
+                layout.native_nbytes(layer, fp16=True) for layer in self.layers if not isinstance(layer, CocktailLayer)
+            ),
+            native_deployed_bytes=reports.storage_bytes((t for ts in native for t in ts), fp16=True),
+            plan_bytes=reports.storage_bytes(self._plan_tensors()),
         )
