@@ -151,3 +151,32 @@ def check_head_dims(k: torch.Tensor, v: torch.Tensor, model_type: str | None) ->
             f"V {v.shape[-1]} (multi-head latent attention, as in DeepSeek-V2/V3 or MiniCPM3, caches a compressed "
             "latent rather than per-head keys and values); use the model's own cache, e.g. DynamicCache()"
         )
+
+
+def attn_implementation(model_config: Any) -> str | None:
+    """The attention implementation a transformers config names for its text model (``None`` where it names none)."""
+    if model_config is None:
+        return None
+    try:
+        text = model_config.get_text_config(decoder=True)
+    except Exception:  # any config object: read what is there
+        text = model_config
+    impl = getattr(text, "_attn_implementation", None) or getattr(model_config, "_attn_implementation", None)
+    return impl if isinstance(impl, str) else None
+
+
+def check_attention_reader(config: Any, model_config: Any, scores_from_attention: bool) -> None:
+    """``salient_tokens`` and ``scorer="attention"`` read the prefill attention, which only
+    ``attn_implementation="cocktail"`` hands to the cache: refuse another implementation as soon as the model's config
+    says which it is (before the prefill does any work)."""
+    impl = attn_implementation(model_config)
+    if impl is None or impl == "cocktail":
+        return
+    readers = [f"salient_tokens={config.salient_tokens!r}"] if config.salient_tokens > 0 else []
+    readers += ["scorer='attention'"] if scores_from_attention else []
+    if readers:
+        raise ValueError(
+            f"{' and '.join(readers)} read(s) the prefill attention, which only attn_implementation='cocktail' "
+            f"records, but the model uses attn_implementation={impl!r}: load it with attn_implementation='cocktail' "
+            "(or fill the cache with load_prefill(..., prefill_queries=...))"
+        )

@@ -37,6 +37,14 @@ def object_tensors(obj: Any) -> list[torch.Tensor]:
     return out
 
 
+def plan_tensors(plans: Sequence[Any] | None, input_ids: torch.Tensor | None) -> list[torch.Tensor]:
+    """The tensors a cache's plans hold (token positions, attention masses) and the prepared prompt's ids."""
+    out: list[torch.Tensor | None] = [input_ids]
+    for plan in plans or []:
+        out += [*plan.positions.values(), *plan.layer_mass.values(), plan.attn_mass]
+    return [t for t in out if t is not None]
+
+
 def memory_report(
     stores: Sequence[LayerStore],
     context_copies: Iterable[tuple[torch.Tensor, ...]],

@@ -26,6 +26,19 @@ def keeps_salient(salient_tokens: float, full_precision_layers: Sequence[int], l
     return salient_tokens > 0 and layer_idx not in full_precision_layers
 
 
+def check_salient_layers(
+    salient_tokens: float, full_precision_layers: Sequence[int], cocktail_layers: Sequence[int]
+) -> None:
+    """Refuse ``salient_tokens`` where every Cocktail layer (``cocktail_layers``: the model's full-attention layers)
+    is in ``full_precision_layers``: no layer has packed tokens to keep."""
+    if salient_tokens > 0 and cocktail_layers and set(cocktail_layers) <= set(full_precision_layers):
+        raise ValueError(
+            f"salient_tokens={salient_tokens!r} has no effect with full_precision_layers={tuple(full_precision_layers)}"
+            f": every full-attention layer of this model ({list(cocktail_layers)}) is kept at full precision, so no "
+            "layer has packed tokens to keep; set salient_tokens=0 or keep fewer layers at full precision"
+        )
+
+
 def tail_attention_mass(
     query: torch.Tensor,
     key: torch.Tensor,
