@@ -19,7 +19,7 @@ import torch
 
 from . import quant
 
-HEADROOM_STEP = 32  # tokens of room the first append after the prefill reserves (then: as many as appended)
+HEADROOM_STEP = 16  # tokens of room the first append after the prefill reserves (then: half the tokens appended)
 
 
 @dataclass
@@ -49,14 +49,14 @@ class FullPart:
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append ``(B, H_kv, L_new, D)`` new tokens for every sequence. ``keys``/``values`` are views of buffers
         whose room beyond the tokens (:meth:`reserved_bytes`) is proportionate to what was appended, not to the
-        prefill: :data:`HEADROOM_STEP` tokens at the first append, then as many as appended so far (the appended part
-        doubles), so a long generation copies the part O(log) times instead of once per step."""
+        prefill: :data:`HEADROOM_STEP` tokens at the first append, then half the tokens appended so far (the appended
+        part grows 1.5x per copy), so a long generation copies the part O(log) times instead of once per step."""
         R, n = self.length, k.shape[2]
         if self._buffers is None or R + n > self._buffers[0].shape[2]:
             B, H, _, D = self.keys.shape
             base = R if self._base is None else self._base
             self._base = base
-            capacity = R + n + max(HEADROOM_STEP, R + n - base)
+            capacity = R + n + max(HEADROOM_STEP, (R + n - base) // 2)
             bufs = tuple(t.new_empty((B, H, capacity, D)) for t in (self.keys, self.values))
             bufs[0][:, :, :R], bufs[1][:, :, :R] = self.keys, self.values
             self._buffers = (bufs[0], bufs[1])
