@@ -207,7 +207,7 @@ class CocktailCache(CacheLifecycles, Cache):
             if self._watch.armed:
                 self._check_forward(key_states)
                 if layer.state is LayerState.EMPTY:  # this forward is the prefill: the attention must be seen
-                    check_attention_reader(self.config, self._watch.model_config, self.scores_from_attention())
+                    check_attention_reader(self.config, self._watch.last_config, self.scores_from_attention())
             elif self.layers and self._watch.num_layers is None:  # no model config seen: count the layers filled
                 self._check_layer_count(len(self.layers))
         if self._is_prefill_chunk(layer, key_states):

@@ -60,6 +60,7 @@ class PrefillWatch:
         self.model_type: str | None = None
         self.num_layers: int | None = None
         self.model_config: Any = None  # the transformers config of the model seen (for the per-layer-type layout)
+        self.last_config: Any = None  # the config of the module called last: the model whose forward fills the cache
 
     @property
     def armed(self) -> bool:
@@ -81,6 +82,7 @@ class PrefillWatch:
     def note_config(self, config: Any) -> None:
         if self.model_config is None:
             self.model_config = config  # the outermost module's (seen first): the one DynamicCache(config=) takes
+        self.last_config = config  # an assistant model runs first: the attention calling the cache is the model's
         try:
             text = config.get_text_config(decoder=True)
         except Exception:  # any config object: keep what can be read
@@ -106,6 +108,7 @@ class PrefillWatch:
     def __deepcopy__(self, memo: dict) -> PrefillWatch:
         new = PrefillWatch()
         new.model_type, new.num_layers, new.model_config = self.model_type, self.num_layers, self.model_config
+        new.last_config = self.last_config
         if self.armed:
             new.arm()
         new.ids.extend(self.ids)  # never modified in place: shared

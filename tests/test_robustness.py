@@ -273,7 +273,7 @@ def test_attention_scorer_errors(tiny_tokenizer):
     prompt, ctx, q = make_prompt(30)
     with pytest.raises(ValueError, match=r"queries\[0\] must appear verbatim"):
         CocktailCache(cfg(scorer="attention")).prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries="w9 zz")
-    with pytest.raises(RuntimeError, match="attn_implementation='cocktail'"):
+    with pytest.raises(ValueError, match="but the model uses attn_implementation='sdpa'"):  # before the prefill
         gen(make_tiny_llama(attn="sdpa"), tiny_tokenizer, prompt, ctx, q, cfg(scorer="attention"))
 
 

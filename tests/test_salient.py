@@ -141,7 +141,7 @@ def test_a_branched_prefill_with_its_queries_decodes_alike_on_the_split_and_dequ
 
 
 def test_without_the_prefill_attention_it_says_what_is_needed(tiny_tokenizer):
-    with pytest.raises(RuntimeError, match=r"layer 0 saw none: load the model with attn_implementation='cocktail'"):
+    with pytest.raises(ValueError, match=r"salient_tokens=0.1 read\(s\) the prefill attention.*'sdpa'"):
         run(tiny_tokenizer, CocktailConfig(**BASE, salient_tokens=0.1), attn="sdpa")
     prompt, ctx, q = make_prompt(60)
     model = make_tiny_llama(attn="cocktail", head_dim=32)
