@@ -7,8 +7,10 @@ field made moot, the field that makes it so, the condition on the config under w
 
 Not in the table: where the scorer runs (``encoder``, ``encoder_batch_size``, ``encoder_device``) and the decode
 ``backend``. They choose resources, not what the cache stores, and one evaluation passes the same encoder to every
-method (a uniform baseline included). ``salient_tokens`` when every layer is in ``full_precision_layers`` depends on
-the model's layer count, so the cache refuses it at the first prefill instead (``CocktailCache._check_layer_count``).
+method (a uniform baseline included). ``group_size`` with ``uniform_bits=16``: the (empty) packed segments still
+check it against the head dim, so a value that does not divide it is an error there, not moot. ``salient_tokens``
+when every layer is in ``full_precision_layers`` depends on the model's layer count, so the cache refuses it at the
+first prefill instead (``CocktailCache._check_layer_count``).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ MOOT: tuple[Moot, ...] = (
     ),
     *(
         Moot(f, "uniform_bits", _all_full, _NOTHING_PACKED)
-        for f in ("value_bits", "scale_bits", "layer_bits", "group_size", "salient_tokens", "sink_tokens")
+        for f in ("value_bits", "scale_bits", "layer_bits", "salient_tokens", "sink_tokens")
     ),
     Moot("recent_tokens", "uniform_bits", _all_full, _NOTHING_PACKED),
     Moot("rotation", "uniform_bits", _all_full_stored_full, _NOTHING_QUANTIZED),

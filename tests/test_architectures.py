@@ -110,7 +110,7 @@ def test_uniform16_equals_the_models_default_cache(tiny_tokenizer, name, attn):
     prompt, ctx, q = make_prompt(90, needle_at=45)
     model = make_model(name, attn)
     ref_seq, ref_logits = generate(model, tiny_tokenizer, DynamicCache(config=model.config), prompt, ctx, q)
-    cache = CocktailCache(CocktailConfig(chunk_size=8, uniform_bits=16), encoder=FakeEncoder())
+    cache = CocktailCache(CocktailConfig(chunk_size=8, group_size=16, uniform_bits=16), encoder=FakeEncoder())
     seq, logits = generate(model, tiny_tokenizer, cache, prompt, ctx, q)
     assert torch.equal(seq, ref_seq)
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)

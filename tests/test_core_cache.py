@@ -18,8 +18,7 @@ GEN = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, outp
 
 def cfg(**kw):
     kw.setdefault("chunk_size", 8)
-    if kw.get("uniform_bits") != 16:  # nothing is packed at uniform_bits=16: a value group size would be moot
-        kw.setdefault("group_size", 16)
+    kw.setdefault("group_size", 16)
     kw.setdefault("backend", "torch")
     return CocktailConfig(**kw)
 

@@ -46,7 +46,7 @@ MOOT = [
     ("low_bits", ANY, "uniform_bits", ALL_UNIFORM),
     *[
         (f, ANY, "uniform_bits", {16})
-        for f in ("value_bits", "scale_bits", "group_size", "salient_tokens", "sink_tokens", "recent_tokens")
+        for f in ("value_bits", "scale_bits", "salient_tokens", "sink_tokens", "recent_tokens")
     ],
     ("rotation", ANY, "uniform_bits", {16}),  # with full_part_bits at its default 16
     ("scale_dtype", ANY, "uniform_bits", {16}),  # the same
