@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hf_cocktail import CocktailCache, CocktailConfig
-from hf_cocktail.compat import cache_kwargs
-from hf_cocktail.layer_bits import check_layer_count
+from hf_cocktail.integration.compat import cache_kwargs
+from hf_cocktail.storage.layer_bits import check_layer_count
 
 from .conftest import FakeEncoder, make_prompt, make_tiny_llama
 from .test_architectures import make_model

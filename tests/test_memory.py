@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from hf_cocktail import CocktailCache, CocktailConfig
-from hf_cocktail.compat import cache_kwargs
-from hf_cocktail.full_part import HEADROOM_STEP, FullPart
-from hf_cocktail.rotation import Rotation
+from hf_cocktail.integration.compat import cache_kwargs
+from hf_cocktail.storage.full_part import HEADROOM_STEP, FullPart
+from hf_cocktail.storage.rotation import Rotation
 
 from .conftest import FakeEncoder, make_prompt, make_tiny_llama
 from .test_architectures import make_model

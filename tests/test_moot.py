@@ -1,6 +1,6 @@
-"""One rule for moot combinations (hf_cocktail.moot): every pair of CocktailConfig fields, each set to a value other
-than its default, is accepted, or refused with a message naming both fields and their values exactly where the table
-below (written here, independently of the library's) says that one makes the other ineffective."""
+"""One rule for moot combinations (hf_cocktail.presets.moot): every pair of CocktailConfig fields, each set to a value
+other than its default, is accepted, or refused with a message naming both fields and their values exactly where the
+table below (written here, independently of the library's) says that one makes the other ineffective."""
 
 import dataclasses
 import itertools

@@ -7,8 +7,8 @@ import torch
 from transformers import DynamicCache
 
 from hf_cocktail import CocktailCache, CocktailConfig
-from hf_cocktail.compat import cache_kwargs
-from hf_cocktail.salient import move_to_full, salient_positions, tail_attention_mass
+from hf_cocktail.integration.compat import cache_kwargs
+from hf_cocktail.planning.salient import move_to_full, salient_positions, tail_attention_mass
 
 from .conftest import FakeEncoder, make_prompt, make_tiny_llama, two_question_document
 
@@ -209,7 +209,7 @@ def test_a_generation_that_ends_at_the_prefill_still_stores_its_salient_tokens(t
 def test_assisted_decoding_keeps_the_salient_tokens_and_logits_of_plain_greedy(tiny_tokenizer, monkeypatch, assisted):
     """The first assisted forward covers the prompt and the draft's candidates: the salient mass must come from the
     prompt's rows only (before the fix, 4-6 of the 28 kept tokens per layer differed and logits moved by ~5e-3)."""
-    import hf_cocktail.cache as cache_module
+    import hf_cocktail.cache.cache as cache_module
 
     ctx = " ".join(make_prompt(120)[1].split())
     tail = " ".join(ctx.split()[10:14])  # the prompt ends with words of the context: prompt lookup finds candidates

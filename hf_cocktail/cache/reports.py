@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .store import LayerStore
+from hf_cocktail.storage.store import LayerStore
 
 
 def storage_bytes(tensors: Iterable[Any], fp16: bool = False) -> int:
