@@ -108,7 +108,7 @@ def test_folder_round_trip_and_overrides(tmp_path):
         beta=0.25,
         encoder="org/enc",
         group_size=64,
-        uniform_bits=4,
+        low_bits=3,
         backend="torch",
         scale_dtype="float32",
         encoder_batch_size=8,
@@ -123,8 +123,8 @@ def test_folder_round_trip_and_overrides(tmp_path):
     assert os.path.isfile(tmp_path / "README.md")
     assert CocktailConfig.from_pretrained(tmp_path) == cfg
     assert CocktailConfig.from_pretrained(str(tmp_path / CONFIG_NAME)) == cfg
-    over = CocktailConfig.from_pretrained(tmp_path, chunk_size=64, uniform_bits=None)
-    assert over == dataclasses.replace(cfg, chunk_size=64, uniform_bits=None)
+    over = CocktailConfig.from_pretrained(tmp_path, chunk_size=64, low_bits=2)
+    assert over == dataclasses.replace(cfg, chunk_size=64, low_bits=2)
     with pytest.raises(ValueError, match="unknown CocktailConfig keys \\['chunksize'\\]"):
         CocktailConfig.from_pretrained(tmp_path, chunksize=64)
     with pytest.raises(ValueError, match="chunk_size must be an integer >= 1, got 0"):

@@ -38,7 +38,7 @@ def test_config_rejects_bad_values_naming_argument_and_value(kwargs, needle):
 
 
 def test_config_round_trip(tmp_path):
-    cfg = CocktailConfig(chunk_size=16, alpha=0.5, uniform_bits=4, backend="torch")
+    cfg = CocktailConfig(chunk_size=16, alpha=0.5, low_bits=3, backend="torch")
     assert CocktailConfig.from_dict(cfg.to_dict()) == cfg
     path = cfg.save_pretrained(tmp_path)
     assert json.load(open(path))["format_version"] == 1

@@ -109,7 +109,10 @@ def test_kv_accounting_cocktail_int2(tiny_llama, tiny_tokenizer):
         + H * math.ceil(N / C) * D * 2 * 2
     )  # key scales + zeros per chunk, fp16
     assert br.precision_counts == {"fp16": 0, "int4": 0, "int2": math.ceil(N / C)}
-    assert cache_kv_bytes(br.cache) == layers * per_layer
+    rep = br.cache.memory_report()  # + the index tensors (token positions, prompt ids); no decode: no headroom yet
+    assert rep["headroom_bytes"] == rep["rotation_bytes"] == 0
+    assert rep["index_bytes"] == 2 * 8 * L  # the prompt's ids and each token's position in the plan, int64
+    assert cache_kv_bytes(br.cache) == layers * per_layer + rep["index_bytes"]
     assert cache_kv_bytes(br.cache, deployed=False) == br.cache.nbytes()
 
 
@@ -148,10 +151,14 @@ def test_branch_gives_same_tokens_as_generate(smollm2):
         if name == "cocktail":
             assert br.precision_map == cache.precision_map()[0]
             assert cache_kv_bytes(br.cache) == cache_kv_bytes(cache)
-            # deployed bytes = packed codes + fp16 scales/zeros + the float32 full-precision part at 2 bytes/element
+            # deployed bytes = packed codes + fp16 scales/zeros + the float32 full-precision part and its room for
+            # appended tokens at 2 bytes/element + the index tensors
             rep = cache.memory_report()
             assert cache_kv_bytes(cache) == (
-                rep["codes_bytes"] + rep["scales_zeros_bytes"] + rep["full_precision_bytes"] // 2
+                rep["codes_bytes"]
+                + rep["scales_zeros_bytes"]
+                + (rep["full_precision_bytes"] + rep["headroom_bytes"]) // 2
+                + rep["index_bytes"]
             )
             assert rep["codes_bytes"] > 0
     # the shared prefill is left intact by the branches

@@ -101,7 +101,8 @@ def test_layer_bits_must_name_every_layer(tiny_tokenizer, layer_bits):
     cache = CocktailCache(CocktailConfig(chunk_size=8, group_size=16, layer_bits=layer_bits), encoder=FakeEncoder())
     prompt, ctx, q = make_prompt(60)
     inputs = cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q)
-    with pytest.raises(ValueError, match=rf"layer_bits has {len(layer_bits)} entries .*one \(key_bits, value_bits\)"):
+    n = "1 entry" if len(layer_bits) == 1 else f"{len(layer_bits)} entries"
+    with pytest.raises(ValueError, match=rf"layer_bits has {n} .*one \(key_bits, value_bits\)"):
         model.generate(**inputs, **cache_kwargs(model, cache), max_new_tokens=2, do_sample=False)
 
 

@@ -74,3 +74,20 @@ def test_pipeline_on_a_sliding_window_model_prefills_each_question(tiny_tokenize
     got = pipe(context, question=[q1, "w5 w6 w7 ?"], config=CFG, encoder=FakeEncoder(), **GEN)
     for r in got:
         assert (r["answer"], r["precision_map"]) == manual_answer(model, tiny_tokenizer, context, r["question"])
+
+
+def test_pipeline_with_the_attention_scorer_prefills_each_question(tiny_tokenizer):
+    """scorer='attention' cannot requery (it needs each question's prefill attention) and refuses keep_context_copy:
+    the pipeline prefills each question instead (it used to turn the copy on and fail at the second question)."""
+    model = make_tiny_llama()
+    _, context, q1 = make_prompt(80, needle_at=40)
+    config = CocktailConfig(chunk_size=8, group_size=16, alpha=0.3, beta=0.3, scorer="attention")
+    pipe = pipeline("cocktail-text-generation", model=model, tokenizer=tiny_tokenizer)
+    got = pipe(context, question=[q1, "w5 w6 w7 ?"], config=config, **GEN)
+    for r in got:
+        cache = CocktailCache(config)
+        prompt = build_prompt(tiny_tokenizer, context, r["question"])
+        inputs = cache.prepare_inputs(tiny_tokenizer, prompt, contexts=context, queries=r["question"])
+        out = model.generate(**inputs, **cache_kwargs(model, cache), **GEN)
+        answer = tiny_tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+        assert (r["answer"], r["precision_map"]) == (answer, cache.precision_map()[0])

@@ -16,12 +16,12 @@ BASE = dict(chunk_size=8, group_size=16, alpha=0.3, beta=0.3, rotation="hadamard
 GEN = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True)
 
 
-def run(tok, config, attn="cocktail", prompt=None, seed=0):
+def run(tok, config, attn="cocktail", prompt=None, seed=0, **generate_kwargs):
     prompt, ctx, q = prompt or make_prompt(120, needle_at=60)
     model = make_tiny_llama(attn=attn, head_dim=32, seed=seed)
     cache = CocktailCache(config, encoder=FakeEncoder())
     inputs = cache.prepare_inputs(tok, prompt, contexts=ctx, queries=q)
-    return model.generate(**inputs, **cache_kwargs(model, cache), **GEN), cache, inputs
+    return model.generate(**inputs, **cache_kwargs(model, cache), **GEN, **generate_kwargs), cache, inputs
 
 
 @pytest.mark.parametrize("bad", [-0.1, 1.5, True, "0.1", None])
@@ -67,6 +67,11 @@ def test_tail_attention_mass_reads_the_last_queries_and_refuses_too_few():
     torch.testing.assert_close(tail_attention_mass(q[:, 14:], k, 0.3, pad, *ctx), whole)  # only the tail's queries
     with pytest.raises(ValueError, match="every token after the context .from token 14 on.*start at token 15"):
         tail_attention_mass(q[:, 15:], k, 0.3, pad, *ctx)
+    # rows past the prepared prompt (assisted decoding's candidates in the same forward) are left out
+    torch.testing.assert_close(
+        tail_attention_mass(q, k, 0.3, pad, *ctx, prompt_end=17), p[:, :, 14:17, 5:14].sum((0, 1, 2))
+    )
+    torch.testing.assert_close(tail_attention_mass(q, k, 0.3, pad, *ctx, prompt_end=40), whole)
 
 
 def test_each_layer_keeps_its_own_salient_tokens_at_full_precision(tiny_tokenizer):
@@ -136,7 +141,7 @@ def test_a_branched_prefill_with_its_queries_decodes_alike_on_the_split_and_dequ
 
 
 def test_without_the_prefill_attention_it_says_what_is_needed(tiny_tokenizer):
-    with pytest.raises(RuntimeError, match=r"layer 0 saw none: load the model with attn_implementation='cocktail'"):
+    with pytest.raises(ValueError, match=r"salient_tokens=0.1 read\(s\) the prefill attention.*'sdpa'"):
         run(tiny_tokenizer, CocktailConfig(**BASE, salient_tokens=0.1), attn="sdpa")
     prompt, ctx, q = make_prompt(60)
     model = make_tiny_llama(attn="cocktail", head_dim=32)
@@ -198,3 +203,34 @@ def test_a_generation_that_ends_at_the_prefill_still_stores_its_salient_tokens(t
     n = round(0.1 * sum(p.numel() for part, p in plan.positions.items() if part != "full"))
     assert all(layer.store.full.length == plan.positions["full"].numel() + n for layer in cache.layers)
     assert report["total_bytes"] == cache.nbytes()
+
+
+@pytest.mark.parametrize("assisted", ["prompt_lookup", "draft_model"])
+def test_assisted_decoding_keeps_the_salient_tokens_and_logits_of_plain_greedy(tiny_tokenizer, monkeypatch, assisted):
+    """The first assisted forward covers the prompt and the draft's candidates: the salient mass must come from the
+    prompt's rows only (before the fix, 4-6 of the 28 kept tokens per layer differed and logits moved by ~5e-3)."""
+    import hf_cocktail.cache.cache as cache_module
+
+    ctx = " ".join(make_prompt(120)[1].split())
+    tail = " ".join(ctx.split()[10:14])  # the prompt ends with words of the context: prompt lookup finds candidates
+    prompt = (f"<s> w1 {ctx} w2 {tail}", ctx, tail)
+    forward_lengths = []
+    record = cache_module.record_layer_mass
+
+    def spy(plans, query, key, *args):
+        forward_lengths.append(key.shape[2])
+        return record(plans, query, key, *args)
+
+    monkeypatch.setattr(cache_module, "record_layer_mass", spy)
+    config = CocktailConfig(**BASE, salient_tokens=0.1)
+    plain, pcache, _ = run(tiny_tokenizer, config, prompt=prompt)
+    forward_lengths.clear()
+    draft = make_tiny_llama(attn="sdpa", head_dim=32, layers=1, seed=1)
+    kw = dict(prompt_lookup_num_tokens=3) if assisted == "prompt_lookup" else dict(assistant_model=draft)
+    out, cache, inputs = run(tiny_tokenizer, config, prompt=prompt, **kw)
+    assert min(forward_lengths) > inputs["input_ids"].shape[1]  # the first forward did hold candidates
+    for layer in range(2):
+        assert torch.equal(cache.layer_positions(layer)[0]["full"], pcache.layer_positions(layer)[0]["full"])
+        torch.testing.assert_close(cache._plans[0].layer_mass[layer], pcache._plans[0].layer_mass[layer])
+    assert torch.equal(out.sequences, plain.sequences)
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(plain.logits), atol=1e-5, rtol=1e-5)

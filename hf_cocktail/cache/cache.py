@@ -18,10 +18,10 @@ from hf_cocktail.cache import layout, reports
 from hf_cocktail.cache.inputs import prepare_plans
 from hf_cocktail.cache.layer import CocktailLayer, LayerState
 from hf_cocktail.cache.lifecycles import CacheLifecycles
-from hf_cocktail.cache.prefill_watch import PrefillWatch, check_head_dims, check_prefill_ids
+from hf_cocktail.cache.prefill_watch import PrefillWatch, check_attention_reader, check_head_dims, check_prefill_ids
 from hf_cocktail.planning import plans as planning
 from hf_cocktail.planning.plans import PlanView, SequencePlan
-from hf_cocktail.planning.salient import keeps_salient, record_layer_mass, with_salient
+from hf_cocktail.planning.salient import check_salient_layers, keeps_salient, record_layer_mass, with_salient
 from hf_cocktail.planning.scoring import TextEncoder
 from hf_cocktail.planning.search import add_query_attention, search_plan
 from hf_cocktail.presets.config import CocktailConfig
@@ -74,6 +74,7 @@ class CocktailCache(CacheLifecycles, Cache):
         self._partial: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._watch = PrefillWatch()  # what the prefill really embeds (armed from prepare_inputs to the prefill)
         self._model_config = model_config  # else the config the watch sees at the first prefill (layout.py)
+        self._num_layers: int | None = None  # the model's layer count, once seen
 
     # ----------------------------------------------------------------- inputs
     def prepare_inputs(self, tokenizer, prompts, contexts=None, queries=None, device=None, **tokenizer_kwargs):
@@ -90,6 +91,7 @@ class CocktailCache(CacheLifecycles, Cache):
         Returns:
             the tokenizer's ``BatchEncoding`` (``input_ids``, ``attention_mask``) to pass to ``generate``.
         """
+        check_attention_reader(self.config, self._model_config, self.scores_from_attention())
         enc, plans = prepare_plans(tokenizer, prompts, contexts, queries, self.config, tokenizer_kwargs)
         self.reset()
         self._plans = plans
@@ -116,12 +118,13 @@ class CocktailCache(CacheLifecycles, Cache):
 
     def accumulate_attention(self, query: torch.Tensor, key: torch.Tensor, scaling: float, layer_idx: int) -> None:
         """Record one layer's prefill attention: scorer="attention" adds the mass that the query's tokens give each
-        context token to the chunk scores; salient_tokens keeps the layer's mass from the tokens after the context.
-        ``query (B, H_q, L_q, D)`` (the last ``L_q`` prompt tokens), ``key (B, H_kv, L, D)``."""
+        context token to the chunk scores; salient_tokens keeps the layer's mass from the prompt's tokens after the
+        context (never from tokens past the prepared prompt, e.g. assisted decoding's candidates in the same
+        forward). ``query (B, H_q, L_q, D)`` (the forward's last ``L_q`` tokens), ``key (B, H_kv, L, D)``."""
         if self.scores_from_attention():
             add_query_attention(self._plans, query, key, scaling)
         if keeps_salient(self.config.salient_tokens, self.config.full_precision_layers, layer_idx):
-            record_layer_mass(self._plans, query, key, scaling, layer_idx)
+            record_layer_mass(self._plans, query, key, scaling, layer_idx, self.prompt_len)
 
     def plans_for_prefill(self, k: torch.Tensor, search: bool = True) -> list[SequencePlan]:
         """The plans for a prefill of keys ``k (B, H_kv, L, D)``: runs the search once, follows generate's batch
@@ -156,12 +159,17 @@ class CocktailCache(CacheLifecycles, Cache):
         it); ``all_full``: a layer kept entirely at full precision."""
         if all_full:
             return [plan.all_full_positions(self.prefill_len, self.config.packed_bits) for plan in self._plans]
-        pair = layer_pair(self.config.layer_bits, layer_idx)
+        pair = self.layer_bits_pair(layer_idx)
         out = [capped_positions(plan.positions, pair and pair[0]) for plan in self._plans]
         if self.config.salient_tokens > 0:
             f = self.config.salient_tokens
             out = [with_salient(pos, plan, layer_idx, f) for pos, plan in zip(out, self._plans)]
         return out
+
+    def layer_bits_pair(self, layer_idx: int) -> tuple[int, int] | None:
+        """Layer ``layer_idx``'s ``layer_bits`` cap (one entry per model layer, or per Cocktail layer)."""
+        rank = sum(isinstance(layer, CocktailLayer) for layer in self.layers[:layer_idx])
+        return layer_pair(self.config.layer_bits, layer_idx, self._num_layers, rank)
 
     def run_search(self) -> None:
         """Score every chunk and assign its precision (done automatically at prefill, once per ``generate``)."""
@@ -199,6 +207,8 @@ class CocktailCache(CacheLifecycles, Cache):
         if layer_idx == self._first_cocktail_idx():
             if self._watch.armed:
                 self._check_forward(key_states)
+                if layer.state is LayerState.EMPTY:  # this forward is the prefill: the attention must be seen
+                    check_attention_reader(self.config, self._watch.last_config, self.scores_from_attention())
             elif self.layers and self._watch.num_layers is None:  # no model config seen: count the layers filled
                 self._check_layer_count(len(self.layers))
         if self._is_prefill_chunk(layer, key_states):
@@ -251,14 +261,21 @@ class CocktailCache(CacheLifecycles, Cache):
         past = self.get_seq_length(self._first_cocktail_idx())
         check_prefill_ids(self._watch, self._input_ids, k, past, self.prompt_len)
 
-    def _check_layer_count(self, num_layers: int) -> None:
-        check_layer_count(self.config.layer_bits, num_layers)
+    def _check_layer_count(self, num_layers: int, cocktail_layers: list[int] | None = None) -> None:
+        """The fields that name layers against the model's ``num_layers`` (``cocktail_layers``: the indices of its
+        full-attention layers, default: those of the layout built, else every layer)."""
+        if cocktail_layers is None:
+            built = [layer.layer_idx for layer in self._cocktail_layers()]
+            cocktail_layers = built if len(self.layers) == num_layers else list(range(num_layers))
+        check_layer_count(self.config.layer_bits, num_layers, cocktail_layers)
         layers = self.config.full_precision_layers
         if layers and layers[-1] >= num_layers:
             raise ValueError(
                 f"full_precision_layers {layers} names layer(s) {[i for i in layers if i >= num_layers]} but the "
                 f"model has {num_layers} layers (indices 0..{num_layers - 1})"
             )
+        check_salient_layers(self.config.salient_tokens, layers, cocktail_layers)
+        self._num_layers = num_layers
 
     def _is_prefill_chunk(self, layer: CocktailLayer, k: torch.Tensor) -> bool:
         """A forward that starts filling an empty layer with fewer tokens than the prepared prompt (chunked
@@ -324,6 +341,7 @@ class CocktailCache(CacheLifecycles, Cache):
         self._searched = False
         self.prefill_len = -1
         self._watch.disarm()
+        self._num_layers = None
 
     def _select(self, indices: list[int]) -> None:
         plans = self._plans or []
@@ -399,21 +417,27 @@ class CocktailCache(CacheLifecycles, Cache):
         return [layer.store for layer in self._cocktail_layers() if layer.store is not None]
 
     def nbytes(self) -> int:
-        """Bytes really held by the cache's working tensors (codes, scales/zeros and full-precision part, plus the
-        keys/values of the model's own sliding-window layers; the optional CPU context copy of
-        ``keep_context_copy`` is reported apart by :meth:`memory_report`)."""
-        native = sum(layout.native_nbytes(layer) for layer in self.layers if not isinstance(layer, CocktailLayer))
-        return sum(st.nbytes() for st in self._stores()) + native
+        """Bytes really held by the cache: every tensor of its layers (packed codes, scales/zeros, the full part and
+        its room for appended tokens, the rotation matrices counted once, offsets cached on the device, every tensor
+        of the model's own sliding-window / hybrid layers) and of its plans (token positions, attention masses, the
+        prompt's ids); the optional CPU context copy of ``keep_context_copy`` is reported apart by
+        :meth:`memory_report`. Rotation matrices are shared with other caches (:mod:`.rotation`) and counted in
+        each."""
+        return self.memory_report()["total_bytes"]
 
     def memory_report(self) -> dict[str, Any]:
         """Breakdown of :meth:`nbytes` plus what the same tokens would take in a FP16 cache (see
         :func:`hf_cocktail.cache.reports.memory_report`)."""
         copies = [layer.context_copy for layer in self._cocktail_layers() if layer.context_copy is not None]
-        native = [layer for layer in self.layers if not isinstance(layer, CocktailLayer)]
+        native = [reports.object_tensors(layer) for layer in self.layers if not isinstance(layer, CocktailLayer)]
         return reports.memory_report(
             self._stores(),
             copies,
             [p.bits for p in self._plans or []],
-            native_bytes=sum(layout.native_nbytes(layer) for layer in native),
-            native_fp16_bytes=sum(layout.native_nbytes(layer, fp16=True) for layer in native),
+            native_bytes=reports.storage_bytes(t for ts in native for t in ts),
+            native_fp16_bytes=sum(
+                layout.native_nbytes(layer, fp16=True) for layer in self.layers if not isinstance(layer, CocktailLayer)
+            ),
+            native_deployed_bytes=reports.storage_bytes((t for ts in native for t in ts), fp16=True),
+            plan_bytes=reports.storage_bytes(reports.plan_tensors(self._plans, self._input_ids)),
         )

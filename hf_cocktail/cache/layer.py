@@ -18,7 +18,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from hf_cocktail.decode.dispatch import quantizers
-from hf_cocktail.storage.layer_bits import code_widths, layer_pair
+from hf_cocktail.storage.layer_bits import code_widths
 from hf_cocktail.storage.rotation import Rotation
 from hf_cocktail.storage.store import LayerStore
 
@@ -33,6 +33,8 @@ class LayerOwner(Protocol):
     def plans_for_prefill(self, k: torch.Tensor, search: bool = True) -> list: ...
 
     def layer_positions(self, layer_idx: int, all_full: bool = False) -> list[dict]: ...
+
+    def layer_bits_pair(self, layer_idx: int) -> tuple[int, int] | None: ...
 
     def scores_from_attention(self) -> bool: ...
 
@@ -214,7 +216,7 @@ class CocktailLayer(CacheLayerMixin):
             quantize_v,
             rotation,
             cfg.codebook,
-            code_widths(16, layer_pair(cfg.layer_bits, self.layer_idx), cfg.value_bits)[1],
+            code_widths(16, self.cache.layer_bits_pair(self.layer_idx), cfg.value_bits)[1],
             cfg.scale_bits,
             16 if self.all_full else cfg.full_part_bits,
         )

@@ -133,11 +133,6 @@ class CacheLifecycles:
             raise ValueError(f"requery() supports one sequence (batch 1), this cache holds {len(self._plans or [])}")
         if not isinstance(query, str):
             raise TypeError(f"query must be a str, got {type(query).__name__}")
-        if self.config.scorer == "attention":
-            raise ValueError(
-                "requery() supports scorer='encoder' or 'bm25'; scorer='attention' would need the new "
-                "question's prefill attention over the old context (use a new prepare_inputs instead)"
-            )
 
     def __deepcopy__(self, memo: dict) -> Any:
         """``copy.deepcopy(cache)``: an independent cache (its layers belong to the copy), e.g. one shared prefill

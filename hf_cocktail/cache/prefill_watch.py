@@ -60,6 +60,7 @@ class PrefillWatch:
         self.model_type: str | None = None
         self.num_layers: int | None = None
         self.model_config: Any = None  # the transformers config of the model seen (for the per-layer-type layout)
+        self.last_config: Any = None  # the config of the module called last: the model whose forward fills the cache
 
     @property
     def armed(self) -> bool:
@@ -81,6 +82,7 @@ class PrefillWatch:
     def note_config(self, config: Any) -> None:
         if self.model_config is None:
             self.model_config = config  # the outermost module's (seen first): the one DynamicCache(config=) takes
+        self.last_config = config  # an assistant model runs first: the attention calling the cache is the model's
         try:
             text = config.get_text_config(decoder=True)
         except Exception:  # any config object: keep what can be read
@@ -106,6 +108,7 @@ class PrefillWatch:
     def __deepcopy__(self, memo: dict) -> PrefillWatch:
         new = PrefillWatch()
         new.model_type, new.num_layers, new.model_config = self.model_type, self.num_layers, self.model_config
+        new.last_config = self.last_config
         if self.armed:
             new.arm()
         new.ids.extend(self.ids)  # never modified in place: shared
@@ -150,4 +153,33 @@ def check_head_dims(k: torch.Tensor, v: torch.Tensor, model_type: str | None) ->
             f"CocktailCache does not support {model}: keys and values have different head dims: K {k.shape[-1]}, "
             f"V {v.shape[-1]} (multi-head latent attention, as in DeepSeek-V2/V3 or MiniCPM3, caches a compressed "
             "latent rather than per-head keys and values); use the model's own cache, e.g. DynamicCache()"
+        )
+
+
+def attn_implementation(model_config: Any) -> str | None:
+    """The attention implementation a transformers config names for its text model (``None`` where it names none)."""
+    if model_config is None:
+        return None
+    try:
+        text = model_config.get_text_config(decoder=True)
+    except Exception:  # any config object: read what is there
+        text = model_config
+    impl = getattr(text, "_attn_implementation", None) or getattr(model_config, "_attn_implementation", None)
+    return impl if isinstance(impl, str) else None
+
+
+def check_attention_reader(config: Any, model_config: Any, scores_from_attention: bool) -> None:
+    """``salient_tokens`` and ``scorer="attention"`` read the prefill attention, which only
+    ``attn_implementation="cocktail"`` hands to the cache: refuse another implementation as soon as the model's config
+    says which it is (before the prefill does any work)."""
+    impl = attn_implementation(model_config)
+    if impl is None or impl == "cocktail":
+        return
+    readers = [f"salient_tokens={config.salient_tokens!r}"] if config.salient_tokens > 0 else []
+    readers += ["scorer='attention'"] if scores_from_attention else []
+    if readers:
+        raise ValueError(
+            f"{' and '.join(readers)} read(s) the prefill attention, which only attn_implementation='cocktail' "
+            f"records, but the model uses attn_implementation={impl!r}: load it with attn_implementation='cocktail' "
+            "(or fill the cache with load_prefill(..., prefill_queries=...))"
         )

@@ -67,7 +67,9 @@ class CocktailTextGenerationPipeline(Pipeline):
 
     def _forward(self, model_inputs, config=None, encoder=None, generate_kwargs=None):
         context, questions = model_inputs["context"], model_inputs["questions"]
-        config = dataclasses.replace(config or CocktailConfig(), keep_context_copy=True)
+        config = config or CocktailConfig()
+        if config.scorer != "attention" or config.uniform_bits is not None:  # else each question needs its prefill
+            config = dataclasses.replace(config, keep_context_copy=True)
         cache = CocktailCache(config, encoder=encoder)
         results = []
         for i, question in enumerate(questions):

@@ -105,7 +105,13 @@ def context_span(
         return pad, pad
     cs, ce = inside[0], inside[-1] + 1
     cs = min(max(cs, pad + sink_tokens), ce)
-    return cs, max(cs, ce - recent_tokens)
+    if recent_tokens and ce - cs <= recent_tokens:
+        raise ValueError(
+            f"recent_tokens={recent_tokens} keeps the last {recent_tokens} context tokens at full precision but "
+            f"contexts[{row}] has only {ce - cs} token(s) after the sink tokens: nothing would be quantized; lower "
+            "recent_tokens (or use uniform_bits=16 for a cache at full precision)"
+        )
+    return cs, ce - recent_tokens
 
 
 def _occurrences(text: str, part: str, first: int) -> int:

@@ -26,25 +26,47 @@ def keeps_salient(salient_tokens: float, full_precision_layers: Sequence[int], l
     return salient_tokens > 0 and layer_idx not in full_precision_layers
 
 
+def check_salient_layers(
+    salient_tokens: float, full_precision_layers: Sequence[int], cocktail_layers: Sequence[int]
+) -> None:
+    """Refuse ``salient_tokens`` where every Cocktail layer (``cocktail_layers``: the model's full-attention layers)
+    is in ``full_precision_layers``: no layer has packed tokens to keep."""
+    if salient_tokens > 0 and cocktail_layers and set(cocktail_layers) <= set(full_precision_layers):
+        raise ValueError(
+            f"salient_tokens={salient_tokens!r} has no effect with full_precision_layers={tuple(full_precision_layers)}"
+            f": every full-attention layer of this model ({list(cocktail_layers)}) is kept at full precision, so no "
+            "layer has packed tokens to keep; set salient_tokens=0 or keep fewer layers at full precision"
+        )
+
+
 def tail_attention_mass(
-    query: torch.Tensor, key: torch.Tensor, scaling: float, pad: int, ctx_start: int, ctx_end: int
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scaling: float,
+    pad: int,
+    ctx_start: int,
+    ctx_end: int,
+    prompt_end: int | None = None,
 ) -> torch.Tensor:
     """Attention mass from the prompt tokens after the context onto each context token, one layer, one sequence.
 
     Args:
-        query: ``(H_q, L_q, D)``, the last ``L_q`` prompt tokens' queries (they must include every token from
-            ``ctx_end`` on); key: ``(H_kv, L, D)``, the whole prompt.
+        query: ``(H_q, L_q, D)``, the last ``L_q`` queries of the forward (they must include every token from
+            ``ctx_end`` on); key: ``(H_kv, L, D)``, the whole forward.
+        prompt_end: the prepared prompt's length (padded coordinates): query rows from it on are not the prompt's
+            (assisted decoding's first forward also covers the draft's candidates) and are left out. ``None``: ``L``.
 
     Returns:
-        ``(ctx_end - ctx_start,)`` fp32, summed over heads and query tokens.
+        ``(ctx_end - ctx_start,)`` fp32, summed over heads and the query rows ``[ctx_end, min(L, prompt_end))``.
     """
     L, first = key.shape[1], key.shape[1] - query.shape[1]
+    end = L if prompt_end is None else min(L, prompt_end)
     if first > ctx_end:
         raise ValueError(
             f"salient_tokens needs the prefill attention of every token after the context (from token {ctx_end} on) "
             f"in one forward; this forward's queries start at token {first} (chunked prefill is not supported)"
         )
-    return attention_mass(query, key, scaling, pad, (ctx_end, L), (ctx_start, ctx_end), first_query=first)
+    return attention_mass(query, key, scaling, pad, (ctx_end, end), (ctx_start, ctx_end), first_query=first)
 
 
 def salient_positions(mass: torch.Tensor, positions: dict, ctx_start: int, fraction: float) -> torch.Tensor:
@@ -74,12 +96,17 @@ def move_to_full(positions: dict, salient: torch.Tensor) -> dict:
 
 
 def record_layer_mass(
-    plans: Sequence[SequencePlan], query: torch.Tensor, key: torch.Tensor, scaling: float, layer_idx: int
+    plans: Sequence[SequencePlan],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scaling: float,
+    layer_idx: int,
+    prompt_end: int,
 ) -> None:
-    """Keep layer ``layer_idx``'s :func:`tail_attention_mass` in each sequence's plan. ``query (B, H_q, L_q, D)``,
-    ``key (B, H_kv, L, D)``."""
+    """Keep layer ``layer_idx``'s :func:`tail_attention_mass` in each sequence's plan, from the prepared prompt's
+    query rows only (``prompt_end``: its length). ``query (B, H_q, L_q, D)``, ``key (B, H_kv, L, D)``."""
     for b, plan in enumerate(plans):
-        mass = tail_attention_mass(query[b], key[b], scaling, plan.pad, plan.ctx_start, plan.ctx_end)
+        mass = tail_attention_mass(query[b], key[b], scaling, plan.pad, plan.ctx_start, plan.ctx_end, prompt_end)
         plan.layer_mass = {**plan.layer_mass, layer_idx: mass.cpu()}  # a new dict: beam rows share the old one
 
 

@@ -20,6 +20,7 @@ from hf_cocktail.presets.hub import (
     upload_folder,
 )
 from hf_cocktail.presets.model_card import write_card
+from hf_cocktail.presets.moot import check_moot
 from hf_cocktail.storage.layer_bits import check_layer_bits, mean_code_bits
 from hf_cocktail.storage.quant import CODEBOOKS, FULL_PART_BITS, SCALE_BITS, SUPPORTED_BITS
 from hf_cocktail.storage.rotation import ROTATIONS
@@ -52,6 +53,10 @@ def _is_real(x: Any) -> bool:
 @dataclass
 class CocktailConfig:
     """Settings of a Cocktail KV cache.
+
+    A field set (to a value other than its default) where another field makes it ineffective is refused, naming both
+    (e.g. ``target_bits`` or ``scorer`` with ``uniform_bits``, ``neighbors`` with ``target_bits``): the table is
+    :data:`hf_cocktail.presets.moot.MOOT`.
 
     Args:
         chunk_size: context tokens per chunk (C). Each chunk gets one precision; for keys the chunk is also the
@@ -189,10 +194,6 @@ class CocktailConfig:
         )
         object.__setattr__(self, "full_precision_layers", tuple(sorted(set(layers))))  # no re-validation
         _check(
-            self.neighbors == 0 or self.target_bits is None,
-            f"neighbors applies to the alpha/beta mode, not with target_bits={self.target_bits!r}",
-        )
-        _check(
             isinstance(self.keep_context_copy, bool),
             f"keep_context_copy must be True or False, got {self.keep_context_copy!r}",
         )
@@ -224,6 +225,7 @@ class CocktailConfig:
             f"{self.salient_tokens!r}",
         )
         object.__setattr__(self, "layer_bits", check_layer_bits(self.layer_bits, self.codebook))  # lists -> tuples
+        check_moot(self)  # a field another makes ineffective (hf_cocktail.presets.moot)
         object.__setattr__(self, "_validated", True)  # from now on, assignments are validated (__setattr__)
 
     def __setattr__(self, name: str, value: Any) -> None:

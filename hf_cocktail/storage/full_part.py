@@ -19,6 +19,8 @@ import torch
 
 from hf_cocktail.storage import quant
 
+HEADROOM_STEP = 16  # tokens of room the first append after the prefill reserves (then: half the tokens appended)
+
 
 @dataclass
 class FullPart:
@@ -27,6 +29,7 @@ class FullPart:
     start: list[int]  # (B,) first valid index per sequence
     _start_t: torch.Tensor | None = field(default=None, repr=False)
     _buffers: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)  # (B, H_kv, capacity, D)
+    _base: int | None = field(default=None, repr=False)  # the length before the first append (the prefill's)
 
     @classmethod
     def from_sequences(cls, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> FullPart:
@@ -45,12 +48,15 @@ class FullPart:
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append ``(B, H_kv, L_new, D)`` new tokens for every sequence. ``keys``/``values`` are views of buffers
-        whose capacity grows geometrically (by a quarter, at least 64 tokens), so a long generation copies the part
-        O(log) times instead of once per step."""
+        whose room beyond the tokens (:meth:`reserved_bytes`) is proportionate to what was appended, not to the
+        prefill: :data:`HEADROOM_STEP` tokens at the first append, then half the tokens appended so far (the appended
+        part grows 1.5x per copy), so a long generation copies the part O(log) times instead of once per step."""
         R, n = self.length, k.shape[2]
         if self._buffers is None or R + n > self._buffers[0].shape[2]:
             B, H, _, D = self.keys.shape
-            capacity = R + n + max(64, (R + n) // 4)
+            base = R if self._base is None else self._base
+            self._base = base
+            capacity = R + n + max(HEADROOM_STEP, (R + n - base) // 2)
             bufs = tuple(t.new_empty((B, H, capacity, D)) for t in (self.keys, self.values))
             bufs[0][:, :, :R], bufs[1][:, :, :R] = self.keys, self.values
             self._buffers = (bufs[0], bufs[1])
@@ -68,6 +74,16 @@ class FullPart:
         if self._buffers is None:
             return 0
         return sum(b.numel() * b.element_size() for b in self._buffers) - self.nbytes()
+
+    def reserved_deployed_bytes(self) -> int:
+        """:meth:`reserved_bytes` in an FP16 deployment: 2 per element whatever the dtype here."""
+        if self._buffers is None:
+            return 0
+        return 2 * sum(b.numel() for b in self._buffers) - self.deployed_bytes()
+
+    def index_bytes(self) -> int:
+        """The cached ``start`` tensor (:meth:`start_tensor`), ``(B,)`` int32."""
+        return 0 if self._start_t is None else self._start_t.numel() * self._start_t.element_size()
 
     @property
     def length(self) -> int:
@@ -180,6 +196,13 @@ class Int8FullPart:
 
     def reserved_bytes(self) -> int:
         return self.codes.reserved_bytes() + self.scales.reserved_bytes()
+
+    def reserved_deployed_bytes(self) -> int:
+        """The room as held (codes are 1 byte, scales in their storage dtype)."""
+        return self.reserved_bytes()
+
+    def index_bytes(self) -> int:
+        return self.codes.index_bytes() + self.scales.index_bytes()
 
     def select(self, indices: list[int]) -> Int8FullPart:
         return Int8FullPart(self.codes.select(indices), self.scales.select(indices), self.dtype)

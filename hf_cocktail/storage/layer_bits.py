@@ -50,25 +50,45 @@ def check_layer_bits(layer_bits: Any, codebook: str) -> Pairs | None:
     return tuple((int(k), int(v)) for k, v in layer_bits)
 
 
-def check_layer_count(layer_bits: Pairs | None, num_layers: int) -> None:
-    """``layer_bits`` must name exactly the model's layers."""
-    if layer_bits is not None and len(layer_bits) != num_layers:
+def _entries(n: int) -> str:
+    return f"{n} entry" if n == 1 else f"{n} entries"
+
+
+def check_layer_count(layer_bits: Pairs | None, num_layers: int, cocktail_layers: Sequence[int] | None = None) -> None:
+    """``layer_bits`` must name exactly the model's layers, or exactly its full-attention (Cocktail) layers
+    ``cocktail_layers`` (indices; ``None``: every layer is one)."""
+    if layer_bits is None:
+        return
+    n_cocktail = num_layers if cocktail_layers is None else len(cocktail_layers)
+    if len(layer_bits) in (num_layers, n_cocktail):
+        return
+    if n_cocktail == num_layers:
         raise ValueError(
-            f"layer_bits has {len(layer_bits)} entries but the model has {num_layers} layers: give one "
+            f"layer_bits has {_entries(len(layer_bits))} but the model has {num_layers} layers: give one "
             f"(key_bits, value_bits) pair per layer"
         )
+    raise ValueError(
+        f"layer_bits has {_entries(len(layer_bits))} but the model has {num_layers} layers, {n_cocktail} of them "
+        f"full-attention (Cocktail) layers: give one (key_bits, value_bits) pair per layer ({num_layers}) or one per "
+        f"full-attention layer ({n_cocktail}, in layer order)"
+    )
 
 
-def layer_pair(layer_bits: Pairs | None, layer_idx: int) -> tuple[int, int] | None:
-    """Layer ``layer_idx``'s ``(key_bits, value_bits)`` cap (``None`` without ``layer_bits``)."""
+def layer_pair(
+    layer_bits: Pairs | None, layer_idx: int, num_layers: int | None = None, cocktail_rank: int | None = None
+) -> tuple[int, int] | None:
+    """Layer ``layer_idx``'s ``(key_bits, value_bits)`` cap (``None`` without ``layer_bits``). ``layer_bits`` has one
+    entry per model layer, or, when its length is not the model's ``num_layers``, one per full-attention (Cocktail)
+    layer: then the layer takes the entry of its ``cocktail_rank`` (its index among the Cocktail layers)."""
     if layer_bits is None:
         return None
-    if layer_idx >= len(layer_bits):
+    i = layer_idx if num_layers is None or len(layer_bits) == num_layers or cocktail_rank is None else cocktail_rank
+    if i >= len(layer_bits):
         raise ValueError(
-            f"layer_bits has {len(layer_bits)} entries (layers 0..{len(layer_bits) - 1}) but the model has a layer "
+            f"layer_bits has {_entries(len(layer_bits))} (layers 0..{len(layer_bits) - 1}) but the model has a layer "
             f"{layer_idx}: give one (key_bits, value_bits) pair per layer"
         )
-    return layer_bits[layer_idx]
+    return layer_bits[i]
 
 
 def code_widths(bits: int, pair: tuple[int, int] | None, value_bits: int | None) -> tuple[int, int]:

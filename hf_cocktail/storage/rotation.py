@@ -10,6 +10,7 @@ Shapes: B batch, H_q query heads, H_kv key/value heads (``H_q = n_rep * H_kv``),
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -39,10 +40,28 @@ def orthonormal_matrices(num_heads: int, head_dim: int, seed: int) -> torch.Tens
     return mats.float()
 
 
+_SHARED: dict[tuple, torch.Tensor] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_matrices(
+    num_heads: int, head_dim: int, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """:func:`orthonormal_matrices` built once per ``(num_heads, head_dim, seed, device, dtype)`` in the process and
+    shared by every layer and cache that asks for them: ``(H_kv, D, D)``, never modified in place."""
+    key = (num_heads, head_dim, seed, str(torch.device(device)), dtype)
+    with _SHARED_LOCK:
+        mats = _SHARED.get(key)
+        if mats is None:
+            mats = _SHARED[key] = orthonormal_matrices(num_heads, head_dim, seed).to(device=device, dtype=dtype)
+        return mats
+
+
 @dataclass
 class Rotation:
     """The rotation a layer's store was written with (recorded with the data). ``keys``/``values``: ``(H_kv, D, D)``
-    fp32 matrices, or None where that side is stored unrotated."""
+    fp32 matrices, or None where that side is stored unrotated; from :meth:`make`, one tensor shared by every layer
+    and cache of the same head count, head dim, seed and device (:func:`shared_matrices`)."""
 
     kind: str
     seed: int
@@ -57,8 +76,17 @@ class Rotation:
             return None
         if kind not in ROTATIONS:
             raise ValueError(f"rotation must be one of {ROTATIONS}, got {kind!r}")
-        mats = orthonormal_matrices(num_heads, head_dim, seed).to(device)
+        mats = shared_matrices(num_heads, head_dim, seed, device)
         return cls(kind, seed, None if kind == "hadamard_values" else mats, None if kind == "hadamard_keys" else mats)
+
+    def __deepcopy__(self, memo: dict) -> Rotation:
+        """The matrices are shared and never modified: a copied cache keeps sharing them."""
+        return self
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The matrices held (one where keys and values share it)."""
+        mats = [m for m in (self.keys, self.values) if m is not None]
+        return mats[:1] if len(mats) == 2 and mats[0] is mats[1] else mats
 
     @staticmethod
     def _apply(

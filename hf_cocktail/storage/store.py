@@ -255,6 +255,10 @@ class PackedSegment:
         params += [t for t in (self.k_block, self.v_block) if t is not None]
         return sum(t.numel() * t.element_size() for t in params)
 
+    def index_bytes(self) -> int:
+        """The offsets cached on the device (:meth:`device_offsets`), two ``(B+1,)`` int32 tensors once read."""
+        return sum(t.numel() * t.element_size() for t in self._dev_offsets or ())
+
 
 @dataclass
 class LayerStore:
@@ -271,7 +275,14 @@ class LayerStore:
         self.full.append(k, v)
 
     def nbytes(self) -> int:
-        return self.full.nbytes() + sum(s.nbytes_codes() + s.nbytes_params() for s in self.segments)
+        """Every byte this store's tensors hold but the rotation matrices (shared with other layers and caches, so
+        a cache counts each once: :meth:`CocktailCache.nbytes`): codes, scales and zeros, the full part with its
+        room for appended tokens, and the offsets cached on the device."""
+        packed = sum(s.nbytes_codes() + s.nbytes_params() for s in self.segments)
+        return self.full.nbytes() + self.full.reserved_bytes() + packed + self.index_bytes()
+
+    def index_bytes(self) -> int:
+        return self.full.index_bytes() + sum(s.index_bytes() for s in self.segments)
 
     @classmethod
     def build(
