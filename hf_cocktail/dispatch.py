@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from . import params8, quant
+from .full_part import Int8FullPart
 from .split_attention import attend_in_store_basis, split_precision_attention_torch, with_rotation
 from .store import LayerStore
 
@@ -152,15 +153,23 @@ def _triton_attention(query: torch.Tensor, store: LayerStore, scaling: float, ou
     ).to(out_dtype)
 
 
-def _cpu_attention(query: torch.Tensor, store: LayerStore, scaling: float, out_dtype: torch.dtype) -> torch.Tensor:
+def _cpu_attention(query: torch.Tensor, store: LayerStore, scaling: float) -> torch.Tensor:
+    """The fused CPU kernel straight from the store: 8-bit scale / zero codes, an 8-bit full part's codes and the
+    rotation's matrices go to the kernel as they are stored (decoded and applied inside it)."""
     import cpu_ops
 
-    full = store.full
-    decode = functools.partial(cpu_ops.decode_params8, table=params8.scale_table("cpu"))
-    segments = [s.kernel_args(decode) for s in store.segments]
-    return cpu_ops.split_precision_attention(query, full.keys, full.values, full.start_tensor(), segments, scaling).to(
-        out_dtype
-    )
+    full, kw = store.full, {}
+    segments = [s.coded_kernel_args() for s in store.segments]
+    if any(s.scale_bits == 8 for s in store.segments):
+        kw["scale_table"] = params8.scale_table("cpu")
+    if isinstance(full, Int8FullPart):
+        keys, values = full.split_path_tensors()
+        kw["full_scales"] = (full.scales.keys, full.scales.values)
+    else:
+        keys, values = full.keys, full.values
+    if store.rotation is not None:
+        kw["rotation"] = (store.rotation.keys, store.rotation.values)
+    return cpu_ops.split_precision_attention(query, keys, values, full.start_tensor(), segments, scaling, **kw)
 
 
 @functools.cache  # asked at every decode step: the import and lookup once per (backend, op)
@@ -203,5 +212,5 @@ def split_precision_attention(query: torch.Tensor, store: LayerStore, scaling: f
     if chosen == "triton":
         return with_rotation(_triton_attention, query, store, scaling)
     if chosen == "cpu":
-        return with_rotation(_cpu_attention, query, store, scaling)
+        return _cpu_attention(query, store, scaling)
     return split_precision_attention_torch(query, store, scaling)

@@ -221,6 +221,29 @@ class PackedSegment:
             return args
         return (*args, quant.level_tensors(self.codebook, self.bits, self.k_codes.device)[0])
 
+    def coded_kernel_args(self) -> tuple:
+        """:meth:`kernel_args` for a kernel that reads 8-bit scales and zeros itself (``cpu_ops``): with
+        ``scale_bits=8`` the uint8 scale and zero codes in place of the numbers, then the levels (or None) and
+        ``k_block``, ``v_block`` as items 12 to 14; otherwise :meth:`kernel_args`. Nothing is decoded here."""
+        if self.k_block is None or not self.k_scale.numel() or not self.v_scale.numel():
+            return self.kernel_args()
+        codes = (self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero)
+        levels = (
+            None
+            if self.codebook == "uniform"
+            else quant.level_tensors(self.codebook, self.bits, self.k_codes.device)[0]
+        )
+        return (
+            self.code_bits,
+            self.chunk_size,
+            self.group_size,
+            *codes,
+            *self.device_offsets(),
+            levels,
+            self.k_block,
+            self.v_block,
+        )
+
     def select(self, indices: list[int]) -> PackedSegment:
         """The segment holding sequences ``indices`` (reordered / repeated) of this one."""
         tok = [slice(self.tok_off[i], self.tok_off[i + 1]) for i in indices]
