@@ -155,11 +155,9 @@ class Int8FullPart:
         """Quantize and append ``(B, H_kv, L_new, D)`` new tokens for every sequence. Unchecked (no device sync per
         step, as the 16-bit part): a non-finite state or a scale beyond its dtype gives NaN keys/values, which
         the attention output shows."""
-        scale_dtype = self.scales.keys.dtype
-        ck, sk = quant.quantize_tokens8(k, scale_dtype, check=False)
-        cv, sv = quant.quantize_tokens8(v, scale_dtype, check=False)
-        self.codes.append(ck, cv)
-        self.scales.append(sk, sv)
+        codes, scales = quant.quantize_tokens8(torch.stack([k, v]), self.scales.keys.dtype, check=False)  # one call
+        self.codes.append(codes[0], codes[1])
+        self.scales.append(scales[0], scales[1])
 
     def truncate(self, n: int) -> None:
         self.codes.truncate(n)

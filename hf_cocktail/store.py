@@ -290,7 +290,7 @@ class LayerStore:
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append ``(B, H_kv, L_new, D)`` new tokens (rotated like the rest) to the full-precision part."""
         if self.rotation is not None:
-            k, v = self.rotation.rotate_keys(k), self.rotation.rotate_values(v)
+            k, v = self.rotation.rotate_pair(k, v)
         self.full.append(k, v)
 
     def nbytes(self) -> int:
