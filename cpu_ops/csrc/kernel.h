@@ -459,10 +459,14 @@ static void run_all(const Problem& P, const std::vector<WorkItem>& items, const 
   const int64_t n_items = static_cast<int64_t>(items.size());
   std::vector<float> pm(n_items * rows), pl(n_items * rows), pacc(n_items * rows * D);
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  auto work = [&](int64_t, int64_t) {
     for (int64_t i = next++; i < n_items; i = next++)
       run_item(P, items[i], pm.data() + i * rows, pl.data() + i * rows, pacc.data() + i * rows * D);
-  });
+  };
+  if (workers == 1)
+    work(0, 1);  // no parallel region: on a busy machine waking a thread team costs more than a small problem
+  else
+    at::parallel_for(0, workers, 1, work);
   std::vector<float> o(D), rotated(D);
   for (int64_t bh = 0; bh + 1 < static_cast<int64_t>(first_item.size()); ++bh) {  // bh = b * H_kv + h
     for (int r = 0; r < rows; ++r) {
