@@ -140,16 +140,22 @@ def _triton_attention(query: torch.Tensor, store: LayerStore, scaling: float, ou
             f"{triton_ops.SUPPORTED_HEAD_DIMS}, got {D}: using the PyTorch implementation",
         )
         return attend_in_store_basis(query, store, scaling, out_dtype)
-    full = store.full
+    full, kw = store.full, {}
+    if any(s.scale_bits == 8 for s in store.segments):
+        kw["scale_table"] = params8.scale_table(query.device)
+    keys, values = full.split_path_tensors()  # an 8-bit full part: its int8 codes, read with their scales
+    if isinstance(full, Int8FullPart):
+        kw["full_scales"] = (full.scales.keys, full.scales.values)
     return triton_ops.split_precision_attention(
         query,
-        full.keys,
-        full.values,
+        keys,
+        values,
         full.start_tensor(),
-        [s.kernel_args() for s in store.segments],
+        [s.coded_kernel_args() for s in store.segments],
         scaling,
         max_tokens=[s.max_sequence_tokens() for s in store.segments],
         min_full_start=min(full.start),
+        **kw,
     ).to(out_dtype)
 
 
@@ -162,11 +168,9 @@ def _cpu_attention(query: torch.Tensor, store: LayerStore, scaling: float) -> to
     segments = [s.coded_kernel_args() for s in store.segments]
     if any(s.scale_bits == 8 for s in store.segments):
         kw["scale_table"] = params8.scale_table("cpu")
+    keys, values = full.split_path_tensors()  # an 8-bit full part: its int8 codes, read with their scales
     if isinstance(full, Int8FullPart):
-        keys, values = full.split_path_tensors()
         kw["full_scales"] = (full.scales.keys, full.scales.values)
-    else:
-        keys, values = full.keys, full.values
     if store.rotation is not None:
         kw["rotation"] = (store.rotation.keys, store.rotation.values)
     return cpu_ops.split_precision_attention(query, keys, values, full.start_tensor(), segments, scaling, **kw)
