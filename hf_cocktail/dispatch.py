@@ -216,5 +216,11 @@ def split_precision_attention(query: torch.Tensor, store: LayerStore, scaling: f
     if chosen == "triton":
         return with_rotation(_triton_attention, query, store, scaling)
     if chosen == "cpu":
-        return _cpu_attention(query, store, scaling)
+        D = query.shape[-1]
+        if D % 8 == 0:
+            return _cpu_attention(query, store, scaling)
+        _warn_once(
+            f"cpu-dim-{D}",
+            f"the fused CPU kernel needs a head dim that is a multiple of 8, got {D}: using the PyTorch implementation",
+        )
     return split_precision_attention_torch(query, store, scaling)

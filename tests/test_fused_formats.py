@@ -32,7 +32,7 @@ if not cpu_ops.available():
     pytest.skip(f"cpu_ops extension unavailable: {cpu_ops.unavailable_reason()}", allow_module_level=True)
 
 
-def make_store(D=64, H_kv=2, n_rep=2, B=2, T=80, L_q=1, scale_bits=8, full_part_bits=8, rotation=None, seed=0):
+def make_store(D=64, H_kv=2, n_rep=2, B=2, T=80, L_q=1, scale_bits=8, full_part_bits=8, rotation=None, seed=0, G=16):
     """A layer store of ``B`` sequences of ``T`` prompt tokens plus ``L_q`` appended ones, chunks of 8 at 4 and 2
     bits (the second sequence one chunk shorter: left padding); returns ``(query (B, H_kv * n_rep, L_q, D), store)``."""
     g = torch.Generator().manual_seed(seed)
@@ -48,7 +48,7 @@ def make_store(D=64, H_kv=2, n_rep=2, B=2, T=80, L_q=1, scale_bits=8, full_part_
         positions.append({"full": full, 4: four[four >= first + 3], 2: two[two >= first + 3]})
     rot = Rotation.make(rotation, H_kv, D, seed=1)
     store = LayerStore.build(
-        k, v, positions, 8, 16, torch.float16, rotation=rot, scale_bits=scale_bits, full_part_bits=full_part_bits
+        k, v, positions, 8, G, torch.float16, rotation=rot, scale_bits=scale_bits, full_part_bits=full_part_bits
     )
     store.append(torch.randn(B, H_kv, L_q, D, generator=g), torch.randn(B, H_kv, L_q, D, generator=g))
     query = torch.randn(B, H_kv * n_rep, L_q, D, generator=g) * 2
@@ -200,3 +200,13 @@ def test_int3_and_value_bits_with_params8_and_rotation():
     assert [s.code_bits for s in store.segments] == [(4, 3), 3]
     check(torch.randn(B, 2 * H, 1, D, generator=g), store)
     assert quant.SUPPORTED_BITS  # the module is used by the reference above
+
+
+def test_head_dim_the_kernel_cannot_read_falls_back_warning_once(monkeypatch):
+    """D=12 (not a multiple of 8): the PyTorch path, with one warning for all steps."""
+    monkeypatch.setattr(dispatch, "_warned", set())
+    query, store = make_store(D=12, rotation=None, T=48, G=4)
+    with pytest.warns(RuntimeWarning, match="multiple of 8, got 12") as record:
+        outs = [dispatch.split_precision_attention(query, store, 0.3, "cpu") for _ in range(3)]
+    assert len([w for w in record if "multiple of 8" in str(w.message)]) == 1
+    assert all(torch.equal(o, split_precision_attention_torch(query, store, 0.3)) for o in outs)

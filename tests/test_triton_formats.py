@@ -100,3 +100,22 @@ def test_8_bit_codes_need_blocks_table_and_scales():
         call(*codes, full.start_tensor(), segs, 0.1, scale_table=table)
     with pytest.raises(ValueError, match=re.escape("full_scales[0] must be a float tensor of shape (2, 2, 4, 1)")):
         call(*codes, full.start_tensor(), segs, 0.1, full_scales=(scales[0][:1], scales[1]), scale_table=table)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D,H_kv,n_rep", [(256, 1, 4), (128, 8, 4), (64, 3, 3)])
+def test_8_bit_formats_realistic_gpu(dtype, D, H_kv, n_rep):
+    """~4K tokens per sequence with 8-bit scales and zeros and the 8-bit full part, in fp16/bf16: Gemma 3 270M's
+    heads (D 256, one KV head, 4 query heads), Llama-3-8B's and SmolLM2's."""
+    store = make_store(
+        [420, 1300], {4: [1210, 2047], 2: [2466, 700]}, H_kv, D, 32, 32, dtype=dtype, scale_bits=8, full_part_bits=8
+    )
+    g = torch.Generator(device="cuda").manual_seed(1)
+    query = torch.randn(2, H_kv * n_rep, 1, D, generator=g, device="cuda").to(dtype)
+    out = coded_attention(query, store, D**-0.5)
+    truth = attention_sdpa(query, store, D**-0.5, torch.float64)
+    low = attention_sdpa(query, store, D**-0.5, dtype)
+    err, err_low = ((x.double() - truth).abs().max().item() for x in (out, low))
+    assert err <= 2 * err_low, f"kernel error {err:.3g}, PyTorch error at {dtype} {err_low:.3g}"
