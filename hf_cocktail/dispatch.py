@@ -140,7 +140,8 @@ def _triton_attention(query: torch.Tensor, store: LayerStore, scaling: float, ou
             f"{triton_ops.SUPPORTED_HEAD_DIMS}, got {D}: using the PyTorch implementation",
         )
         return attend_in_store_basis(query, store, scaling, out_dtype)
-    full, kw = store.full, {}
+    full = store.full
+    kw: dict[str, object] = {}  # the stored formats' extra arguments
     if any(s.scale_bits == 8 for s in store.segments):
         kw["scale_table"] = params8.scale_table(query.device)
     keys, values = full.split_path_tensors()  # an 8-bit full part: its int8 codes, read with their scales
@@ -164,7 +165,8 @@ def _cpu_attention(query: torch.Tensor, store: LayerStore, scaling: float) -> to
     rotation's matrices go to the kernel as they are stored (decoded and applied inside it)."""
     import cpu_ops
 
-    full, kw = store.full, {}
+    full = store.full
+    kw: dict[str, object] = {}  # the stored formats' extra arguments
     segments = [s.coded_kernel_args() for s in store.segments]
     if any(s.scale_bits == 8 for s in store.segments):
         kw["scale_table"] = params8.scale_table("cpu")
