@@ -78,3 +78,25 @@ def test_gemma3_270m_shapes_decode_on_the_fused_kernel(tiny_tokenizer, monkeypat
     ref, _ = run(model, tiny_tokenizer, "torch")
     assert torch.equal(fused.sequences, ref.sequences)
     torch.testing.assert_close(torch.stack(fused.logits), torch.stack(ref.logits), rtol=1e-4, atol=1e-4)
+
+
+def test_eval_branch_of_a_hybrid_shared_prefill_keeps_its_sliding_layers(tiny_tokenizer):
+    """The speed benchmarks branch one DynamicCache prefill into every method's cache: a sliding layer (holding only
+    its window) stays the model's layer in the Cocktail cache, the global ones are quantized (it raised before:
+    the sliding layer's window was taken for the whole prompt), and the branch decodes like a direct prefill."""
+    from eval.benchmarks.rounds import SharedPrefill, branch_runner, resolve_method
+    from eval.methods.branching import prefill
+    from eval.methods.kinds import Request
+
+    model = gemma_270m_shaped()
+    prompt, ctx, q = make_prompt(90, needle_at=45)
+    ids = tiny_tokenizer(prompt, return_tensors="pt")["input_ids"]
+    assert ids.shape[1] > 16  # longer than the window of the sliding layers
+    with torch.no_grad():
+        dyn, logits = prefill(model, ids)
+    shared = SharedPrefill(Request(prompt, ctx, q, "t", {}), ids, dyn, logits, 0.0)
+    runner = branch_runner(resolve_method("int4"), model, tiny_tokenizer, shared)
+    kinds = [isinstance(layer, CocktailLayer) for layer in runner.cache.layers]
+    assert kinds == [False, True, False, True]
+    runner.decode(model, 3, 0)
+    assert runner.ids.shape == (1, ids.shape[1] + 4)
