@@ -9,8 +9,9 @@ a compile-time constant), each cut into pieces of
 ``tokens_per_split`` tokens of that sequence; ragged sequences just leave some splits empty. A program loads the
 ``n_rep * L_q`` query rows of its kv head together (GQA without ``repeat_kv``), unpacks and dequantizes codes in
 registers (code ``c`` as ``c * scale + zero``, or ``levels[c] * scale + zero`` for a segment with a codebook's table
-of levels) and keeps an fp32 online softmax, and writes its partial (max, sum, unnormalised output). Kernel 2 merges
-the partials of a row with a log-sum-exp reduction and writes the output in ``query.dtype``.
+of levels; 8-bit scales / zeros and an int8 full part are decoded there too) and keeps an fp32 online softmax, and
+writes its partial (max, sum, unnormalised output). Kernel 2 merges the partials of a row with a log-sum-exp
+reduction and writes the output in ``query.dtype``.
 """
 
 from __future__ import annotations

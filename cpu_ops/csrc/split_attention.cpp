@@ -1,4 +1,6 @@
 // Fused split-precision decode attention over a full-precision part and packed INT4 / INT2 segments, on CPU.
+// 8-bit scales / zeros (their uint8 codes and per-chunk blocks) and an int8 full part (codes and per-token scales) are
+// read as stored and decoded on the way; with rotated storage the query is rotated in and the output rotated back here.
 //
 // Q.K and P.V are computed straight from the packed codes, block by block (one pass per segment, online softmax in
 // base 2); no dequantized copy of the cache is formed, only a (32 tokens x D) tile per block that stays in L1:
