@@ -79,7 +79,7 @@ def split_precision_attention(
         full_start: int32 ``(B,)``, values in ``[0, R]``.
         segments: a list of 0 to 2 tuples ``(bits, chunk_size, group_size, k_codes, k_scale, k_zero, v_codes,
             v_scale, v_zero, tok_off, chunk_off[, levels[, k_block, v_block]])`` in the storage format of
-            ``hf_cocktail.quant``:
+            ``hf_cocktail.storage.quant``:
             bits 2, 3 or 4 for keys and values (INT3: a 2-bit plane then a 1-bit plane), or a pair
             ``(key_bits, value_bits)`` with ``value_bits <= key_bits``; chunk_size C >= 1; group_size G a power of
             two dividing D; ``k_codes`` uint8 ``(H_kv, N, D * key_bits // 8)``, ``v_codes`` uint8
@@ -90,7 +90,7 @@ def split_precision_attention(
             is ``chunk_off[b] + (t - tok_off[b]) // C``. ``levels`` (optional, one width of 2 or 3 bits): float32
             ``(2**bits,)``,
             the level each code stands for (a codebook: ``level * scale + zero`` instead of ``code * scale +
-            zero``); ``None`` stands for uniform levels. 8-bit scales and zeros (``hf_cocktail.params8``):
+            zero``); ``None`` stands for uniform levels. 8-bit scales and zeros (``hf_cocktail.storage.params8``):
             ``k_scale`` ... ``v_zero`` are their uint8 codes, ``k_block`` and ``v_block`` ``(H_kv, M, 3)`` float
             ``(s_max, z_lo, z_step)`` per chunk (values: the chunk of the token), decoded in the inner loop as
             ``s_max * scale_table[code]`` and ``z_lo + code * z_step``.
@@ -101,12 +101,12 @@ def split_precision_attention(
         isa: ``"auto"`` (the AVX2 + FMA + F16C build where the CPU has them, else the portable baseline build) or
             ``"baseline"`` (the baseline build everywhere; for tests).
         full_scales: with int8 ``full_keys`` / ``full_values`` (an 8-bit full part,
-            ``hf_cocktail.quant.quantize_tokens8``): their scales ``(B, H_kv, R, 1)``, one float dtype, the strides
-            of each other; token ``t`` of head ``h`` reads ``code * scale``.
+            ``hf_cocktail.storage.quant.quantize_tokens8``): their scales ``(B, H_kv, R, 1)``, one float dtype, the
+            strides of each other; token ``t`` of head ``h`` reads ``code * scale``.
         rotation: rotated storage, ``(query_matrices, output_matrices)``, each fp32 ``(H_kv, D, D)`` or None: the
             query rows of kv head ``h`` are multiplied by ``query_matrices[h]`` (``q . R``) before attention, the
             output by ``output_matrices[h]`` transposed (``o . R^T``) after it.
-        scale_table: fp32 ``(256,)``, ``hf_cocktail.params8.scale_table``; needed by 8-bit scales and zeros.
+        scale_table: fp32 ``(256,)``, ``hf_cocktail.storage.params8.scale_table``; needed by 8-bit scales and zeros.
 
     Returns:
         ``(B, H_q, L_q, D)`` in ``query.dtype``. A query row that sees no token at all gets zeros.
@@ -233,7 +233,9 @@ def _blocks(seg, i: int, params8: bool, H_kv: int, M: int) -> list[torch.Tensor]
 
 def _table(scale_table) -> torch.Tensor:
     if scale_table is None:
-        _fail("scale_table", "a float32 (256,) tensor (hf_cocktail.params8.scale_table) with 8-bit scales", None)
+        _fail(
+            "scale_table", "a float32 (256,) tensor (hf_cocktail.storage.params8.scale_table) with 8-bit scales", None
+        )
     _check_tensor("scale_table", scale_table, (torch.float32,), (256,))
     return scale_table.contiguous()
 

@@ -20,11 +20,12 @@ import pytest
 import torch
 
 import cpu_ops
-from hf_cocktail import dispatch, quant
-from hf_cocktail.full_part import Int8FullPart
-from hf_cocktail.rotation import Rotation
-from hf_cocktail.split_attention import split_precision_attention_torch
-from hf_cocktail.store import LayerStore
+from hf_cocktail.decode import dispatch
+from hf_cocktail.decode.split_attention import split_precision_attention_torch
+from hf_cocktail.storage import quant
+from hf_cocktail.storage.full_part import Int8FullPart
+from hf_cocktail.storage.rotation import Rotation
+from hf_cocktail.storage.store import LayerStore
 
 if not cpu_ops.available():
     if os.environ.get("HF_COCKTAIL_REQUIRE_CPU_OPS") == "1":

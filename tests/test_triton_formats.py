@@ -14,10 +14,11 @@ import re
 import pytest
 import torch
 
-from hf_cocktail import dispatch, params8
-from hf_cocktail.full_part import Int8FullPart
-from hf_cocktail.rotation import Rotation
-from hf_cocktail.split_attention import split_precision_attention_torch
+from hf_cocktail.decode import dispatch
+from hf_cocktail.decode.split_attention import split_precision_attention_torch
+from hf_cocktail.storage import params8
+from hf_cocktail.storage.full_part import Int8FullPart
+from hf_cocktail.storage.rotation import Rotation
 
 from .test_triton_kernels import DEV, _interpret, attention_sdpa, make_store, triton_ops  # noqa: F401
 
@@ -25,7 +26,7 @@ INTERPRET = not torch.cuda.is_available()
 
 
 def coded_attention(query, store, scaling):
-    """The Triton kernel as hf_cocktail.dispatch calls it: codes, 8-bit parameter codes and int8 full part as
+    """The Triton kernel as hf_cocktail.decode.dispatch calls it: codes, 8-bit parameter codes and int8 full part as
     stored."""
     return dispatch._triton_attention(query, store, scaling, query.dtype)
 

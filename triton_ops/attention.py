@@ -126,7 +126,7 @@ def _packed_split(
     """Split ``j`` of sequence ``b`` in a packed segment: its tokens ``[tok_off[b] + j*TPS, ...)``. Key scales are
     per (chunk, channel), chunk = ``chunk_off[b] + (token - tok_off[b]) // C``; value scales per (token, group).
     Keys have ``BITS``-bit codes, values ``VBITS``-bit ones. With ``LEVELS`` (one width), code ``c`` stands for
-    ``lv_ptr[c]`` (fp32, ``2**BITS`` levels). With ``P8`` (8-bit scales and zeros, ``hf_cocktail.params8``) the
+    ``lv_ptr[c]`` (fp32, ``2**BITS`` levels). With ``P8`` (8-bit scales and zeros, ``hf_cocktail.storage.params8``) the
     scale / zero pointers hold uint8 codes, decoded in registers with their chunk's block ``(s_max, z_lo, z_step)``
     (``kb_ptr`` / ``vb_ptr``, ``(H_kv, M, 3)``) as ``s_max * tab_ptr[code]`` and ``z_lo + code * z_step``."""
     DP: tl.constexpr = D * BITS // 8
@@ -266,10 +266,10 @@ def _split_attn_kernel(
             off = f_off + t.to(tl.int64)[:, None] * s_ft + d[None, :]
             k = tl.load(fk_ptr + off, mask=tm[:, None], other=0.0).to(tl.float32)
             v = tl.load(fv_ptr + off, mask=tm[:, None], other=0.0).to(tl.float32)
-            if F8:  # an 8-bit full part: int8 codes times their token's scale (hf_cocktail.quant.dequantize_tokens8)
-                s_off = b.to(tl.int64) * s_sb + h.to(tl.int64) * s_sh + t.to(tl.int64)[:, None] * s_st
-                k = k * tl.load(fks_ptr + s_off, mask=tm[:, None], other=0.0).to(tl.float32)
-                v = v * tl.load(fvs_ptr + s_off, mask=tm[:, None], other=0.0).to(tl.float32)
+            if F8:  # an 8-bit full part: int8 codes times their token's scale
+                (hf_cocktail.storage.quant.dequantize_tokens8) s_off = b.to(tl.int64) * s_sb + h.to(tl.int64) * s_sh +
+                t.to(tl.int64)[:, None] * s_st k = k * tl.load(fks_ptr + s_off, mask=tm[:, None],
+                other=0.0).to(tl.float32) v = v * tl.load(fvs_ptr + s_off, mask=tm[:, None], other=0.0).to(tl.float32)
             valid = rmask[:, None] & tm[None, :] & (t[None, :] <= (R - L_q + i)[:, None])
             acc, m_i, l_i = _online_update(acc, m_i, l_i, q, k, v, valid)
     elif sp < S_full + S_a:
@@ -525,7 +525,7 @@ def split_precision_attention(
     full_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     scale_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton version of ``hf_cocktail.split_attention.split_precision_attention_torch`` (same semantics).
+    """Triton version of ``hf_cocktail.decode.split_attention.split_precision_attention_torch`` (same semantics).
 
     Args:
         query: ``(B, H_q, L_q, D)``, D of 64, 128 or 256 (:data:`SUPPORTED_HEAD_DIMS`).
@@ -537,7 +537,7 @@ def split_precision_attention(
             width for keys and values or a pair ``(key_bits, value_bits)`` with ``value_bits <= key_bits``; ``levels``
             (a codebook's): fp32 ``(2**bits,)`` on the query's device, code ``c`` then dequantizes as
             ``levels[c] * scale + zero`` instead of ``c * scale + zero``. 8-bit scales and zeros
-            (``hf_cocktail.params8``): ``k_scale`` ... ``v_zero`` uint8 codes, then ``levels`` (or None),
+            (``hf_cocktail.storage.params8``): ``k_scale`` ... ``v_zero`` uint8 codes, then ``levels`` (or None),
             ``k_block`` and ``v_block`` ``(H_kv, M, 3)`` as items 12 to 14; decoded in registers with
             ``scale_table``.
         scaling: softmax scale (usually ``D ** -0.5``).
@@ -545,7 +545,7 @@ def split_precision_attention(
             from the tensors when not given (a device sync).
         tokens_per_split: tokens of one sequence per program (default: enough splits to fill the GPU).
         full_scales: the int8 full part's key and value scales ``(B, H_kv, R, 1)`` (strides of each other).
-        scale_table: fp32 ``(256,)`` (``hf_cocktail.params8.scale_table``), needed by 8-bit scales and zeros.
+        scale_table: fp32 ``(256,)`` (``hf_cocktail.storage.params8.scale_table``), needed by 8-bit scales and zeros.
 
     Returns:
         ``(B, H_q, L_q, D)`` in ``query.dtype``.

@@ -21,9 +21,9 @@ import timeit
 
 import torch
 
-from hf_cocktail import dispatch
-from hf_cocktail.rotation import Rotation
-from hf_cocktail.store import LayerStore
+from hf_cocktail.decode import dispatch
+from hf_cocktail.storage.rotation import Rotation
+from hf_cocktail.storage.store import LayerStore
 
 FORMATS = {
     "recommended": dict(group_size=64, scale_bits=16, full_part_bits=16),

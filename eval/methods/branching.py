@@ -19,8 +19,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
-from hf_cocktail import CocktailCache, CocktailConfig, layout
-from hf_cocktail.compat import cache_kwargs
+from hf_cocktail import CocktailCache, CocktailConfig
+from hf_cocktail.cache import layout
+from hf_cocktail.integration.compat import cache_kwargs
 
 from .kinds import Method, Request, build_cache
 from .queries import recording_queries
