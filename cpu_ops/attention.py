@@ -9,7 +9,7 @@ import torch
 from ._build import extension
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-INT32, UINT8 = (torch.int32,), (torch.uint8,)
+INT32, UINT8, INT8 = (torch.int32,), (torch.uint8,), (torch.int8,)
 SUPPORTED_BITS = (2, 3, 4)
 LEVEL_TABLE_BITS = (2, 3)  # bit widths whose codes may stand for a table of levels (a segment's 12th item)
 _SEGMENT_FIELDS = (
@@ -60,6 +60,9 @@ def split_precision_attention(
     *,
     tokens_per_item: int | None = None,
     isa: str = "auto",
+    full_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rotation: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
+    scale_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fused split-precision decode attention on CPU, straight from the packed codes.
 
@@ -69,13 +72,14 @@ def split_precision_attention(
 
     Args:
         query: ``(B, H_q, L_q, D)`` float32 / bfloat16 / float16.
-        full_keys, full_values: ``(B, H_kv, R, D)``, one of those dtypes (both the same), same strides, last dim
-            contiguous (a strided view of a larger buffer is fine). Sequence ``b`` owns tokens ``[full_start[b], R)``;
-            the newest ``L_q`` are the queries' own: query token ``i`` sees full-part token ``t`` iff
-            ``t <= R - L_q + i``.
+        full_keys, full_values: ``(B, H_kv, R, D)``, one of those dtypes (both the same), or int8 codes with
+            ``full_scales``; same strides, last dim contiguous (a strided view of a larger buffer is fine).
+            Sequence ``b`` owns tokens ``[full_start[b], R)``; the newest ``L_q`` are the queries' own: query token
+            ``i`` sees full-part token ``t`` iff ``t <= R - L_q + i``.
         full_start: int32 ``(B,)``, values in ``[0, R]``.
         segments: a list of 0 to 2 tuples ``(bits, chunk_size, group_size, k_codes, k_scale, k_zero, v_codes,
-            v_scale, v_zero, tok_off, chunk_off[, levels])`` in the storage format of ``hf_cocktail.storage.quant``:
+            v_scale, v_zero, tok_off, chunk_off[, levels[, k_block, v_block]])`` in the storage format of
+            ``hf_cocktail.storage.quant``:
             bits 2, 3 or 4 for keys and values (INT3: a 2-bit plane then a 1-bit plane), or a pair
             ``(key_bits, value_bits)`` with ``value_bits <= key_bits``; chunk_size C >= 1; group_size G a power of
             two dividing D; ``k_codes`` uint8 ``(H_kv, N, D * key_bits // 8)``, ``v_codes`` uint8
@@ -86,13 +90,23 @@ def split_precision_attention(
             is ``chunk_off[b] + (t - tok_off[b]) // C``. ``levels`` (optional, one width of 2 or 3 bits): float32
             ``(2**bits,)``,
             the level each code stands for (a codebook: ``level * scale + zero`` instead of ``code * scale +
-            zero``).
+            zero``); ``None`` stands for uniform levels. 8-bit scales and zeros (``hf_cocktail.storage.params8``):
+            ``k_scale`` ... ``v_zero`` are their uint8 codes, ``k_block`` and ``v_block`` ``(H_kv, M, 3)`` float
+            ``(s_max, z_lo, z_step)`` per chunk (values: the chunk of the token), decoded in the inner loop as
+            ``s_max * scale_table[code]`` and ``z_lo + code * z_step``.
             Non-contiguous segment tensors are copied (stored segments are contiguous).
         scaling: softmax scale (usually ``D ** -0.5``).
         tokens_per_item: tokens of one (sequence, kv head, source) per parallel work item (default: chosen from the
             sizes and ``torch.get_num_threads()``).
         isa: ``"auto"`` (the AVX2 + FMA + F16C build where the CPU has them, else the portable baseline build) or
             ``"baseline"`` (the baseline build everywhere; for tests).
+        full_scales: with int8 ``full_keys`` / ``full_values`` (an 8-bit full part,
+            ``hf_cocktail.storage.quant.quantize_tokens8``): their scales ``(B, H_kv, R, 1)``, one float dtype, the
+            strides of each other; token ``t`` of head ``h`` reads ``code * scale``.
+        rotation: rotated storage, ``(query_matrices, output_matrices)``, each fp32 ``(H_kv, D, D)`` or None: the
+            query rows of kv head ``h`` are multiplied by ``query_matrices[h]`` (``q . R``) before attention, the
+            output by ``output_matrices[h]`` transposed (``o . R^T``) after it.
+        scale_table: fp32 ``(256,)``, ``hf_cocktail.storage.params8.scale_table``; needed by 8-bit scales and zeros.
 
     Returns:
         ``(B, H_q, L_q, D)`` in ``query.dtype``. A query row that sees no token at all gets zeros.
@@ -107,7 +121,7 @@ def split_precision_attention(
         _fail("query's head dim D", "a positive multiple of 8", D)
     if L_q < 1:
         _fail("query's L_q", ">= 1", L_q)
-    _check_tensor("full_keys", full_keys, FLOAT_DTYPES, (B, None, None, D))
+    _check_tensor("full_keys", full_keys, INT8 if full_scales is not None else FLOAT_DTYPES, (B, None, None, D))
     H_kv, R = full_keys.shape[1], full_keys.shape[2]
     if H_kv == 0 or H_q % H_kv:
         _fail("full_keys' H_kv (dim 1)", f"a divisor of the query heads H_q={H_q}", H_kv)
@@ -118,6 +132,8 @@ def split_precision_attention(
     if full_values.stride() != full_keys.stride():
         _fail("full_values' strides", f"those of full_keys {full_keys.stride()}", full_values.stride())
     _check_tensor("full_start", full_start, INT32, (B,))
+    full_scale_args = _full_scales(full_scales, full_keys.shape[:3])
+    rotation_args = _rotation(rotation, H_kv, D)
     if not isinstance(segments, (list, tuple)) or len(segments) > 2:
         _fail(
             "segments",
@@ -129,10 +145,10 @@ def split_precision_attention(
 
     seg_tensors, seg_ints, tokens = [], [], 0
     for i, seg in enumerate(segments):
-        if not isinstance(seg, (list, tuple)) or len(seg) not in (len(_SEGMENT_FIELDS), len(_SEGMENT_FIELDS) + 1):
+        if not isinstance(seg, (list, tuple)) or len(seg) - len(_SEGMENT_FIELDS) not in (0, 1, 3):
             _fail(
                 f"segments[{i}]",
-                f"a tuple {_SEGMENT_FIELDS} (+ levels)",
+                f"a tuple {_SEGMENT_FIELDS} (+ levels (+ k_block, v_block))",
                 f"{len(seg)} items" if isinstance(seg, (list, tuple)) else type(seg).__name__,
             )
         bits, C, G, kc, ks, kz, vc, vs, vz, tok, chk = seg[: len(_SEGMENT_FIELDS)]
@@ -142,8 +158,9 @@ def split_precision_attention(
         if not (type(G) is int and G >= 1 and G & (G - 1) == 0 and D % G == 0):
             _fail(f"segments[{i}].group_size", f"a power of two dividing D={D}", repr(G))
         N, M = (t.shape[1] if isinstance(t, torch.Tensor) and t.dim() == 3 else None for t in (kc, ks))
+        params8 = isinstance(ks, torch.Tensor) and ks.dtype == torch.uint8
         _check_tensor((i, "k_codes"), kc, UINT8, (H_kv, N, D * bits // 8))
-        _check_tensor((i, "k_scale"), ks, FLOAT_DTYPES, (H_kv, M, D))
+        _check_tensor((i, "k_scale"), ks, UINT8 if params8 else FLOAT_DTYPES, (H_kv, M, D))
         _check_tensor((i, "k_zero"), kz, (ks.dtype,), ks.shape)
         _check_tensor((i, "v_codes"), vc, UINT8, (H_kv, N, D * vbits // 8))
         _check_tensor((i, "v_scale"), vs, (ks.dtype,), (H_kv, N, D // G))
@@ -151,6 +168,7 @@ def split_precision_attention(
         _check_tensor((i, "tok_off"), tok, INT32, (B + 1,))
         _check_tensor((i, "chunk_off"), chk, INT32, (B + 1,))
         seg_tensors += [t.contiguous() for t in (kc, ks, kz, vc, vs, vz, tok, chk)] + [_levels(seg, i, bits, vbits)]
+        seg_tensors += _blocks(seg, i, params8, H_kv, M) if params8 else [_EMPTY, _EMPTY]
         seg_ints += [bits, vbits, C, G]
         tokens += N
     if tokens_per_item is None:
@@ -171,6 +189,9 @@ def split_precision_attention(
         float(scaling),
         tokens_per_item,
         isa == "baseline",
+        *full_scale_args,
+        *rotation_args,
+        _table(scale_table) if any(t.numel() for t in seg_tensors[9::11]) else _EMPTY,
     )
 
 
@@ -184,18 +205,67 @@ def code_widths(bits, name: str) -> tuple[int, int]:
 
 
 def _levels(seg, i: int, bits: int, vbits: int) -> torch.Tensor:
-    """A segment's optional 12th item, checked: its level table, or an empty tensor for uniform levels."""
-    if len(seg) == len(_SEGMENT_FIELDS):
-        return _NO_LEVELS
+    """A segment's optional 12th item, checked: its level table, or an empty tensor for uniform levels (no item, or
+    None)."""
+    if len(seg) == len(_SEGMENT_FIELDS) or seg[len(_SEGMENT_FIELDS)] is None:
+        return _EMPTY
     if bits not in LEVEL_TABLE_BITS or vbits != bits:
         _fail(
             f"segments[{i}].bits", f"one of {LEVEL_TABLE_BITS} (keys and values of one width) with levels", repr(seg[0])
         )
-    _check_tensor((i, "levels"), seg[-1], (torch.float32,), (1 << bits,))
-    return seg[-1].contiguous()
+    levels = seg[len(_SEGMENT_FIELDS)]
+    _check_tensor((i, "levels"), levels, (torch.float32,), (1 << bits,))
+    return levels.contiguous()
 
 
-_NO_LEVELS = torch.empty(0)
+_EMPTY = torch.empty(0)
+
+
+def _blocks(seg, i: int, params8: bool, H_kv: int, M: int) -> list[torch.Tensor]:
+    """The block numbers ``(H_kv, M, 3)`` of a segment with 8-bit scales and zeros (items 13 and 14), checked."""
+    if len(seg) != len(_SEGMENT_FIELDS) + 3:
+        _fail(f"segments[{i}]", "a tuple with k_block and v_block (14 items) for uint8 scale and zero codes", len(seg))
+    kb, vb = seg[-2:]
+    _check_tensor((i, "k_block"), kb, FLOAT_DTYPES, (H_kv, M, 3))
+    _check_tensor((i, "v_block"), vb, (kb.dtype,), (H_kv, M, 3))
+    return [kb.contiguous(), vb.contiguous()]
+
+
+def _table(scale_table) -> torch.Tensor:
+    if scale_table is None:
+        _fail(
+            "scale_table", "a float32 (256,) tensor (hf_cocktail.storage.params8.scale_table) with 8-bit scales", None
+        )
+    _check_tensor("scale_table", scale_table, (torch.float32,), (256,))
+    return scale_table.contiguous()
+
+
+def _full_scales(full_scales, shape: tuple) -> list[torch.Tensor]:
+    """``[key scales, value scales]`` of an int8 full part ``(B, H_kv, R, 1)``, checked, or two empty tensors."""
+    if full_scales is None:
+        return [_EMPTY, _EMPTY]
+    if not isinstance(full_scales, (list, tuple)) or len(full_scales) != 2:
+        _fail("full_scales", "a pair (key scales, value scales)", type(full_scales).__name__)
+    ks, vs = full_scales
+    _check_tensor("full_scales[0]", ks, FLOAT_DTYPES, (*shape, 1))
+    _check_tensor("full_scales[1]", vs, (ks.dtype,), ks.shape)
+    if ks.stride() != vs.stride():
+        _fail("full_scales[1]'s strides", f"those of full_scales[0] {ks.stride()}", vs.stride())
+    return [ks, vs]
+
+
+def _rotation(rotation, H_kv: int, D: int) -> list[torch.Tensor]:
+    """``[query matrices, output matrices]`` ``(H_kv, D, D)`` fp32, checked (an empty tensor where None)."""
+    if rotation is None:
+        return [_EMPTY, _EMPTY]
+    if not isinstance(rotation, (list, tuple)) or len(rotation) != 2:
+        _fail("rotation", "a pair (query matrices or None, output matrices or None)", type(rotation).__name__)
+    out = []
+    for name, m in zip(("rotation[0]", "rotation[1]"), rotation):
+        if m is not None:
+            _check_tensor(name, m, (torch.float32,), (H_kv, D, D))
+        out.append(_EMPTY if m is None else m.contiguous())
+    return out
 
 
 def _default_tokens_per_item(pairs: int, tokens_per_pair: int) -> int:

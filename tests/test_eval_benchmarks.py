@@ -222,3 +222,49 @@ def test_cli_errors():
     )
     assert [m.name for m in args.method_list] == ["fp16", "cocktail", "recommended", "cocktail:torch"]
     assert math.isfinite(args.rounds)
+
+
+def test_plot_latency_draws_every_model_and_dtype(tmp_path):
+    """plot_latency groups rows by (model, dtype) and writes one PNG; a missing ratio field fails."""
+    import json
+
+    from eval.benchmarks import plot_latency
+
+    def row(method, ctx, ms, ratio, dtype="float32"):
+        return {
+            "method": method,
+            "context_tokens": ctx,
+            "dtype": dtype,
+            "decode_ms_per_token": ms,
+            "decode_ratio": ratio,
+            "decode_ratio_min": ratio * 0.9,
+            "decode_ratio_max": ratio * 1.1,
+        }
+
+    runs = {
+        "a.json": {
+            "command": "python -m eval.benchmarks.bench_latency",
+            "results": [
+                row("fp16", 8000, 100.0, 1.0),
+                row("fp16", 16000, 200.0, 1.0),
+                row("cocktail", 8000, 50.0, 0.5),
+                row("fp16", 8000, 120.0, 1.0, "bfloat16"),
+            ],
+        },
+        "b.json": {
+            "command": "python -m eval.benchmarks.bench_latency --model gemma-3-270m",
+            "results": [row("fp16", 8000, 30.0, 1.0)],
+        },
+    }
+    for name, data in runs.items():
+        (tmp_path / name).write_text(json.dumps(data))
+    paths = [str(tmp_path / n) for n in runs]
+    groups = plot_latency.load_rows(paths)
+    assert sorted(groups) == [("SmolLM2-135M", "bfloat16"), ("SmolLM2-135M", "float32"), ("gemma-3-270m", "float32")]
+    out = tmp_path / "speed.png"
+    assert plot_latency.main([*paths, "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    del runs["a.json"]["results"][0]["decode_ratio_min"]
+    (tmp_path / "a.json").write_text(json.dumps(runs["a.json"]))
+    with pytest.raises(KeyError):
+        plot_latency.main([*paths, "--out", str(out)])

@@ -123,4 +123,6 @@ def test_bench_kernels_smoke(tmp_path):
     )
     assert p.returncode == 0, p.stderr[-3000:]
     rows = out.read_text().splitlines()
-    assert len(rows) == 1 + 6 and rows[1].split(",")[2] == "fp16_sdpa"  # fp16, 2 qcache, 3 cocktail mixes
+    assert len(rows) == 1 + 7 and rows[1].split(",")[2] == "fp16_sdpa"  # fp16, 2 qcache, 4 cocktail mixes
+    s8_f8 = rows[-1].split(",")
+    assert s8_f8[2] == "cocktail_paper_s8_f8" and float(s8_f8[-1]) < 1e-3  # the 8-bit formats read as stored

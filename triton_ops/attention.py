@@ -9,8 +9,9 @@ a compile-time constant), each cut into pieces of
 ``tokens_per_split`` tokens of that sequence; ragged sequences just leave some splits empty. A program loads the
 ``n_rep * L_q`` query rows of its kv head together (GQA without ``repeat_kv``), unpacks and dequantizes codes in
 registers (code ``c`` as ``c * scale + zero``, or ``levels[c] * scale + zero`` for a segment with a codebook's table
-of levels) and keeps an fp32 online softmax, and writes its partial (max, sum, unnormalised output). Kernel 2 merges
-the partials of a row with a log-sum-exp reduction and writes the output in ``query.dtype``.
+of levels; 8-bit scales / zeros and an int8 full part are decoded there too) and keeps an fp32 online softmax, and
+writes its partial (max, sum, unnormalised output). Kernel 2 merges the partials of a row with a log-sum-exp
+reduction and writes the output in ``query.dtype``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import triton.language as tl
 
 from .checks import check_bits, check_device
 
-SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
 _TILE = 8192  # elements of the (query rows x tokens x D) product held in registers (64 per thread, 4 warps)
 _LOG2E = 1.4426950408889634
 
@@ -71,6 +72,24 @@ def _code_values(q, lv_ptr, LEVELS: tl.constexpr):
 
 
 @triton.jit
+def _params(s_ptr, z_ptr, off, blk_ptr, chunk, tab_ptr, m2, P8: tl.constexpr):
+    """fp32 scales and zeros at ``off`` (masked by ``m2``): numbers, or with ``P8`` uint8 codes decoded with the
+    block of ``chunk`` (``(BT, 1)``): ``s_max * tab_ptr[sc]`` and ``z_lo + zc * z_step``."""
+    if P8:
+        sc = tl.load(s_ptr + off, mask=m2, other=0).to(tl.int32)
+        zc = tl.load(z_ptr + off, mask=m2, other=0).to(tl.float32)
+        s_max = tl.load(blk_ptr + chunk * 3, mask=m2, other=0.0).to(tl.float32)
+        z_lo = tl.load(blk_ptr + chunk * 3 + 1, mask=m2, other=0.0).to(tl.float32)
+        z_step = tl.load(blk_ptr + chunk * 3 + 2, mask=m2, other=0.0).to(tl.float32)
+        scale = s_max * tl.load(tab_ptr + sc)
+        zero = z_lo + zc * z_step
+    else:
+        scale = tl.load(s_ptr + off, mask=m2, other=0.0).to(tl.float32)
+        zero = tl.load(z_ptr + off, mask=m2, other=0.0).to(tl.float32)
+    return scale, zero
+
+
+@triton.jit
 def _packed_split(
     acc,
     m_i,
@@ -90,6 +109,9 @@ def _packed_split(
     tok_ptr,
     chk_ptr,
     lv_ptr,
+    kb_ptr,
+    vb_ptr,
+    tab_ptr,
     N,
     M,
     C,
@@ -99,11 +121,14 @@ def _packed_split(
     VBITS: tl.constexpr,
     G: tl.constexpr,
     LEVELS: tl.constexpr,
+    P8: tl.constexpr,
 ):
     """Split ``j`` of sequence ``b`` in a packed segment: its tokens ``[tok_off[b] + j*TPS, ...)``. Key scales are
     per (chunk, channel), chunk = ``chunk_off[b] + (token - tok_off[b]) // C``; value scales per (token, group).
     Keys have ``BITS``-bit codes, values ``VBITS``-bit ones. With ``LEVELS`` (one width), code ``c`` stands for
-    ``lv_ptr[c]`` (fp32, ``2**BITS`` levels)."""
+    ``lv_ptr[c]`` (fp32, ``2**BITS`` levels). With ``P8`` (8-bit scales and zeros, ``hf_cocktail.storage.params8``) the
+    scale / zero pointers hold uint8 codes, decoded in registers with their chunk's block ``(s_max, z_lo, z_step)``
+    (``kb_ptr`` / ``vb_ptr``, ``(H_kv, M, 3)``) as ``s_max * tab_ptr[code]`` and ``z_lo + code * z_step``."""
     DP: tl.constexpr = D * BITS // 8
     VDP: tl.constexpr = D * VBITS // 8
     NG: tl.constexpr = D // G
@@ -120,21 +145,22 @@ def _packed_split(
     kz_ptr += h64 * M * D
     vs_ptr += h64 * N * NG
     vz_ptr += h64 * N * NG
+    kb_ptr += h64 * M * 3
+    vb_ptr += h64 * M * 3
     for a in range(lo, hi, BT):
         t = a + tl.arange(0, BT)
         tm = t < hi
         t64 = t.to(tl.int64)
         m2 = tm[:, None]
-        k_off = (c0 + (t - t0) // C).to(tl.int64)[:, None] * D + d[None, :]
+        chunk = (c0 + (t - t0) // C).to(tl.int64)[:, None]
+        k_off = chunk * D + d[None, :]
         v_off = t64[:, None] * NG + grp[None, :]
+        ks, kz = _params(ks_ptr, kz_ptr, k_off, kb_ptr, chunk, tab_ptr, m2, P8)
+        vs, vz = _params(vs_ptr, vz_ptr, v_off, vb_ptr, chunk, tab_ptr, m2, P8)
         kq = _code_values(_load_codes(kc_ptr + t64[:, None] * DP, m2, d, D, BITS), lv_ptr, LEVELS)
-        k = kq * tl.load(ks_ptr + k_off, mask=m2, other=0.0).to(tl.float32) + tl.load(
-            kz_ptr + k_off, mask=m2, other=0.0
-        ).to(tl.float32)
+        k = kq * ks + kz
         vq = _code_values(_load_codes(vc_ptr + t64[:, None] * VDP, m2, d, D, VBITS), lv_ptr, LEVELS)
-        v = vq * tl.load(vs_ptr + v_off, mask=m2, other=0.0).to(tl.float32) + tl.load(
-            vz_ptr + v_off, mask=m2, other=0.0
-        ).to(tl.float32)
+        v = vq * vs + vz
         acc, m_i, l_i = _online_update(acc, m_i, l_i, q, k, v, rmask[:, None] & tm[None, :])
     return acc, m_i, l_i
 
@@ -150,6 +176,11 @@ def _split_attn_kernel(
     s_fb,
     s_fh,
     s_ft,
+    fks_ptr,
+    fvs_ptr,
+    s_sb,
+    s_sh,
+    s_st,
     start_ptr,
     R,
     a_kc,
@@ -161,6 +192,8 @@ def _split_attn_kernel(
     a_tok,
     a_chk,
     a_lv,
+    a_kb,
+    a_vb,
     a_N,
     a_M,
     a_C,
@@ -173,6 +206,8 @@ def _split_attn_kernel(
     b_tok,
     b_chk,
     b_lv,
+    b_kb,
+    b_vb,
     b_N,
     b_M,
     b_C,
@@ -188,6 +223,7 @@ def _split_attn_kernel(
     S_total,
     TPS,
     qk_scale,
+    tab_ptr,
     D: tl.constexpr,
     BQ: tl.constexpr,
     BT: tl.constexpr,
@@ -199,6 +235,9 @@ def _split_attn_kernel(
     VBITS_B: tl.constexpr,
     G_B: tl.constexpr,
     LV_B: tl.constexpr,
+    P8_A: tl.constexpr,
+    P8_B: tl.constexpr,
+    F8: tl.constexpr,
 ):
     """Grid ``(B * H_kv * n_qb, S_total)``: partial attention of one block of query rows over one token split."""
     pid = tl.program_id(0)
@@ -227,6 +266,10 @@ def _split_attn_kernel(
             off = f_off + t.to(tl.int64)[:, None] * s_ft + d[None, :]
             k = tl.load(fk_ptr + off, mask=tm[:, None], other=0.0).to(tl.float32)
             v = tl.load(fv_ptr + off, mask=tm[:, None], other=0.0).to(tl.float32)
+            if F8:  # an 8-bit full part: int8 codes times their token's scale (quant.dequantize_tokens8)
+                s_off = b.to(tl.int64) * s_sb + h.to(tl.int64) * s_sh + t.to(tl.int64)[:, None] * s_st
+                k = k * tl.load(fks_ptr + s_off, mask=tm[:, None], other=0.0).to(tl.float32)
+                v = v * tl.load(fvs_ptr + s_off, mask=tm[:, None], other=0.0).to(tl.float32)
             valid = rmask[:, None] & tm[None, :] & (t[None, :] <= (R - L_q + i)[:, None])
             acc, m_i, l_i = _online_update(acc, m_i, l_i, q, k, v, valid)
     elif sp < S_full + S_a:
@@ -249,6 +292,9 @@ def _split_attn_kernel(
             a_tok,
             a_chk,
             a_lv,
+            a_kb,
+            a_vb,
+            tab_ptr,
             a_N,
             a_M,
             a_C,
@@ -258,6 +304,7 @@ def _split_attn_kernel(
             VBITS_A,
             G_A,
             LV_A,
+            P8_A,
         )
     else:
         acc, m_i, l_i = _packed_split(
@@ -279,6 +326,9 @@ def _split_attn_kernel(
             b_tok,
             b_chk,
             b_lv,
+            b_kb,
+            b_vb,
+            tab_ptr,
             b_N,
             b_M,
             b_C,
@@ -288,6 +338,7 @@ def _split_attn_kernel(
             VBITS_B,
             G_B,
             LV_B,
+            P8_B,
         )
     r = (pid.to(tl.int64) * S_total + sp) * BQ + tl.arange(0, BQ)
     tl.store(pm_ptr + r, m_i)
@@ -362,6 +413,36 @@ def _check_levels(lv, i: int, bits: int, vbits: int, device: torch.device) -> to
     return lv.contiguous()
 
 
+def _full_scales(full_scales, fk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 full part's scales ``(B, H_kv, R, 1)`` (checked), or ``fk`` twice as an unused stand-in."""
+    if full_scales is None:
+        if fk.dtype == torch.int8:
+            raise ValueError("full_keys are int8 codes (an 8-bit full part): pass their full_scales")
+        return fk, fk
+    if fk.dtype != torch.int8:
+        raise ValueError(f"full_scales come with int8 full_keys / full_values (an 8-bit full part), got {fk.dtype}")
+    want = (*fk.shape[:3], 1)
+    for name, t in zip(("full_scales[0]", "full_scales[1]"), full_scales):
+        if not (
+            isinstance(t, torch.Tensor) and t.is_floating_point() and tuple(t.shape) == want and t.device == fk.device
+        ):
+            got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a float tensor of shape {want} on {fk.device}, got {got}")
+    ks, vs = full_scales
+    if ks.stride() != vs.stride():
+        raise ValueError(f"full_scales[1] must have the strides of full_scales[0] {ks.stride()}, got {vs.stride()}")
+    return ks, vs
+
+
+def _scale_table(table, device: torch.device) -> torch.Tensor:
+    ok = isinstance(table, torch.Tensor) and table.dtype == torch.float32 and tuple(table.shape) == (256,)
+    if not (ok and table.device == device):
+        raise ValueError(
+            f"scale_table must be a float32 (256,) tensor on {device} (8-bit scales and zeros), got {table!r:.80}"
+        )
+    return table.contiguous()
+
+
 def code_widths(bits, i: int) -> tuple[int, int]:
     """A segment's ``bits`` item -> ``(key_bits, value_bits)``: an int is both, a pair has ``value_bits <=
     key_bits``."""
@@ -387,24 +468,47 @@ def _check_codes(k_codes, v_codes, bits: tuple[int, int], i: int, H_kv: int, D: 
             )
 
 
+def _check_blocks(seg: tuple, i: int, H_kv: int, M: int, device: torch.device) -> list[torch.Tensor]:
+    """The block numbers ``(H_kv, M, 3)`` of a segment with 8-bit scales and zeros (items 13 and 14)."""
+    if len(seg) != 14:
+        raise ValueError(
+            f"segments[{i}] has uint8 scale and zero codes (8-bit scales and zeros) and needs k_block and v_block as "
+            f"items 13 and 14, got {len(seg)} items"
+        )
+    for name, blk in (("k_block", seg[12]), ("v_block", seg[13])):
+        ok = isinstance(blk, torch.Tensor) and blk.is_floating_point() and blk.device == device
+        if not (ok and tuple(blk.shape) == (H_kv, M, 3)):
+            got = f"{blk.dtype} {tuple(blk.shape)} on {blk.device}" if isinstance(blk, torch.Tensor) else blk
+            raise ValueError(
+                f"segments[{i}].{name} must be a float tensor (H_kv={H_kv}, M={M}, 3) on {device}, got {got}"
+            )
+    return [seg[12].contiguous(), seg[13].contiguous()]
+
+
 def _segment_args(seg: tuple | None, i: int, max_tokens: int | None, dummy: torch.Tensor):
     """Kernel arguments of packed segment ``i`` (or of an empty stand-in), its key / value bits and group size,
-    whether it has levels, its longest sequence."""
+    whether it has levels, whether its scales and zeros are 8-bit codes, its longest sequence."""
     if seg is None:
         z = dummy
-        return [z, z, z, z, z, z, z, z, z, 0, 0, 1], (2, 2), 1, False, 0
-    if len(seg) not in (11, 12):
-        raise ValueError(f"segments[{i}] must have 11 items, or 12 with levels, got {len(seg)}")
+        return [z, z, z, z, z, z, z, z, z, z, z, 0, 0, 1], (2, 2), 1, False, False, 0
+    if len(seg) not in (11, 12, 14):
+        raise ValueError(
+            f"segments[{i}] must have 11 items, 12 with levels, or 14 with levels (or None) and the blocks of 8-bit "
+            f"scales and zeros, got {len(seg)}"
+        )
     bits, chunk_size, group_size, *tensors, tok, chk = seg[:11]
     bits = code_widths(bits, i)
     _check_codes(tensors[0], tensors[3], bits, i, dummy.shape[1], dummy.shape[3])
-    levels = _check_levels(seg[11], i, *bits, dummy.device) if len(seg) == 12 else None
+    has_levels = len(seg) > 11 and seg[11] is not None
+    levels = _check_levels(seg[11], i, *bits, dummy.device) if has_levels else None
+    p8 = isinstance(tensors[1], torch.Tensor) and tensors[1].dtype == torch.uint8
     tensors = [t.contiguous() for t in tensors]
+    blocks = _check_blocks(seg, i, dummy.shape[1], tensors[1].shape[1], dummy.device) if p8 else [dummy, dummy]
     if max_tokens is None:
         max_tokens = int((tok[1:] - tok[:-1]).max()) if tok.numel() > 1 else 0
     lv = dummy if levels is None else levels
-    args = [*tensors, tok, chk, lv, tensors[0].shape[1], tensors[1].shape[1], chunk_size]
-    return args, bits, group_size, levels is not None, max_tokens
+    args = [*tensors, tok, chk, lv, *blocks, tensors[0].shape[1], tensors[1].shape[1], chunk_size]
+    return args, bits, group_size, levels is not None, p8, max_tokens
 
 
 def split_precision_attention(
@@ -418,22 +522,30 @@ def split_precision_attention(
     max_tokens: Sequence[int] | None = None,
     min_full_start: int | None = None,
     tokens_per_split: int | None = None,
+    full_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    scale_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of ``hf_cocktail.decode.split_attention.split_precision_attention_torch`` (same semantics).
 
     Args:
-        query: ``(B, H_q, L_q, D)``, D of 64 or 128 (:data:`SUPPORTED_HEAD_DIMS`).
-        full_keys, full_values: ``(B, H_kv, R, D)``; sequence ``b`` owns ``[full_start[b], R)``.
+        query: ``(B, H_q, L_q, D)``, D of 64, 128 or 256 (:data:`SUPPORTED_HEAD_DIMS`).
+        full_keys, full_values: ``(B, H_kv, R, D)``; sequence ``b`` owns ``[full_start[b], R)``. With
+            ``full_scales`` (an 8-bit full part): int8 codes, read as ``code * scale`` of their token.
         full_start: int32 ``(B,)`` on the query's device.
         segments: at most two packed segments, each ``(bits, chunk_size, group_size, k_codes, k_scale, k_zero,
             v_codes, v_scale, v_zero, tok_off, chunk_off[, levels])`` with int32 offsets ``(B+1,)``; ``bits`` is one
             width for keys and values or a pair ``(key_bits, value_bits)`` with ``value_bits <= key_bits``; ``levels``
             (a codebook's): fp32 ``(2**bits,)`` on the query's device, code ``c`` then dequantizes as
-            ``levels[c] * scale + zero`` instead of ``c * scale + zero``.
+            ``levels[c] * scale + zero`` instead of ``c * scale + zero``. 8-bit scales and zeros
+            (``hf_cocktail.storage.params8``): ``k_scale`` ... ``v_zero`` uint8 codes, then ``levels`` (or None),
+            ``k_block`` and ``v_block`` ``(H_kv, M, 3)`` as items 12 to 14; decoded in registers with
+            ``scale_table``.
         scaling: softmax scale (usually ``D ** -0.5``).
         max_tokens: per segment, the most tokens one sequence owns; min_full_start: ``min(full_start)``. Computed
             from the tensors when not given (a device sync).
         tokens_per_split: tokens of one sequence per program (default: enough splits to fill the GPU).
+        full_scales: the int8 full part's key and value scales ``(B, H_kv, R, 1)`` (strides of each other).
+        scale_table: fp32 ``(256,)`` (``hf_cocktail.storage.params8.scale_table``), needed by 8-bit scales and zeros.
 
     Returns:
         ``(B, H_q, L_q, D)`` in ``query.dtype``.
@@ -464,9 +576,11 @@ def split_precision_attention(
     segs = list(segments) + [None] * (2 - len(segments))
     maxes = list(max_tokens) if max_tokens is not None else [None] * len(segments)
     maxes += [None] * (2 - len(maxes))
-    (a_args, bits_a, g_a, lv_a, len_a), (b_args, bits_b, g_b, lv_b, len_b) = (
+    (a_args, bits_a, g_a, lv_a, p8_a, len_a), (b_args, bits_b, g_b, lv_b, p8_b, len_b) = (
         _segment_args(s, i, m, fk) for i, (s, m) in enumerate(zip(segs, maxes))
     )
+    fks, fvs = _full_scales(full_scales, fk)
+    table = _scale_table(scale_table, query.device) if p8_a or p8_b else fk
     len_full = R - (int(full_start.min()) if min_full_start is None else min_full_start)
     P = B * H_kv * n_qb
     if tokens_per_split is None:
@@ -499,6 +613,11 @@ def split_precision_attention(
             fk.stride(0),
             fk.stride(1),
             fk.stride(2),
+            fks,
+            fvs,
+            fks.stride(0),
+            fks.stride(1),
+            fks.stride(2),
             full_start,
             R,
             *a_args,
@@ -515,6 +634,7 @@ def split_precision_attention(
             S_total,
             TPS,
             float(scaling) * _LOG2E,
+            table,
             D=D,
             BQ=BQ,
             BT=BT,
@@ -526,6 +646,9 @@ def split_precision_attention(
             VBITS_B=bits_b[1],
             G_B=g_b,
             LV_B=lv_b,
+            P8_A=p8_a,
+            P8_B=p8_b,
+            F8=full_scales is not None,
         )
         _merge_kernel[(P,)](
             part_o,

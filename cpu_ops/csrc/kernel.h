@@ -96,6 +96,55 @@ static inline void to_float(const void* src, DType dt, int64_t off, int64_t n, f
   for (; i < n; ++i) dst[i] = c10::detail::fp16_ieee_to_fp32_value(s[i]);
 }
 
+// y = x . M (transpose false: y[e] = sum_d x[d] M[d, e]) or x . M^T (y[e] = sum_d x[d] M[e, d]); M (D, D) fp32.
+static void times_matrix(const float* x, const float* M, int D, bool transpose, float* y) {
+  if (!transpose) {
+    for (int e = 0; e < D; e += 8) store8(y + e, v8f{});
+    for (int d = 0; d < D; ++d) {
+      const v8f w = bcast(x[d]);
+      const float* row = M + static_cast<int64_t>(d) * D;
+      for (int e = 0; e < D; e += 8) store8(y + e, load8(y + e) + w * load8(row + e));
+    }
+    return;
+  }
+  for (int e = 0; e < D; ++e) {
+    const float* row = M + static_cast<int64_t>(e) * D;
+    v8f acc{};
+    for (int d = 0; d < D; d += 8) acc += load8(x + d) * load8(row + d);
+    y[e] = hsum(acc);
+  }
+}
+
+// D int8 codes of one token of an 8-bit full part -> fp32 code * scale (hf_cocktail.quant.dequantize_tokens8).
+static inline void int8_to_float(const int8_t* src, float scale, int D, float* dst) {
+  typedef int8_t v8s8 __attribute__((vector_size(8)));
+  for (int d = 0; d < D; d += 8) {
+    v8s8 c;
+    std::memcpy(&c, src + d, sizeof(c));
+    store8(dst + d, __builtin_convertvector(__builtin_convertvector(c, v8i), v8f) * scale);
+  }
+}
+
+// n scales and zeros of a packed segment from element offset off -> fp32: numbers of the segment's dtype, or 8-bit
+// codes decoded with their block blk (s_max, z_lo, z_step): s_max * table[code] and z_lo + code * z_step
+// (hf_cocktail.params8.decode_params8).
+static inline void load_params(const Segment& g, const void* scale, const void* zero, const void* block, int64_t off,
+                               int64_t blk, int64_t n, float* s, float* z) {
+  if (!g.k_block) {
+    to_float(scale, g.s_dtype, off, n, s);
+    to_float(zero, g.s_dtype, off, n, z);
+    return;
+  }
+  float b[3];
+  to_float(block, g.b_dtype, 3 * blk, 3, b);
+  const uint8_t *sc = static_cast<const uint8_t*>(scale) + off, *zc = static_cast<const uint8_t*>(zero) + off;
+  for (int64_t i = 0; i < n; ++i) {
+    s[i] = b[0] * g.table[sc[i]];
+    const float step = static_cast<float>(zc[i]) * b[2];
+    z[i] = b[1] + step;
+  }
+}
+
 // Channel order of a packed segment's tiles. Whole groups of 8 code bytes are unpacked one byte per lane and one
 // plane (bit offset j * BITS) at a time, so tile position 8 * (PER * k + j) + i holds channel PER * (8 * k + i) + j
 // (PER = 8 / BITS codes per byte); bytes after the last whole group of 8 are unpacked in channel order. Returns
@@ -316,8 +365,17 @@ static void run_item(const Problem& P, const WorkItem& w, float* m, float* l, fl
     for (int64_t a = w.lo; a < w.hi; a += kBlock) {
       const int n = static_cast<int>(std::min<int64_t>(kBlock, w.hi - a));
       for (int t = 0; t < n; ++t) {
-        to_float(P.fk, P.f_dtype, base + (a + t) * P.f_st, D, kt.data() + t * D);
-        to_float(P.fv, P.f_dtype, base + (a + t) * P.f_st, D, vt.data() + t * D);
+        if (P.f_int8) {
+          const int64_t off = base + (a + t) * P.f_st, soff = w.b * P.fs_sb + w.h * P.fs_sh + (a + t) * P.fs_st;
+          float sk, sv;
+          to_float(P.fks, P.fs_dtype, soff, 1, &sk);
+          to_float(P.fvs, P.fs_dtype, soff, 1, &sv);
+          int8_to_float(static_cast<const int8_t*>(P.fk) + off, sk, D, kt.data() + t * D);
+          int8_to_float(static_cast<const int8_t*>(P.fv) + off, sv, D, vt.data() + t * D);
+        } else {
+          to_float(P.fk, P.f_dtype, base + (a + t) * P.f_st, D, kt.data() + t * D);
+          to_float(P.fv, P.f_dtype, base + (a + t) * P.f_st, D, vt.data() + t * D);
+        }
       }
       block_scores(q, bias.data(), kt.data(), rows, clear_tail(n), D, s.data());
       if (a + n > P.R - P.L_q + 1) {  // the block reaches the queries' own tokens
@@ -361,9 +419,8 @@ static void run_item(const Problem& P, const WorkItem& w, float* m, float* l, fl
     const int n = static_cast<int>(std::min<int64_t>({kBlock, w.hi - a, t0 + (c - c0 + 1) * g.C - a}));
     if (c != chunk) {  // keys: q . k_t = sum_d (q_d * s_cd) * level_td + sum_d q_d * z_cd, scales once per chunk
       chunk = c;
-      const int64_t off = (static_cast<int64_t>(w.h) * g.M + c) * D;
-      to_float(g.k_scale, g.s_dtype, off, D, kscale.data());
-      to_float(g.k_zero, g.s_dtype, off, D, kzero.data());
+      const int64_t blk = static_cast<int64_t>(w.h) * g.M + c;
+      load_params(g, g.k_scale, g.k_zero, g.k_block, blk * D, blk, D, kscale.data(), kzero.data());
       for (int p = 0; p < D; ++p) ks_tile[p] = kscale[kperm[p]];
       for (int r = 0; r < rows; ++r) {
         v8f bz{};
@@ -375,9 +432,9 @@ static void run_item(const Problem& P, const WorkItem& w, float* m, float* l, fl
       }
     }
     // values: level * vs + vz per token and group of G channels, dequantized into the tile (shared by all rows)
-    const int64_t voff = (static_cast<int64_t>(w.h) * g.N + a) * NG;
-    to_float(g.v_scale, g.s_dtype, voff, static_cast<int64_t>(n) * NG, vsc.data());
-    to_float(g.v_zero, g.s_dtype, voff, static_cast<int64_t>(n) * NG, vze.data());
+    const int64_t voff = (static_cast<int64_t>(w.h) * g.N + a) * NG;  // (the values' blocks: one per chunk too)
+    load_params(g, g.v_scale, g.v_zero, g.v_block, voff, static_cast<int64_t>(w.h) * g.M + c,
+                static_cast<int64_t>(n) * NG, vsc.data(), vze.data());
     const float* levels = g.levels ? table : nullptr;
     unpack_keys(kc + a * kDp, n, D, levels, kt.data());
     unpack_values(vc + a * vDp, n, D, NG, vsc.data(), vze.data(), uniform ? vgroup.data() : nullptr, lane_g.data(),
@@ -402,11 +459,15 @@ static void run_all(const Problem& P, const std::vector<WorkItem>& items, const 
   const int64_t n_items = static_cast<int64_t>(items.size());
   std::vector<float> pm(n_items * rows), pl(n_items * rows), pacc(n_items * rows * D);
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  auto work = [&](int64_t, int64_t) {
     for (int64_t i = next++; i < n_items; i = next++)
       run_item(P, items[i], pm.data() + i * rows, pl.data() + i * rows, pacc.data() + i * rows * D);
-  });
-  std::vector<float> o(D);
+  };
+  if (workers == 1)
+    work(0, 1);  // no parallel region: on a busy machine waking a thread team costs more than a small problem
+  else
+    at::parallel_for(0, workers, 1, work);
+  std::vector<float> o(D), rotated(D);
   for (int64_t bh = 0; bh + 1 < static_cast<int64_t>(first_item.size()); ++bh) {  // bh = b * H_kv + h
     for (int r = 0; r < rows; ++r) {
       float mx = -INFINITY;
@@ -422,6 +483,10 @@ static void run_all(const Problem& P, const std::vector<WorkItem>& items, const 
       }
       const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;  // a row that sees no token gets 0 (as the reference)
       for (int d = 0; d < D; ++d) o[d] *= inv;
+      if (P.rot_o) {  // rotated values: the output rotated back, o . R^T
+        std::copy(o.begin(), o.end(), rotated.begin());
+        times_matrix(rotated.data(), P.rot_o + (bh % P.H_kv) * static_cast<int64_t>(D) * D, D, true, o.data());
+      }
       const int64_t dst = ((bh * P.n_rep + r / P.L_q) * P.L_q + r % P.L_q) * D;  // (b, h * n_rep + rep, i, :)
       if (out_dtype == DType::F32)
         std::copy(o.begin(), o.end(), static_cast<float*>(out) + dst);

@@ -1,4 +1,6 @@
 // Fused split-precision decode attention over a full-precision part and packed INT4 / INT2 segments, on CPU.
+// 8-bit scales / zeros (their uint8 codes and per-chunk blocks) and an int8 full part (codes and per-token scales) are
+// read as stored and decoded on the way; with rotated storage the query is rotated in and the output rotated back here.
 //
 // Q.K and P.V are computed straight from the packed codes, block by block (one pass per segment, online softmax in
 // base 2); no dequantized copy of the cache is formed, only a (32 tokens x D) tile per block that stays in L1:
@@ -62,6 +64,11 @@ struct Segment {  // one packed segment; shapes as in cpu_ops.split_precision_at
   DType s_dtype;
   const int32_t *tok_off, *chunk_off;
   const float* levels;  // the codebook's 2**bits levels (code units), or null for uniform levels
+  // 8-bit scales and zeros (hf_cocktail.params8): k_scale ... v_zero hold uint8 codes, decoded in the inner loop as
+  // scale = s_max * table[code], zero = z_lo + code * z_step from the chunk's block (H_kv, M, 3) of b_dtype numbers
+  const void *k_block, *v_block;  // null: the scales and zeros are numbers of s_dtype
+  DType b_dtype;
+  const float* table;  // (256,) fp32: 2 ** (-code / 16)
 };
 
 struct Problem {
@@ -70,6 +77,13 @@ struct Problem {
   const void *fk, *fv;               // full part (B, H_kv, R, D), element strides below
   DType f_dtype;
   int64_t R, f_sb, f_sh, f_st;
+  // 8-bit full part (hf_cocktail.full_part.Int8FullPart): fk, fv hold int8 codes, token t's row times its scale
+  bool f_int8;
+  const void *fks, *fvs;  // with f_int8: their scales (B, H_kv, R, 1) of fs_dtype
+  DType fs_dtype;
+  int64_t fs_sb, fs_sh, fs_st;
+  // rotated storage: per kv head, the query is multiplied by rot_q[h] (q . R) and the output by rot_o[h]^T
+  const float *rot_q, *rot_o;  // (H_kv, D, D) fp32 each, or null
   const int32_t* f_start;
   int n_seg;
   Segment seg[2];
@@ -104,13 +118,14 @@ namespace {
 struct Kernel {  // the build of kernel.h this CPU runs
   const char* target;
   void (*to_float)(const void*, DType, int64_t, int64_t, float*);
+  void (*times_matrix)(const float*, const float*, int, bool, float*);
   void (*run_all)(const Problem&, const std::vector<WorkItem>&, const std::vector<int64_t>&, int64_t, void*, DType);
 };
 
 const Kernel& kernel(bool baseline = false) {
-  static const Kernel base_k{"baseline", base::to_float, base::run_all};
+  static const Kernel base_k{"baseline", base::to_float, base::times_matrix, base::run_all};
 #ifdef HAVE_AVX2_PATH
-  static const Kernel avx2_k{"avx2+fma+f16c", avx2::to_float, avx2::run_all};
+  static const Kernel avx2_k{"avx2+fma+f16c", avx2::to_float, avx2::times_matrix, avx2::run_all};
   static const bool has_avx2 =
       __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   if (has_avx2 && !baseline) return avx2_k;
@@ -131,14 +146,18 @@ void check_offsets(const at::Tensor& off, int B, int64_t limit, const char* what
 }  // namespace
 
 // query (B, H_q, L_q, D) and full_keys / full_values (B, H_kv, R, D), unit last strides; full_start int32 (B,);
-// seg_tensors: per segment k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, tok_off, chunk_off, levels
-// (contiguous; levels fp32 (2**bits,) for a codebook, empty for uniform levels);
-// seg_ints: per segment key bits, value bits, chunk_size, group_size; baseline: run the baseline build even where AVX2 is there.
+// seg_tensors: per segment k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, tok_off, chunk_off, levels, k_block,
+// v_block (contiguous; levels fp32 (2**bits,) for a codebook, empty for uniform levels; k_block, v_block (H_kv, M, 3)
+// with 8-bit scales and zeros (then k_scale ... v_zero are their uint8 codes), else empty);
+// seg_ints: per segment key bits, value bits, chunk_size, group_size; baseline: run the baseline build even where AVX2 is there;
+// full_key_scales, full_value_scales: (B, H_kv, R, 1) for an int8 full part (full_keys / full_values its codes), else
+// empty; rot_q, rot_o: (H_kv, D, D) fp32 or empty (rotated storage); scale_table: (256,) fp32 or empty.
 // Returns (B, H_q, L_q, D) in query's dtype.
 at::Tensor split_attention(const at::Tensor& query, const at::Tensor& full_keys, const at::Tensor& full_values,
                            const at::Tensor& full_start, const std::vector<at::Tensor>& seg_tensors,
                            const std::vector<int64_t>& seg_ints, double scaling, int64_t tokens_per_item,
-                           bool baseline) {
+                           bool baseline, const at::Tensor& full_key_scales, const at::Tensor& full_value_scales,
+                           const at::Tensor& rot_q, const at::Tensor& rot_o, const at::Tensor& scale_table) {
   const Kernel& K = kernel(baseline);
   Problem P{};
   P.B = static_cast<int>(query.size(0));
@@ -148,33 +167,47 @@ at::Tensor split_attention(const at::Tensor& query, const at::Tensor& full_keys,
   P.D = static_cast<int>(query.size(3));
   P.rows = P.n_rep * P.L_q;
   // the queries, pre-scaled by scaling * log2(e) (the softmax runs in base 2), as (B, H_kv, rows, D) fp32
-  std::vector<float> q(static_cast<size_t>(P.B) * P.H_kv * P.rows * P.D);
+  // (rotated storage: each row times its kv head's rot_q, q . R, first)
+  std::vector<float> q(static_cast<size_t>(P.B) * P.H_kv * P.rows * P.D), raw(P.D);
   const DType q_dtype = dtype_of(query);
   const float qscale = static_cast<float>(scaling * 1.4426950408889634);
+  P.rot_q = rot_q.numel() ? rot_q.data_ptr<float>() : nullptr;
+  P.rot_o = rot_o.numel() ? rot_o.data_ptr<float>() : nullptr;
   for (int64_t b = 0, row = 0; b < P.B; ++b)
     for (int64_t hq = 0; hq < query.size(1); ++hq)
       for (int64_t i = 0; i < P.L_q; ++i, ++row) {
         float* dst = q.data() + row * P.D;
         K.to_float(query.data_ptr(), q_dtype, b * query.stride(0) + hq * query.stride(1) + i * query.stride(2), P.D,
-                   dst);
+                   P.rot_q ? raw.data() : dst);
+        if (P.rot_q) K.times_matrix(raw.data(), P.rot_q + (hq / P.n_rep) * P.D * P.D, P.D, false, dst);
         for (int d = 0; d < P.D; ++d) dst[d] *= qscale;
       }
   P.q = q.data();
   P.fk = full_keys.data_ptr();
   P.fv = full_values.data_ptr();
-  P.f_dtype = dtype_of(full_keys);
+  P.f_int8 = full_keys.scalar_type() == at::kChar;
+  P.f_dtype = P.f_int8 ? DType::F32 : dtype_of(full_keys);  // (int8 codes: read with their scales)
   P.R = full_keys.size(2);
   P.f_sb = full_keys.stride(0), P.f_sh = full_keys.stride(1), P.f_st = full_keys.stride(2);
   TORCH_CHECK_VALUE(full_values.strides() == full_keys.strides(),
                     "full_values must have the strides of full_keys, got ", full_values.strides(), " and ",
                     full_keys.strides());
+  if (P.f_int8) {
+    TORCH_CHECK_VALUE(full_key_scales.dim() == 4 && full_key_scales.size(2) == P.R,
+                      "an int8 full part needs full_key_scales (B, H_kv, R, 1)");
+    P.fks = full_key_scales.data_ptr(), P.fvs = full_value_scales.data_ptr();
+    TORCH_CHECK_VALUE(full_value_scales.strides() == full_key_scales.strides(),
+                      "full_value_scales must have the strides of full_key_scales");
+    P.fs_dtype = dtype_of(full_key_scales);
+    P.fs_sb = full_key_scales.stride(0), P.fs_sh = full_key_scales.stride(1), P.fs_st = full_key_scales.stride(2);
+  }
   P.f_start = full_start.data_ptr<int32_t>();
   for (int b = 0; b < P.B; ++b)
     TORCH_CHECK_VALUE(P.f_start[b] >= 0 && P.f_start[b] <= P.R, "full_start[", b, "] must be in [0, R=", P.R,
                       "], got ", P.f_start[b]);
   P.n_seg = static_cast<int>(seg_ints.size() / 4);
   for (int i = 0; i < P.n_seg; ++i) {
-    const at::Tensor* t = seg_tensors.data() + 9 * i;
+    const at::Tensor* t = seg_tensors.data() + 11 * i;
     Segment& g = P.seg[i];
     g.bits = static_cast<int>(seg_ints[4 * i]);
     g.vbits = static_cast<int>(seg_ints[4 * i + 1]);
@@ -183,7 +216,15 @@ at::Tensor split_attention(const at::Tensor& query, const at::Tensor& full_keys,
     g.N = t[0].size(1), g.M = t[1].size(1);
     g.k_codes = t[0].data_ptr<uint8_t>(), g.v_codes = t[3].data_ptr<uint8_t>();
     g.k_scale = t[1].data_ptr(), g.k_zero = t[2].data_ptr(), g.v_scale = t[4].data_ptr(), g.v_zero = t[5].data_ptr();
-    g.s_dtype = dtype_of(t[1]);
+    g.k_block = t[9].numel() ? t[9].data_ptr() : nullptr;
+    g.v_block = t[10].numel() ? t[10].data_ptr() : nullptr;
+    if (g.k_block) {
+      TORCH_CHECK_VALUE(scale_table.numel() == 256, "segments[", i, "]: 8-bit scales and zeros need scale_table");
+      g.b_dtype = dtype_of(t[9]);
+      g.table = scale_table.data_ptr<float>();
+    } else {
+      g.s_dtype = dtype_of(t[1]);
+    }
     g.tok_off = t[6].data_ptr<int32_t>(), g.chunk_off = t[7].data_ptr<int32_t>();
     TORCH_CHECK_VALUE(t[8].numel() == 0 || (t[8].numel() == (1 << g.bits) && g.bits <= 3 && g.vbits == g.bits),
                       "segments[", i, "]: levels must hold 2**bits levels for bits 2 or 3 (keys and values of one "

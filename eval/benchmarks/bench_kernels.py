@@ -7,7 +7,9 @@ token) and T - 32 context tokens cut into chunks of C=32 tokens. Cache mixes (fr
 
 * ``paper``: 10% FP16 / 30% INT4 / 60% INT2, chunks assigned at random (a typical Cocktail outcome with the paper's
   alpha=0.6, beta=0.1 thresholds);
-* ``int4`` / ``int2``: every context chunk at that precision.
+* ``int4`` / ``int2``: every context chunk at that precision;
+* ``paper_s8_f8``: the paper mix stored as the recommended settings store it: 8-bit scales and zeros
+  (``scale_bits=8``) and the full-precision tail as 8-bit codes (``full_part_bits=8``), read as stored by the kernel.
 
 Keys are quantized per channel within a chunk, values per token in groups of G=32 channels, fp16 scales/zeros.
 
@@ -51,12 +53,19 @@ from dataclasses import dataclass  # noqa: E402
 import torch  # noqa: E402
 
 import triton_ops  # noqa: E402
+from hf_cocktail.decode import dispatch  # noqa: E402
 from hf_cocktail.decode.split_attention import split_precision_attention_torch  # noqa: E402
 from hf_cocktail.storage import quant  # noqa: E402
-from hf_cocktail.storage.store import FullPart, LayerStore, PackedSegment  # noqa: E402
+from hf_cocktail.storage.full_part import full_part_from_sequences  # noqa: E402
+from hf_cocktail.storage.store import LayerStore, PackedSegment  # noqa: E402
 
 PEAK_BYTES_PER_S = 4.8e12  # H200 HBM3e
-MIXES = {"paper": (0.1, 0.3, 0.6), "int4": (0.0, 1.0, 0.0), "int2": (0.0, 0.0, 1.0)}  # FP16 / INT4 / INT2 chunks
+MIXES = {  # FP16 / INT4 / INT2 chunks
+    "paper": (0.1, 0.3, 0.6),
+    "int4": (0.0, 1.0, 0.0),
+    "int2": (0.0, 0.0, 1.0),
+    "paper_s8_f8": (0.1, 0.3, 0.6),
+}
 QCACHE_GROUP = 64  # transformers' QuantizedCache default q_group_size
 
 
@@ -75,8 +84,9 @@ def chunk_plan(n_chunks: int, mix, gen: torch.Generator) -> torch.Tensor:
     return bits[torch.randperm(n_chunks, generator=gen)]
 
 
-def build_store(k, v, mix, C, G, tail, gen, quantize_keys, quantize_values) -> LayerStore:
-    """A LayerStore of the FP16 cache ``k, v (B, H_kv, T, D)`` (last ``tail`` tokens full precision)."""
+def build_store(k, v, mix, C, G, tail, gen, quantize_keys, quantize_values, formats8: bool = False) -> LayerStore:
+    """A LayerStore of the FP16 cache ``k, v (B, H_kv, T, D)`` (last ``tail`` tokens full precision); ``formats8``:
+    8-bit scales and zeros and an 8-bit full part."""
     B, _, T, _ = k.shape
     ctx = T - tail
     n_chunks = -(-ctx // C)
@@ -92,10 +102,13 @@ def build_store(k, v, mix, C, G, tail, gen, quantize_keys, quantize_values) -> L
             ks.append(k[b].index_select(1, idx))
             vs.append(v[b].index_select(1, idx))
     segs = [
-        PackedSegment.from_sequences(*parts[bits], bits, C, G, torch.float16, quantize_keys, quantize_values)
+        PackedSegment.from_sequences(
+            *parts[bits], bits, C, G, torch.float16, quantize_keys, quantize_values, scale_bits=8 if formats8 else 16
+        )
         for bits in (4, 2)
     ]
-    return LayerStore(FullPart.from_sequences(*parts[16]), segs)
+    full = full_part_from_sequences(*parts[16], 8 if formats8 else 16, torch.float16)
+    return LayerStore(full, segs)
 
 
 class QCacheDecode:
@@ -164,11 +177,8 @@ def timer(smoke: bool):
 
 
 def fused_attention(store: LayerStore):
-    """``f(q, scaling)``: the fused kernel over ``store``, its arguments prepared once (as the decode path does)."""
-    full = store.full
-    args = (full.keys, full.values, full.start_tensor(), [s.kernel_args() for s in store.segments])
-    kw = {"max_tokens": [s.max_sequence_tokens() for s in store.segments], "min_full_start": min(full.start)}
-    return lambda q, scaling: triton_ops.split_precision_attention(q, *args, scaling, **kw)
+    """``f(q, scaling)``: the fused kernel over ``store``, read as stored, as the decode path calls it."""
+    return lambda q, scaling: dispatch._triton_attention(q, store, scaling, q.dtype)
 
 
 @dataclass
@@ -222,7 +232,16 @@ def bench_case(sh: Shape, T: int, B: int, bench, gen: torch.Generator, qcache_ba
         )
     for mix_name, mix in MIXES.items():
         store = build_store(
-            k, v, mix, sh.C, sh.G, sh.tail, gen, triton_ops.quantize_pack_keys, triton_ops.quantize_pack_values
+            k,
+            v,
+            mix,
+            sh.C,
+            sh.G,
+            sh.tail,
+            gen,
+            triton_ops.quantize_pack_keys,
+            triton_ops.quantize_pack_values,
+            formats8=mix_name.endswith("_s8_f8"),
         )
         fused = fused_attention(store)
         err = (fused(q, scaling).float() - split_precision_attention_torch(q.float(), store, scaling)).abs().max()

@@ -20,6 +20,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from hf_cocktail import CocktailCache, CocktailConfig
+from hf_cocktail.cache import layout
 from hf_cocktail.integration.compat import cache_kwargs
 
 from .kinds import Method, Request, build_cache
@@ -109,7 +110,9 @@ def branch(
         raise RuntimeError(
             f"{method.name}: the cache's preparation tokenized the prompt differently from the shared prefill"
         )
-    pairs = [(layer.keys, layer.values) for layer in dyn.layers]
+    # per layer its (keys, values), or the layer itself where it is not full attention (sliding / hybrid models: a
+    # Cocktail cache keeps such a layer as the model's cache holds it)
+    pairs = [(layer.keys, layer.values) if layout.is_full_attention(layer) else layer for layer in dyn.layers]
     method.load_prefill(cache, pairs, split_attention, prefill_queries if method.reads_prefill_queries else None)
     bits = method.precision_map(cache)
     counts = None if bits is None else precision_counts(bits)

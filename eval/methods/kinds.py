@@ -30,6 +30,12 @@ from hf_cocktail import CocktailCache, CocktailConfig, offline_encoder_path
 from .kivi import KIVI_GROUP, KiviCache
 
 
+def as_pairs(items: list) -> list[tuple]:
+    """A shared prefill's layers as ``(keys, values)`` pairs (an item may be a pair or a cache layer: a sliding
+    layer of a hybrid model)."""
+    return [item if isinstance(item, tuple) else (item.keys, item.values) for item in items]
+
+
 @dataclass
 class Request:
     """What a cache is built for: the prompt, the context inside it (verbatim), the search query, the example's id
@@ -74,7 +80,7 @@ class Method:
     def load_prefill(self, cache: Cache, pairs: list, split_attention: bool = True, prefill_queries=None) -> None:
         """Fill ``cache`` with a full-precision prefill: one ``(keys, values)`` pair per layer (``prefill_queries``:
         per layer the queries of the prompt's last tokens, for the methods that read them)."""
-        for i, (k, v) in enumerate(pairs):
+        for i, (k, v) in enumerate(as_pairs(pairs)):
             cache.update(k, v, i)
 
     def precision_map(self, cache: Cache) -> list[int] | None:
@@ -105,7 +111,7 @@ class QuantizedCacheMethod(Method):
         return QuantizedCache(backend=self.backend, config=model.config, nbits=self.bits)
 
     def load_prefill(self, cache, pairs, split_attention=True, prefill_queries=None) -> None:
-        for i, (k, v) in enumerate(pairs):
+        for i, (k, v) in enumerate(as_pairs(pairs)):
             cache.update(k.clone(), v.clone(), i)  # it may quantize in place: the shared prefill stays intact
 
     def config_dict(self, encoder=None) -> dict[str, Any]:
@@ -177,7 +183,7 @@ class CocktailMethod(Method):
 
     def load_prefill(self, cache, pairs, split_attention=True, prefill_queries=None) -> None:
         # detached aliases: load_prefill tags the key tensors it is given, which must not leak into the shared prefill
-        pairs = [(k.detach(), v.detach()) for k, v in pairs]
+        pairs = [(p[0].detach(), p[1].detach()) if isinstance(p, tuple) else p for p in pairs]  # layers: copied there
         cache.load_prefill(pairs, split_attention=split_attention, prefill_queries=prefill_queries)
 
     def precision_map(self, cache) -> list[int]:

@@ -17,6 +17,7 @@ import torch
 
 from hf_cocktail.decode.split_attention import attend_in_store_basis, split_precision_attention_torch, with_rotation
 from hf_cocktail.storage import params8, quant
+from hf_cocktail.storage.full_part import Int8FullPart
 from hf_cocktail.storage.store import LayerStore
 
 BACKENDS = ("auto", "torch", "triton", "cpu")
@@ -140,27 +141,41 @@ def _triton_attention(query: torch.Tensor, store: LayerStore, scaling: float, ou
         )
         return attend_in_store_basis(query, store, scaling, out_dtype)
     full = store.full
+    kw: dict[str, object] = {}  # the stored formats' extra arguments
+    if any(s.scale_bits == 8 for s in store.segments):
+        kw["scale_table"] = params8.scale_table(query.device)
+    keys, values = full.split_path_tensors()  # an 8-bit full part: its int8 codes, read with their scales
+    if isinstance(full, Int8FullPart):
+        kw["full_scales"] = (full.scales.keys, full.scales.values)
     return triton_ops.split_precision_attention(
         query,
-        full.keys,
-        full.values,
+        keys,
+        values,
         full.start_tensor(),
-        [s.kernel_args() for s in store.segments],
+        [s.coded_kernel_args() for s in store.segments],
         scaling,
         max_tokens=[s.max_sequence_tokens() for s in store.segments],
         min_full_start=min(full.start),
+        **kw,
     ).to(out_dtype)
 
 
-def _cpu_attention(query: torch.Tensor, store: LayerStore, scaling: float, out_dtype: torch.dtype) -> torch.Tensor:
+def _cpu_attention(query: torch.Tensor, store: LayerStore, scaling: float) -> torch.Tensor:
+    """The fused CPU kernel straight from the store: 8-bit scale / zero codes, an 8-bit full part's codes and the
+    rotation's matrices go to the kernel as they are stored (decoded and applied inside it)."""
     import cpu_ops
 
     full = store.full
-    decode = functools.partial(cpu_ops.decode_params8, table=params8.scale_table("cpu"))
-    segments = [s.kernel_args(decode) for s in store.segments]
-    return cpu_ops.split_precision_attention(query, full.keys, full.values, full.start_tensor(), segments, scaling).to(
-        out_dtype
-    )
+    kw: dict[str, object] = {}  # the stored formats' extra arguments
+    segments = [s.coded_kernel_args() for s in store.segments]
+    if any(s.scale_bits == 8 for s in store.segments):
+        kw["scale_table"] = params8.scale_table("cpu")
+    keys, values = full.split_path_tensors()  # an 8-bit full part: its int8 codes, read with their scales
+    if isinstance(full, Int8FullPart):
+        kw["full_scales"] = (full.scales.keys, full.scales.values)
+    if store.rotation is not None:
+        kw["rotation"] = (store.rotation.keys, store.rotation.values)
+    return cpu_ops.split_precision_attention(query, keys, values, full.start_tensor(), segments, scaling, **kw)
 
 
 @functools.cache  # asked at every decode step: the import and lookup once per (backend, op)
@@ -204,5 +219,11 @@ def split_precision_attention(query: torch.Tensor, store: LayerStore, scaling: f
     if chosen == "triton":
         return with_rotation(_triton_attention, query, store, scaling)
     if chosen == "cpu":
-        return with_rotation(_cpu_attention, query, store, scaling)
+        D = query.shape[-1]
+        if D % 8 == 0:
+            return _cpu_attention(query, store, scaling)
+        _warn_once(
+            f"cpu-dim-{D}",
+            f"the fused CPU kernel needs a head dim that is a multiple of 8, got {D}: using the PyTorch implementation",
+        )
     return split_precision_attention_torch(query, store, scaling)

@@ -7,8 +7,9 @@ left padding is never stored as a valid token), D head dim.
 * :class:`FullPart` holds them at the model's precision, ``(B, H_kv, R, D)``.
 * :class:`Int8FullPart` (``CocktailConfig(full_part_bits=8)``) holds 8-bit codes and one scale per token and head
   (:func:`hf_cocktail.storage.quant.quantize_tokens8`): 8 + 16/D bits per element instead of 16. Its ``keys`` and
-  ``values`` are dequantized on each read (the decode attention reads them once per step; ``update`` hands out the
-  codes, :meth:`Int8FullPart.split_path_tensors`), so the codes are all it keeps.
+  ``values`` are dequantized on each read (the PyTorch attention reads them once per step; the fused kernels read the
+  codes and scales themselves; ``update`` hands out the codes, :meth:`Int8FullPart.split_path_tensors`), so the codes
+  are all it keeps.
 """
 
 from __future__ import annotations
@@ -171,11 +172,9 @@ class Int8FullPart:
         """Quantize and append ``(B, H_kv, L_new, D)`` new tokens for every sequence. Unchecked (no device sync per
         step, as the 16-bit part): a non-finite state or a scale beyond its dtype gives NaN keys/values, which
         the attention output shows."""
-        scale_dtype = self.scales.keys.dtype
-        ck, sk = quant.quantize_tokens8(k, scale_dtype, check=False)
-        cv, sv = quant.quantize_tokens8(v, scale_dtype, check=False)
-        self.codes.append(ck, cv)
-        self.scales.append(sk, sv)
+        codes, scales = quant.quantize_tokens8(torch.stack([k, v]), self.scales.keys.dtype, check=False)  # one call
+        self.codes.append(codes[0], codes[1])
+        self.scales.append(scales[0], scales[1])
 
     def truncate(self, n: int) -> None:
         self.codes.truncate(n)

@@ -9,8 +9,9 @@ and ``scale = s_max * 2 ** (-sc / 16)`` with ``sc = floor(-16 * log2(need / s_ma
 (2**bits - 1)``, ``s_max`` the block's largest ``need``; both are decoded to fp32 (:func:`decode_params8`) and the
 codes computed from those numbers exactly as above. Key parameters then cost ``16 / C`` bits per element instead of
 ``32 / C``, value parameters ``16 / G`` instead of ``32 / G`` (plus 48 bits per block). Quantized by this reference on
-every backend; at each decode step the kernels get the decoded fp32 numbers (on CPU from ``cpu_ops.decode_params8``,
-bit for bit :func:`decode_params8`), never stored.
+every backend; the fused kernels (``cpu_ops``, ``triton_ops``) read the codes and blocks as stored and decode them
+as they go (the same product and sum), the PyTorch path decodes one block at a time; the fp32 numbers are never
+stored (``cpu_ops.decode_params8``, bit for bit :func:`decode_params8`, decodes whole tensors where asked).
 
 Shapes: H heads (``H_kv``), N tokens, M chunks (C tokens each), D head dim, G value group size, K groups per row.
 """

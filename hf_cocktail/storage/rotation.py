@@ -111,6 +111,15 @@ class Rotation:
     def rotate_values(self, v: torch.Tensor) -> torch.Tensor:
         return self._apply(v, self.values)
 
+    def rotate_pair(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rotate_keys(k), rotate_values(v))``; one batched matmul where keys and values share their matrices
+        (``"hadamard"``: a decode step's new tokens of a layer in one call)."""
+        if self.keys is None or self.keys is not self.values or k.shape != v.shape:
+            return self.rotate_keys(k), self.rotate_values(v)
+        n = k.shape[2]
+        kv = self._apply(torch.cat([k, v], dim=2), self.keys)
+        return kv[:, :, :n], kv[:, :, n:]
+
     def unrotate_keys(self, k: torch.Tensor) -> torch.Tensor:
         return self._apply(k, self.keys, transpose=True)
 

@@ -62,6 +62,7 @@ class PackedSegment:
     )
     v_block: torch.Tensor | None = None  # (H_kv, M, 3): the values' blocks, one per chunk as the keys'
     _dev_offsets: tuple | None = field(default=None, repr=False)
+    _coded_args: tuple | None = field(default=None, repr=False)  # coded_kernel_args, built once (asked every step)
 
     def __post_init__(self) -> None:
         if self.value_bits is None:
@@ -221,6 +222,35 @@ class PackedSegment:
             return args
         return (*args, quant.level_tensors(self.codebook, self.bits, self.k_codes.device)[0])
 
+    def coded_kernel_args(self) -> tuple:
+        """:meth:`kernel_args` for a kernel that reads 8-bit scales and zeros itself (``cpu_ops``): with
+        ``scale_bits=8`` the uint8 scale and zero codes in place of the numbers, then the levels (or None) and
+        ``k_block``, ``v_block`` as items 12 to 14; otherwise :meth:`kernel_args`. Nothing is decoded here; the
+        tuple is built once (a segment's tensors do not change after prefill)."""
+        if self._coded_args is None or self._coded_args[3].device != self.k_codes.device:
+            self._coded_args = self._coded_kernel_args()
+        return self._coded_args
+
+    def _coded_kernel_args(self) -> tuple:
+        if self.k_block is None or not self.k_scale.numel() or not self.v_scale.numel():
+            return self.kernel_args()
+        codes = (self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero)
+        levels = (
+            None
+            if self.codebook == "uniform"
+            else quant.level_tensors(self.codebook, self.bits, self.k_codes.device)[0]
+        )
+        return (
+            self.code_bits,
+            self.chunk_size,
+            self.group_size,
+            *codes,
+            *self.device_offsets(),
+            levels,
+            self.k_block,
+            self.v_block,
+        )
+
     def select(self, indices: list[int]) -> PackedSegment:
         """The segment holding sequences ``indices`` (reordered / repeated) of this one."""
         tok = [slice(self.tok_off[i], self.tok_off[i + 1]) for i in indices]
@@ -271,7 +301,7 @@ class LayerStore:
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append ``(B, H_kv, L_new, D)`` new tokens (rotated like the rest) to the full-precision part."""
         if self.rotation is not None:
-            k, v = self.rotation.rotate_keys(k), self.rotation.rotate_values(v)
+            k, v = self.rotation.rotate_pair(k, v)
         self.full.append(k, v)
 
     def nbytes(self) -> int:
