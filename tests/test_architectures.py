@@ -150,7 +150,10 @@ def test_sliding_layers_keep_only_their_window_and_the_report_compares_with_the_
     default_fp16 = sum(layer.keys.numel() * 2 * 2 for layer in default.layers)
     rep = cache.memory_report()
     assert rep["fp16_equivalent_bytes"] == default_fp16  # what the model's own cache holds, at 2 bytes
-    assert rep["native_layers_bytes"] == sum(layer.keys.numel() * 4 * 2 for layer in sliding)  # fp32 model
+    # fp32 model; the storages behind the window views and the layers' other tensors count too (test_memory walks
+    # every tensor reachable from the cache)
+    window = sum(layer.keys.numel() * 4 * 2 for layer in sliding)
+    assert window <= rep["native_layers_bytes"] <= window + 2 * 4 * 2 * sliding[0].keys[0, :, :1].numel() + 64
     assert cache.nbytes() == rep["total_bytes"]
     assert rep["ratio_to_fp16"] < 0.75
 

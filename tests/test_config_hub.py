@@ -16,7 +16,8 @@ from huggingface_hub import constants, errors
 
 from hf_cocktail import CocktailConfig
 from hf_cocktail.presets import model_card
-from hf_cocktail.presets.config import CONFIG_NAME, FORMAT_VERSION
+from hf_cocktail.presets.config import FORMAT_VERSION
+from hf_cocktail.presets.hub import CONFIG_NAME
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESETS = sorted(glob.glob(os.path.join(ROOT, "model_cards", "*", CONFIG_NAME)))

@@ -17,6 +17,7 @@ from transformers.cache_utils import Cache
 from hf_cocktail.cache import layout, reports
 from hf_cocktail.cache.inputs import prepare_plans
 from hf_cocktail.cache.layer import CocktailLayer, LayerState
+from hf_cocktail.cache.layout import HybridStates
 from hf_cocktail.cache.lifecycles import CacheLifecycles
 from hf_cocktail.cache.prefill_watch import PrefillWatch, check_attention_reader, check_head_dims, check_prefill_ids
 from hf_cocktail.planning import plans as planning
@@ -30,7 +31,7 @@ from hf_cocktail.storage.layer_bits import capped_positions, check_layer_count, 
 logger = logging.getLogger(__name__)
 
 
-class CocktailCache(CacheLifecycles, Cache):
+class CocktailCache(CacheLifecycles, HybridStates, Cache):
     """A KV cache that stores each context chunk at FP16, INT4 or INT2 by its relevance to the query.
 
     Usage::
@@ -276,60 +277,6 @@ class CocktailCache(CacheLifecycles, Cache):
             )
         check_salient_layers(self.config.salient_tokens, layers, cocktail_layers)
         self._num_layers = num_layers
-
-    def _is_prefill_chunk(self, layer: CocktailLayer, k: torch.Tensor) -> bool:
-        """A forward that starts filling an empty layer with fewer tokens than the prepared prompt (chunked
-        prefill, or a prefix first), or a later piece of such a prefill."""
-        if self._plans is None:
-            return False
-        if layer.layer_idx in self._partial:
-            return True
-        return layer.state is LayerState.EMPTY and layer.pending is None and k.shape[2] < self.prompt_len
-
-    def _prefill_chunk(
-        self, layer: CocktailLayer, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Chunked prefill (generate's ``prefill_chunk_size``): keep the prompt's keys/values at full precision
-        until the prepared prompt is complete, then hand the whole prompt to the layer at once, so the precision
-        plan applies exactly as after a prefill in one forward."""
-        if self.scores_from_attention():
-            raise ValueError(
-                "scorer='attention' needs the whole prompt in one prefill forward; generation's "
-                "prefill_chunk_size (chunked prefill) is not supported with it"
-            )
-        if layer.layer_idx in self._partial:
-            pk, pv = self._partial.pop(layer.layer_idx)
-            k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
-        if k.shape[2] < self.prompt_len:
-            self._partial[layer.layer_idx] = (k, v)
-            return k, v
-        return layer.update(k, v)
-
-    def _linear_state(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        """Conv / recurrent states of hybrid models live in the model's own layers (see :mod:`.layout`)."""
-        self._layer(0)
-        if not any(layout.holds_states(layer) for layer in self.layers):
-            raise ValueError(
-                "CocktailCache got a linear-attention / convolution state but has no layer for it: pass "
-                "model_config=model.config to CocktailCache (or call prepare_inputs before generate) so that the "
-                "model's own layers hold those states"
-            )
-        return getattr(super(), name)(*args, **kwargs)
-
-    def update_conv_state(self, *args: Any, **kwargs: Any) -> Any:
-        return self._linear_state("update_conv_state", *args, **kwargs)
-
-    def update_recurrent_state(self, *args: Any, **kwargs: Any) -> Any:
-        return self._linear_state("update_recurrent_state", *args, **kwargs)
-
-    def get_conv_state(self, *args: Any, **kwargs: Any) -> Any:
-        return self._linear_state("get_conv_state", *args, **kwargs)
-
-    def get_recurrent_state(self, *args: Any, **kwargs: Any) -> Any:
-        return self._linear_state("get_recurrent_state", *args, **kwargs)
-
-    def has_previous_state(self, *args: Any, **kwargs: Any) -> bool:
-        return self._linear_state("has_previous_state", *args, **kwargs)
 
     def reset(self):
         """Empty the cache and forget the prepared prompts (the next ``generate`` needs a new ``prepare_inputs``)."""

@@ -38,3 +38,37 @@ def native_nbytes(layer: Any, fp16: bool = False) -> int:
         if t is not None and hasattr(t, "numel"):
             total += t.numel() * (2 if fp16 else t.element_size())
     return total
+
+
+class HybridStates:
+    """The conv / recurrent state API of transformers' ``Cache`` for :class:`~hf_cocktail.CocktailCache` (a mixin
+    before ``Cache``): hybrid models' states live in the model's own layers, which :func:`model_layers` made."""
+
+    layers: list
+    _layer: Any
+
+    def _linear_state(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Conv / recurrent states of hybrid models live in the model's own layers (see this module)."""
+        self._layer(0)
+        if not any(holds_states(layer) for layer in self.layers):
+            raise ValueError(
+                "CocktailCache got a linear-attention / convolution state but has no layer for it: pass "
+                "model_config=model.config to CocktailCache (or call prepare_inputs before generate) so that the "
+                "model's own layers hold those states"
+            )
+        return getattr(super(), name)(*args, **kwargs)
+
+    def update_conv_state(self, *args: Any, **kwargs: Any) -> Any:
+        return self._linear_state("update_conv_state", *args, **kwargs)
+
+    def update_recurrent_state(self, *args: Any, **kwargs: Any) -> Any:
+        return self._linear_state("update_recurrent_state", *args, **kwargs)
+
+    def get_conv_state(self, *args: Any, **kwargs: Any) -> Any:
+        return self._linear_state("get_conv_state", *args, **kwargs)
+
+    def get_recurrent_state(self, *args: Any, **kwargs: Any) -> Any:
+        return self._linear_state("get_recurrent_state", *args, **kwargs)
+
+    def has_previous_state(self, *args: Any, **kwargs: Any) -> bool:
+        return self._linear_state("has_previous_state", *args, **kwargs)

@@ -12,12 +12,12 @@ from typing import Any
 import torch
 
 from hf_cocktail.cache import layout
-from hf_cocktail.cache.layer import CocktailLayer
+from hf_cocktail.cache.layer import CocktailLayer, LayerState
 from hf_cocktail.cache.prefill_watch import check_head_dims
 
 
 class CacheLifecycles:
-    """``load_prefill``, ``requery`` and ``__deepcopy__`` of :class:`~hf_cocktail.CocktailCache`."""
+    """``load_prefill``, ``requery``, ``__deepcopy__`` and chunked prefill of :class:`~hf_cocktail.CocktailCache`."""
 
     # provided by CocktailCache
     config: Any
@@ -31,6 +31,7 @@ class CacheLifecycles:
     run_search: Any
     _check_layer_count: Any
     _cocktail_layers: Any
+    scores_from_attention: Any
 
     def load_prefill(
         self,
@@ -144,3 +145,32 @@ class CacheLifecycles:
         for name, value in self.__dict__.items():
             new.__dict__[name] = copy.deepcopy(value, memo)
         return new
+
+    # ----------------------------------------------------------------- chunked prefill
+    def _is_prefill_chunk(self, layer: CocktailLayer, k: torch.Tensor) -> bool:
+        """A forward that starts filling an empty layer with fewer tokens than the prepared prompt (chunked
+        prefill, or a prefix first), or a later piece of such a prefill."""
+        if self._plans is None:
+            return False
+        if layer.layer_idx in self._partial:
+            return True
+        return layer.state is LayerState.EMPTY and layer.pending is None and k.shape[2] < self.prompt_len
+
+    def _prefill_chunk(
+        self, layer: CocktailLayer, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chunked prefill (generate's ``prefill_chunk_size``): keep the prompt's keys/values at full precision
+        until the prepared prompt is complete, then hand the whole prompt to the layer at once, so the precision
+        plan applies exactly as after a prefill in one forward."""
+        if self.scores_from_attention():
+            raise ValueError(
+                "scorer='attention' needs the whole prompt in one prefill forward; generation's "
+                "prefill_chunk_size (chunked prefill) is not supported with it"
+            )
+        if layer.layer_idx in self._partial:
+            pk, pv = self._partial.pop(layer.layer_idx)
+            k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
+        if k.shape[2] < self.prompt_len:
+            self._partial[layer.layer_idx] = (k, v)
+            return k, v
+        return layer.update(k, v)
