@@ -1,10 +1,11 @@
 """Generate the reference pages under docs/ from the code, so that no page says what the code does not.
 
-    python -m eval.make_docs            # rewrite docs/configuration.md
+    python -m eval.make_docs            # rewrite docs/configuration.md, docs/results.md, README's results table
     python -m eval.make_docs --check    # exit 1 if a page differs from what the code generates (CI runs the test)
 
-``docs/configuration.md``: every :class:`hf_cocktail.CocktailConfig` field, its default and its docstring entry (the
-``Args:`` section of the class docstring), in field order, and the values of :meth:`CocktailConfig.recommended`.
+``docs/results.md`` and the table between the README's ``<!-- results:start/end -->`` markers come from
+:mod:`eval.docs_results`. ``docs/configuration.md``: every :class:`hf_cocktail.CocktailConfig` field, its default and
+its docstring entry (the ``Args:`` section of the class docstring), in field order, and :meth:`recommended`'s values.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import textwrap
 from hf_cocktail import CocktailConfig
 from hf_cocktail.presets.config import RECOMMENDED
 
+from .docs_results import readme_with_table, results_md
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS_DIR = os.path.join(ROOT, "docs")
 CONFIGURATION = "configuration.md"
 
 
@@ -76,8 +78,13 @@ def configuration_md(cls: type = CocktailConfig) -> str:
 
 
 def pages() -> dict[str, str]:
-    """``{file name under docs/: its generated text}``."""
-    return {CONFIGURATION: configuration_md()}
+    """``{path from the repo root: its generated text}``."""
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    return {
+        f"docs/{CONFIGURATION}": configuration_md(),
+        "docs/results.md": results_md(),
+        "README.md": readme_with_table(readme),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,14 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     stale = []
     for name, text in pages().items():
-        path = os.path.join(DOCS_DIR, name)
+        path = os.path.join(ROOT, name)
         old = open(path, encoding="utf-8").read() if os.path.isfile(path) else None
         if old == text:
             continue
         if args.check:
             stale.append(name)
         else:
-            os.makedirs(DOCS_DIR, exist_ok=True)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "w", encoding="utf-8") as f:
                 f.write(text)
             print(f"wrote {os.path.relpath(path, ROOT)}")

@@ -3,6 +3,7 @@
 ``import hf_cocktail`` registers ``attn_implementation="cocktail"``.
 """
 
+from hf_cocktail import offline_models
 from hf_cocktail._version import __version__
 from hf_cocktail.cache.cache import CocktailCache
 from hf_cocktail.cache.layer import CocktailLayer
@@ -26,5 +27,6 @@ __all__ = [
     "PlanView",
     "__version__",
     "cache_kwargs",
+    "offline_models",
     "offline_encoder_path",
 ]
