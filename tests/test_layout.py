@@ -35,10 +35,10 @@ LAYERS = ("storage", "presets", "planning", "decode", "cache", "integration")  #
 ARCHITECTURE = os.path.join(ROOT, "docs", "architecture.md")
 
 
-def _library_modules() -> dict[str, str]:
-    """``{dotted module: path}`` of every library module, subpackages included (``__init__`` files too)."""
+def _library_modules(folder: str = LIBRARY) -> dict[str, str]:
+    """``{dotted module: path}`` of every module under ``folder``, subpackages included (``__init__`` files too)."""
     out = {}
-    for root, _, files in os.walk(LIBRARY):
+    for root, _, files in os.walk(folder):
         for f in files:
             if f.endswith(".py"):
                 rel = os.path.relpath(os.path.join(root, f), ROOT)[:-3].replace(os.sep, ".")
@@ -46,12 +46,12 @@ def _library_modules() -> dict[str, str]:
     return out
 
 
-def _graph() -> dict[str, set[str]]:
-    mods = _library_modules()
+def _graph(top: str = "hf_cocktail") -> dict[str, set[str]]:
+    mods = _library_modules(os.path.join(ROOT, top))
     graph = {}
     for m, p in mods.items():
         package = m if p.endswith("__init__.py") else m.rsplit(".", 1)[0]
-        graph[m] = {d for d in _imports(p, "hf_cocktail", package=package) if d in mods and d != m}
+        graph[m] = {d for d in _imports(p, top, package=package) if d in mods and d != m}
     return graph
 
 
@@ -64,8 +64,9 @@ def _layer(module: str) -> int:
     return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else len(LAYERS)
 
 
-def test_library_modules_have_no_import_cycle():
-    graph, state = _graph(), {}
+@pytest.mark.parametrize("top", ["hf_cocktail", "eval"])
+def test_no_import_cycle(top):
+    graph, state = _graph(top), {}
 
     def visit(m, stack):
         state[m] = "open"

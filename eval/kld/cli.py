@@ -193,6 +193,17 @@ def build_cases(args, tok) -> list[KldCase]:
     return cases
 
 
+def worker_setup(argv: list[str], encoder: str) -> tuple[KldRunner, dict[str, KldCase]]:
+    """What one worker process of ``--workers`` measures with: its runner and the run's cases by key."""
+    args = parse_args(argv)
+    set_threads(1, args.threads)
+    model, tok = load_model_and_tokenizer(args.model, args.dtype, "cocktail", args.device_map)
+    runner = KldRunner(
+        model, tok, encoder, args.max_answer_tokens, args.tail_tokens, True if args.step_by_step else None
+    )
+    return runner, {c.key: c for c in build_cases(args, tok)}
+
+
 def read_done(path: str) -> dict[tuple[str, str], dict]:
     return {(r["case"], r["method"]): r for r in iter_jsonl(path)} if os.path.isfile(path) else {}
 
@@ -234,7 +245,7 @@ def run_cases(
         bar.set_postfix_str(key[:40])
 
     if args.workers > 1:
-        ran = run_parallel(args.workers, argv, encoder, todo, deadline, on_record, on_case)
+        ran = run_parallel(args.workers, worker_setup, argv, encoder, todo, deadline, on_record, on_case)
     else:
         runner = KldRunner(
             model, tok, encoder, args.max_answer_tokens, args.tail_tokens, True if args.step_by_step else None

@@ -15,24 +15,22 @@ from collections.abc import Callable
 
 
 def _worker(
-    index: int, argv: list[str], encoder: str, work: list[tuple[str, list[str]]], deadline: float | None, out
+    index: int,
+    setup: Callable,
+    argv: list[str],
+    encoder: str,
+    work: list[tuple[str, list[str]]],
+    deadline: float | None,
+    out,
 ) -> None:
-    """One worker: rebuild the run's cases from its arguments, measure ``work`` ((case key, method names) pairs)
-    in order, put ``("record", rec)`` per record and ``("case", key)`` per finished case, then ``("done", index)``;
+    """One worker: rebuild the run's runner and cases from its arguments (``setup(argv, encoder) -> (runner, {case
+    key: case})``, a module-level function of the caller), measure ``work`` ((case key, method names) pairs) in
+    order, put ``("record", rec)`` per record and ``("case", key)`` per finished case, then ``("done", index)``;
     ``("error", text)`` on any failure."""
     try:
         from ..methods.registry import METHODS
-        from ..models import load_model_and_tokenizer, set_threads
-        from .cli import build_cases, parse_args
-        from .measure import KldRunner
 
-        args = parse_args(argv)
-        set_threads(1, args.threads)
-        model, tok = load_model_and_tokenizer(args.model, args.dtype, "cocktail", args.device_map)
-        cases = {c.key: c for c in build_cases(args, tok)}
-        runner = KldRunner(
-            model, tok, encoder, args.max_answer_tokens, args.tail_tokens, True if args.step_by_step else None
-        )
+        runner, cases = setup(argv, encoder)
         for key, names in work:
             if deadline is not None and time.time() >= deadline:
                 break
@@ -46,6 +44,7 @@ def _worker(
 
 def run_parallel(
     n_workers: int,
+    setup: Callable,
     argv: list[str],
     encoder: str,
     todo: list,
@@ -53,7 +52,8 @@ def run_parallel(
     on_record: Callable[[dict], None],
     on_case: Callable[[str], None],
 ) -> int:
-    """Measure ``todo`` ((case, methods) pairs) in ``n_workers`` processes, case ``i`` in worker ``i % n``; calls
+    """Measure ``todo`` ((case, methods) pairs) in ``n_workers`` processes (each built by ``setup``, see
+    :func:`_worker`), case ``i`` in worker ``i % n``; calls
     ``on_record`` for every record and ``on_case`` for every finished case, in the main process. Returns the number of
     cases finished; a failing worker stops the others and raises ``RuntimeError`` with its traceback."""
     import multiprocessing as mp
@@ -62,7 +62,7 @@ def run_parallel(
     out = ctx.Queue()
     work = [[(c.key, [m.name for m in ms]) for c, ms in todo[i::n_workers]] for i in range(n_workers)]
     procs = [
-        ctx.Process(target=_worker, args=(i, argv, encoder, work[i], deadline, out), daemon=True)
+        ctx.Process(target=_worker, args=(i, setup, argv, encoder, work[i], deadline, out), daemon=True)
         for i in range(n_workers)
         if work[i]
     ]
