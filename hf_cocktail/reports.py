@@ -21,7 +21,12 @@ def memory_report(
     ``ratio_to_fp16`` counts full-precision tensors at 2 bytes per element (an FP16 deployment) even for fp32
     models (an 8-bit full part as its codes and scales). ``native_bytes`` / ``native_fp16_bytes``: the keys/values
     of the model's own (sliding-window) layers, held as they are: in ``total_bytes`` and, at 2 bytes per element, on
-    both sides of the ratio."""
+    both sides of the ratio.
+
+    Two ratios: ``ratio_to_fp16`` is the whole cache's (the Cocktail layers and the model's own layers) against the
+    model's default cache in FP16; ``quantized_layers_ratio_to_fp16`` is the Cocktail (full-attention) layers' alone
+    against the same layers in FP16 (``quantized_layers_fp16_equivalent_bytes``). They are equal when every layer is
+    a Cocktail layer; on a sliding + global model (Gemma 3) the whole cache's ratio is nearer 1."""
     rep: dict[str, Any] = {"codes_bytes": 0, "scales_zeros_bytes": 0, "full_precision_bytes": 0, "layers": len(stores)}
     fp16_equiv = full_deployed = 0
     for st in stores:
@@ -33,6 +38,10 @@ def memory_report(
         tokens = st.full.valid_tokens() + sum(s.num_tokens for s in st.segments)
         fp16_equiv += tokens * H * D * 2 * 2
     rep["native_layers_bytes"] = native_bytes
+    rep["native_layers_fp16_bytes"] = native_fp16_bytes
+    quantized_deployed = rep["codes_bytes"] + rep["scales_zeros_bytes"] + full_deployed
+    rep["quantized_layers_fp16_equivalent_bytes"] = fp16_equiv
+    rep["quantized_layers_ratio_to_fp16"] = quantized_deployed / fp16_equiv if fp16_equiv else float("nan")
     rep["total_bytes"] = rep["codes_bytes"] + rep["scales_zeros_bytes"] + rep["full_precision_bytes"] + native_bytes
     # keep_context_copy: the CPU copy for requery() is reported apart (it is not part of the working cache)
     rep["context_copy_bytes"] = sum(sum(t.numel() * t.element_size() for t in copy) for copy in context_copies)

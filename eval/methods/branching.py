@@ -22,7 +22,7 @@ from transformers.cache_utils import Cache
 from hf_cocktail import CocktailCache, CocktailConfig
 from hf_cocktail.compat import cache_kwargs
 
-from .kinds import Method, Request, build_cache
+from .kinds import Method, Request, build_cache, prefill_items
 from .queries import recording_queries
 
 
@@ -109,8 +109,9 @@ def branch(
         raise RuntimeError(
             f"{method.name}: the cache's preparation tokenized the prompt differently from the shared prefill"
         )
-    pairs = [(layer.keys, layer.values) for layer in dyn.layers]
-    method.load_prefill(cache, pairs, split_attention, prefill_queries if method.reads_prefill_queries else None)
+    method.load_prefill(
+        cache, prefill_items(dyn), split_attention, prefill_queries if method.reads_prefill_queries else None
+    )
     bits = method.precision_map(cache)
     counts = None if bits is None else precision_counts(bits)
     return Branch(cache, time.perf_counter() - t0, counts, bits)
