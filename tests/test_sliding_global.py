@@ -54,14 +54,18 @@ def test_sliding_layers_hold_exactly_the_models_own_window(tiny_gemma3, tiny_tok
             torch.testing.assert_close(cache.layers[i].keys, default.layers[i].keys)
 
 
-def test_a_branched_prefill_keeps_the_window_and_its_token_count(tiny_gemma3, tiny_tokenizer):
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_branched_prefill_keeps_the_window_and_its_token_count(tiny_gemma3, tiny_tokenizer, grad):
+    """``grad``: the shared prefill ran with autograd on (its sliding layers' tensors carry a graph)."""
     prompt, ctx, q = make_prompt(120, needle_at=60)
     shared = DynamicCache(config=tiny_gemma3.config)
     cache = CocktailCache(_cfg(uniform_bits=4), encoder=FakeEncoder(), model_config=tiny_gemma3.config)
     inputs = cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q)
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         tiny_gemma3(**inputs, **cache_kwargs(tiny_gemma3, shared))
+    assert shared.layers[SLIDING[0]].keys.requires_grad == grad
     cache.load_prefill(shared)
+    assert not any(cache.layers[i].keys.requires_grad for i in SLIDING)
     L = inputs["input_ids"].shape[1]
     for i in SLIDING:
         assert cache.layers[i] is not shared.layers[i]

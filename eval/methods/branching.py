@@ -57,6 +57,7 @@ def prefill_for(
     return dyn, logits, queries
 
 
+@torch.no_grad()
 def prefill(model, input_ids: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
     """Run the model over the whole prompt into a ``DynamicCache`` (the shared full-precision prefill).
 
