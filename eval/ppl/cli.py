@@ -20,12 +20,13 @@ import sys
 import time
 
 from tqdm.auto import tqdm
+from transformers import AutoTokenizer
 
 from hf_cocktail import offline_encoder_path
 
 from ..cli import UsageError
 from ..methods.registry import parse_methods, register_preset
-from ..models import DTYPES, load_model_and_tokenizer, set_threads
+from ..models import DTYPES, load_model_and_tokenizer, resolve_model_path, set_threads
 from ..paths import ESSAY_DIR
 from ..records import append_jsonl, check_settings, iter_jsonl, lock_out_dir
 from ..run_info import command_line, git_commit, now, update_run_info
@@ -146,10 +147,21 @@ def main(argv=None) -> int:
     set_threads(1, args.threads)
     encoder = args.encoder or offline_encoder_path()
     check_settings(args.out_dir, settings_of(args, encoder), SETTINGS_KEYS)
-    lock = lock_out_dir(args.out_dir)  # noqa: F841 (held until the process exits)
+    lock = lock_out_dir(args.out_dir)  # held until the run ends
+    try:
+        return _run(args, encoder, commit, started_at, t_start)
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def _run(args, encoder: str, commit: str, started_at: str, t_start: float) -> int:
     rec_path = os.path.join(args.out_dir, "records.jsonl")
     done = {(r["window"], r["method"]): r for r in iter_jsonl(rec_path)} if os.path.isfile(rec_path) else {}
-    model, tok = load_model_and_tokenizer(args.model, args.dtype, "cocktail")
+    if args.report_only:  # the tokenizer cuts the windows; no model
+        model, tok = None, AutoTokenizer.from_pretrained(resolve_model_path(args.model), use_fast=True)
+    else:
+        model, tok = load_model_and_tokenizer(args.model, args.dtype, "cocktail")
     windows = build_windows(args, tok)
     todo = [(w, [m for m in args.method_list if (w.key, m.name) not in done]) for w in windows]
     todo = [(w, ms) for w, ms in todo if ms]
