@@ -20,12 +20,12 @@ import time
 import torch
 from transformers import DynamicCache
 
-from .cache import CocktailCache
-from .compat import cache_kwargs
-from .config import CocktailConfig
-from .layer_bits import mean_code_bits
-from .scoring import offline_encoder_path
-from .smollm2 import load_smollm2
+from hf_cocktail.cache.cache import CocktailCache
+from hf_cocktail.integration.compat import cache_kwargs
+from hf_cocktail.planning.scoring import offline_encoder_path
+from hf_cocktail.presets.config import CocktailConfig
+from hf_cocktail.smollm2 import load_smollm2
+from hf_cocktail.storage.layer_bits import mean_code_bits
 
 _PLACES = [
     "Ashford",

@@ -17,7 +17,7 @@ from eval.layers.solve import OPTIONS, solve
 from eval.methods.branching import context_span
 from eval.methods.kinds import Request
 from hf_cocktail import CocktailCache, CocktailConfig
-from hf_cocktail.compat import cache_kwargs
+from hf_cocktail.integration.compat import cache_kwargs
 
 from .conftest import FakeEncoder, make_prompt, make_tiny_llama
 

@@ -10,8 +10,8 @@ import torch
 from transformers import DynamicCache
 
 from hf_cocktail import CocktailCache, CocktailConfig
-from hf_cocktail.compat import cache_kwargs
-from hf_cocktail.layer import CocktailLayer
+from hf_cocktail.cache.layer import CocktailLayer
+from hf_cocktail.integration.compat import cache_kwargs
 
 from .conftest import TINY_GEMMA3_LAYERS, TINY_GEMMA3_WINDOW, FakeEncoder, make_prompt
 

@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache, QuantizedCache
 
 from hf_cocktail import CocktailCache
-from hf_cocktail.compat import cache_kwargs
+from hf_cocktail.integration.compat import cache_kwargs
 
 
 def kl_and_top1(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
