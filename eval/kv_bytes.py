@@ -10,16 +10,57 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+from transformers import DynamicCache
 
 from hf_cocktail import CocktailCache
 
 
-def fp16_kv_bytes(model_config, num_tokens: int, batch: int = 1) -> int:
-    """Bytes of an FP16 ``DynamicCache`` holding ``num_tokens`` tokens (2 bytes per key/value element)."""
-    cfg = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") else model_config
+def _text_config(model_config):
+    return model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") else model_config
+
+
+def layer_token_counts(model_config, num_tokens: int) -> list[int]:
+    """Tokens the model's own ``DynamicCache(config=model_config)`` holds per layer after ``num_tokens`` tokens:
+    every token in a full-attention layer, at most ``sliding_window - 1`` in a sliding-window layer (what
+    transformers' ``DynamicSlidingWindowLayer`` keeps). A config without layer kinds: every layer full."""
+    cfg = _text_config(model_config)
+    try:
+        layers = DynamicCache(config=cfg).layers
+    except (TypeError, ValueError, AttributeError):
+        layers = []
+    if len(layers) != cfg.num_hidden_layers:
+        return [num_tokens] * cfg.num_hidden_layers
+    return [
+        min(num_tokens, layer.sliding_window - 1) if getattr(layer, "is_sliding", False) else num_tokens
+        for layer in layers
+    ]
+
+
+def full_attention_layers(model_config) -> list[int]:
+    """Indices of the full-attention layers (those a CocktailCache quantizes; every layer when the config has no
+    layer kinds)."""
+    cfg = _text_config(model_config)
+    huge = 1 << 30
+    return [i for i, n in enumerate(layer_token_counts(cfg, huge)) if n == huge]
+
+
+def _per_token_layer_bytes(model_config, batch: int = 1) -> int:
+    """FP16 bytes of one token's key and value in one layer."""
+    cfg = _text_config(model_config)
     heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return int(cfg.num_hidden_layers * 2 * batch * heads * num_tokens * head_dim * 2)
+    return int(2 * batch * heads * head_dim * 2)
+
+
+def fp16_kv_bytes(model_config, num_tokens: int, batch: int = 1) -> int:
+    """Bytes of the model's own FP16 ``DynamicCache`` holding ``num_tokens`` tokens (2 bytes per key/value element;
+    sliding-window layers hold their window, see :func:`layer_token_counts`)."""
+    return _per_token_layer_bytes(model_config, batch) * sum(layer_token_counts(model_config, num_tokens))
+
+
+def fp16_global_kv_bytes(model_config, num_tokens: int, batch: int = 1) -> int:
+    """FP16 bytes of the full-attention layers alone holding ``num_tokens`` tokens."""
+    return _per_token_layer_bytes(model_config, batch) * num_tokens * len(full_attention_layers(model_config))
 
 
 def deployed_tensor_bytes(t, deployed: bool = True) -> int:
@@ -90,3 +131,22 @@ def cache_kv_bytes(cache, deployed: bool = True) -> int:
             for t in _walk_tensors(getattr(layer, attr, None), seen):
                 total += deployed_tensor_bytes(t, deployed)
     return total
+
+
+def global_kv_ratio(cache, model_config, num_tokens: int) -> float | None:
+    """The full-attention layers' KV bytes (FP16 deployment) / the same layers in FP16 holding ``num_tokens``
+    tokens: ``memory_report()["quantized_layers_ratio_to_fp16"]`` for a CocktailCache, the bytes of those layers
+    for caches with per-layer tensors; None for a cache that cannot say (the KIVI-like cache)."""
+    if isinstance(cache, CocktailCache):
+        return cache.memory_report()["quantized_layers_ratio_to_fp16"]
+    if hasattr(cache, "kv_nbytes") or not hasattr(cache, "layers"):
+        return None
+    full = full_attention_layers(model_config)
+    total = 0
+    seen: set = set()
+    for i in full:
+        layer = cache.layers[i]
+        for attr in ("keys", "values", "_quantized_keys", "_quantized_values"):
+            for t in _walk_tensors(getattr(layer, attr, None), seen):
+                total += deployed_tensor_bytes(t)
+    return total / fp16_global_kv_bytes(model_config, num_tokens)

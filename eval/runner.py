@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv_bytes import cache_kv_bytes, fp16_kv_bytes
+from .kv_bytes import cache_kv_bytes, fp16_kv_bytes, global_kv_ratio
 from .methods.branching import Branch, branch, generate_from_branch, prefill_for
 from .methods.kinds import Method, Request
 from .models import eos_token_ids, model_input_device
@@ -28,10 +28,11 @@ class Outcome:
     prompt_tokens: int
     cache_tokens: int
     kv_bytes: int  # FP16 deployment (eval.kv_bytes)
-    fp16_kv_bytes: int  # an FP16 DynamicCache of the same tokens
+    fp16_kv_bytes: int  # the model's own FP16 DynamicCache of the same tokens (sliding layers: their window)
     shared_prefill_s: float
     decode_s: float
     branch: Branch
+    kv_ratio_global: float | None = None  # the full-attention layers alone (eval.kv_bytes.global_kv_ratio)
 
     @property
     def num_new(self) -> int:
@@ -110,6 +111,7 @@ class CaseRunner:
             shared_prefill_s,
             decode_s,
             br,
+            global_kv_ratio(br.cache, self.model.config, seq),
         )
 
     def warm_up(self, methods: list[Method]) -> None:

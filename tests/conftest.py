@@ -1,4 +1,4 @@
-"""Shared fixtures: a tiny word-level fast tokenizer, tiny random Llama models, a fake encoder, SmolLM2."""
+"""Shared fixtures: a tiny word-level fast tokenizer, tiny random Llama and Gemma 3 models, a fake encoder, SmolLM2."""
 
 from __future__ import annotations
 
@@ -65,6 +65,40 @@ def make_tiny_llama(num_kv_heads=2, dtype=torch.float32, attn="cocktail", seed=0
 @pytest.fixture
 def tiny_llama():
     return make_tiny_llama()
+
+
+TINY_GEMMA3_WINDOW = 16
+TINY_GEMMA3_LAYERS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+
+
+def make_tiny_gemma3(attn="cocktail", seed=0, head_dim=64):
+    """Gemma 3 in miniature: sliding-window (16 tokens) and global layers, 4 query heads and one KV head, like
+    Gemma 3 270M (15 sliding + 3 global, window 512, head dim 256)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(
+        vocab_size=len(WORDS) + 3,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=len(TINY_GEMMA3_LAYERS),
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=head_dim,
+        sliding_window=TINY_GEMMA3_WINDOW,
+        layer_types=TINY_GEMMA3_LAYERS,
+        max_position_embeddings=2048,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=None,
+        attn_implementation=attn,
+    )
+    return Gemma3ForCausalLM(cfg).eval()
+
+
+@pytest.fixture
+def tiny_gemma3():
+    return make_tiny_gemma3()
 
 
 class FakeEncoder:

@@ -175,6 +175,38 @@ def test_segments_on_a_tiny_model(tiny_llama, tiny_tokenizer):
         assert r["answer_ids"] == fp["answer_ids"] and r["precision_counts"]["int2"] > 0
 
 
+def test_segments_on_a_sliding_window_model(tiny_gemma3, tiny_tokenizer):
+    """Gemma 3-shaped (sliding + global layers): the FP16 reference keeps each sliding layer's window and token count
+    (its teacher-forced argmax is its own greedy answer), a Cocktail cache at 16 bits gives FP16's logits in both
+    segments (the tail's prefix has a prefill of its own, the whole prompt's windows no longer hold it), and the
+    global layers' ratio is reported beside the whole cache's."""
+    from eval.kld.cases import KldCase
+    from eval.kld.report import markdown, summarize
+    from eval.methods.kinds import CocktailMethod, Request
+    from eval.methods.registry import METHODS
+
+    prompt, ctx, query = make_prompt(150, seed=5)
+    case = KldCase("t/1", "test", "s", Request(prompt, ctx, query, "1"))
+    u16 = CocktailMethod("u16", "every chunk at 16 bits", {"uniform_bits": 16})
+    runner = _tiny_runner(tiny_gemma3, tiny_tokenizer)
+    recs = {r["method"]: r for r in runner.run(case, [METHODS["fp16"], u16, METHODS["int4"]])}
+    fp = recs["fp16"]
+    assert fp["ref_top1_is_answer"] == 1.0 and fp["tail_tokens"] == 4
+    assert fp["kl_answer"] == 0.0 and fp["kl_tail"] == 0.0
+    assert fp["kv_ratio"] == 1.0 and fp["kv_ratio_global"] == 1.0
+    assert recs["u16"]["kl_answer"] < 1e-9 and recs["u16"]["kl_tail"] < 1e-9
+    assert recs["u16"]["top1_answer"] == recs["u16"]["top1_tail"] == 1.0
+    q4 = recs["int4"]
+    assert q4["kl_answer"] > 0 and q4["kv_ratio_global"] < q4["kv_ratio"] < 1
+    md = markdown(summarize(list(recs.values()), ["fp16", "u16", "int4"]))
+    assert (
+        "| kv_ratio | kv_ratio global |" in md
+        and f"| int4 | 1 | {q4['kv_ratio']:.3f} | {q4['kv_ratio_global']:.3f} |" in md
+    )
+    with pytest.raises(ValueError, match="kivi2.*does not support sliding-window"):
+        list(runner.run(case, [METHODS["kivi2"]]))
+
+
 def test_tail_never_reaches_into_the_context(tiny_llama, tiny_tokenizer):
     from eval.kld.cases import KldCase
     from eval.kld.measure import context_end

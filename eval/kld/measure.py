@@ -29,9 +29,9 @@ import torch
 
 from hf_cocktail.planning.scoring import get_encoder
 
-from ..kv_bytes import cache_kv_bytes, fp16_kv_bytes
-from ..methods.branching import branch, context_end, generate_from_branch, precision_counts, prefill_for
-from ..methods.kinds import CocktailMethod, DynamicMethod, Method, Request, build_cache
+from ..kv_bytes import cache_kv_bytes, fp16_kv_bytes, global_kv_ratio
+from ..methods.branching import branch, context_end, generate_from_branch, precision_counts, prefill, prefill_for
+from ..methods.kinds import CocktailMethod, DynamicMethod, Method, Request, build_cache, is_sliding_layer, prefill_items
 from ..models import eos_token_ids, model_input_device
 from .cases import KldCase
 from .divergence import kl_and_top1, teacher_force
@@ -109,6 +109,17 @@ def branch_prefix(
     return cache
 
 
+def prefix_prefill(model, dyn, input_ids: torch.Tensor, n: int) -> list:
+    """The full-precision prefill of the prompt's first ``n`` tokens, as :func:`prefill_items` hands it to
+    ``load_prefill``: the shared prefill ``dyn`` cut to ``n`` tokens; for a model with sliding-window layers (whose
+    window at ``n`` tokens the whole prompt's prefill no longer holds) a prefill of those ``n`` tokens of its own."""
+    if n == input_ids.shape[1]:
+        return prefill_items(dyn)
+    if any(is_sliding_layer(layer) for layer in dyn.layers):
+        return prefill_items(prefill(model, input_ids[:, :n])[0])
+    return [(layer.keys[:, :, :n], layer.values[:, :, :n]) for layer in dyn.layers]
+
+
 def _pos_list(x: torch.Tensor, digits: int = 6) -> list:
     return [float(f"{v:.{digits}g}") for v in x.tolist()]
 
@@ -168,8 +179,7 @@ class KldRunner:
             model, tok, dyn, first_logits, input_ids, req, self.max_answer_tokens, self.eos
         )
         k = max(0, min(self.tail_tokens, L - ctx_end, L - 1))
-        full_pairs = [(layer.keys, layer.values) for layer in dyn.layers]
-        prefix_pairs = [(kk[:, :, : L - k], vv[:, :, : L - k]) for kk, vv in full_pairs]
+        prefix_pairs = prefix_prefill(model, dyn, input_ids, L - k)
         answer_in = answer[:, :-1]
         tail_in = torch.cat([input_ids[:, L - k :], answer_in], dim=1)
         ref_tail = teacher_force(
@@ -197,6 +207,7 @@ class KldRunner:
             logits_a = teacher_force(model, br.cache, answer_in, self.step_by_step)
             seq = int(br.cache.get_seq_length())
             kv, fp16 = cache_kv_bytes(br.cache), fp16_kv_bytes(model.config, seq)
+            kv_global = global_kv_ratio(br.cache, model.config, seq)
             bits = br.precision_map
             del br
             prefix_queries = None if queries is None else [q[:, :, : q.shape[2] - k] for q in queries]
@@ -212,6 +223,7 @@ class KldRunner:
                 "kv_bytes": kv,
                 "fp16_kv_bytes": fp16,
                 "kv_ratio": kv / fp16,
+                "kv_ratio_global": kv_global,
                 "precision_counts": None if bits is None else precision_counts(bits),
                 "method_s": round(time.perf_counter() - t1, 3),
             }

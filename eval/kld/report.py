@@ -30,6 +30,7 @@ CSV_COLUMNS = [
     "kld_tail_hi",
     "top1_tail",
     "positions_tail",
+    "kv_ratio_global",
 ]
 FOOTNOTE = (
     "KLD: mean over examples of the mean KL(P_fp16 || P_method) in nats over the example's teacher-forced "
@@ -37,8 +38,14 @@ FOOTNOTE = (
     "answer: FP16's greedy answer fed after the shared full-precision prefill (the positions predicting answer "
     "tokens 2..n). tail: the prompt minus its last k tokens (k <= 16, never inside the context) prefilled and "
     "branched, then the last k prompt tokens and the answer fed. top-1: share of positions where the method's "
-    "argmax equals FP16's. kv_ratio: the method's KV bytes / an FP16 DynamicCache of the same tokens (prompt "
-    "+ answer), full-precision tensors at 2 bytes per element."
+    "argmax equals FP16's. kv_ratio: the method's KV bytes / the model's own FP16 DynamicCache of the same "
+    "tokens (prompt + answer; sliding-window layers hold their window), full-precision tensors at 2 bytes per "
+    "element."
+)
+FOOTNOTE_GLOBAL = (
+    " kv_ratio global: the same for the full-attention (global) layers alone, the layers a CocktailCache "
+    "quantizes (memory_report()['quantized_layers_ratio_to_fp16']); on a model with sliding-window layers the whole "
+    "cache's kv_ratio also counts those layers' full-precision windows."
 )
 
 
@@ -64,6 +71,7 @@ def summarize(records: list[dict], methods: list[str], n_boot: int = 2000) -> li
                 "method": m,
                 "examples": len(mine),
                 "kv_ratio": sum(r["kv_ratio"] for r in mine) / len(mine),
+                "kv_ratio_global": _mean_or_none([r.get("kv_ratio_global") for r in mine]),
             }
             for seg in SEGMENTS:
                 strata: dict[str, list[float]] = defaultdict(list)
@@ -86,7 +94,14 @@ def summarize(records: list[dict], methods: list[str], n_boot: int = 2000) -> li
     return rows
 
 
+def _mean_or_none(xs: list) -> float | None:
+    """The mean, or None when any value is missing (records written before the field existed)."""
+    return None if not xs or any(x is None for x in xs) else sum(xs) / len(xs)
+
+
 PAIRED_REF = "cocktail"
+# every reference the report pairs the methods with, where it was run: the paper's setting and uniform INT4
+PAIRED_REFS = (PAIRED_REF, "int4")
 PAIRED_COLUMNS = ["source", "method", "reference", "examples", "diff", "diff_lo", "diff_hi", "lower", "higher", "ratio"]
 
 
@@ -129,22 +144,29 @@ def paired(
     return out
 
 
+REF_NAMES = {"cocktail": "the paper", "int4": "uniform INT4"}
+
+
 def paired_markdown(rows: list[dict]) -> list[str]:
+    """One table per reference (in the order the rows come)."""
     if not rows:
         return []
-    lines = [
-        "",
-        f"### Paired with `{rows[0]['reference']}` (the paper), answer segment",
-        "",
-        "| source | method | examples | KLD difference [95% CI] | lower / higher | KLD ratio |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
-        lines.append(
-            f"| {r['source']} | {r['method']} | {r['examples']} | {r['diff']:+.4f} [{r['diff_lo']:+.4f}, "
-            f"{r['diff_hi']:+.4f}] | {r['lower']} / {r['higher']} | {ratio} |"
-        )
+    lines = []
+    for ref in dict.fromkeys(r["reference"] for r in rows):
+        name = f" ({REF_NAMES[ref]})" if ref in REF_NAMES else ""
+        lines += [
+            "",
+            f"### Paired with `{ref}`{name}, answer segment",
+            "",
+            "| source | method | examples | KLD difference [95% CI] | lower / higher | KLD ratio |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in (r for r in rows if r["reference"] == ref):
+            ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+            lines.append(
+                f"| {r['source']} | {r['method']} | {r['examples']} | {r['diff']:+.4f} [{r['diff_lo']:+.4f}, "
+                f"{r['diff_hi']:+.4f}] | {r['lower']} / {r['higher']} | {ratio} |"
+            )
     lines += [
         "",
         "Difference: mean over the common examples of (method's KLD - the reference's KLD), negative = "
@@ -175,6 +197,7 @@ def write_csv(path: str, rows: list[dict]) -> None:
                     *[_fmt(r[f"kld_tail{x}"], ".6g") for x in ("", "_lo", "_hi")],
                     _fmt(r["top1_tail"], ".4f"),
                     r["positions_tail"],
+                    _fmt(r.get("kv_ratio_global"), ".4f"),
                 ]
             )
 
@@ -187,22 +210,30 @@ def _kld_cell(r: dict, seg: str) -> str:
 
 def markdown(rows: list[dict], header: str = "") -> str:
     lines = [header] if header else []
+    # the global layers' ratio: shown where the records carry it and it differs from the whole cache's (a model
+    # with sliding-window layers); with every layer global the two are the same number
+    show_global = any(
+        r.get("kv_ratio_global") is not None and abs(r["kv_ratio_global"] - r["kv_ratio"]) > 1e-9 for r in rows
+    )
+    glob_head, glob_sep = (" kv_ratio global |", "---|") if show_global else ("", "")
     for source in dict.fromkeys(r["source"] for r in rows):
         mine = [r for r in rows if r["source"] == source]
         lines += [
             "",
             f"### {source} (up to {max(r['examples'] for r in mine)} examples)",
             "",
-            "| method | examples | kv_ratio | KLD answer [95% CI] | top-1 answer | KLD tail [95% CI] | top-1 tail |",
-            "|---|---|---|---|---|---|---|",
+            f"| method | examples | kv_ratio |{glob_head} KLD answer [95% CI] | top-1 answer | KLD tail [95% CI] | "
+            "top-1 tail |",
+            f"|---|---|---|{glob_sep}---|---|---|---|",
         ]
         for r in mine:
+            glob = f" {_fmt(r.get('kv_ratio_global'), '.3f') or '-'} |" if show_global else ""
             lines.append(
-                f"| {r['method']} | {r['examples']} | {r['kv_ratio']:.3f} | {_kld_cell(r, 'answer')} | "
+                f"| {r['method']} | {r['examples']} | {r['kv_ratio']:.3f} |{glob} {_kld_cell(r, 'answer')} | "
                 f"{_fmt(r['top1_answer'], '.3f') or '-'} | {_kld_cell(r, 'tail')} | "
                 f"{_fmt(r['top1_tail'], '.3f') or '-'} |"
             )
-    lines += ["", FOOTNOTE, ""]
+    lines += ["", FOOTNOTE + (FOOTNOTE_GLOBAL if show_global else ""), ""]
     return "\n".join(lines)
 
 
@@ -322,7 +353,7 @@ def write_reports(out_dir: str, records: list[dict], methods: list[str], header:
     the markdown."""
     rows = summarize(records, methods)
     write_csv(os.path.join(out_dir, "summary.csv"), rows)
-    pairs = paired(records, methods) if PAIRED_REF in methods else []
+    pairs = [p for ref in PAIRED_REFS if ref in methods for p in paired(records, methods, ref)]
     with open(os.path.join(out_dir, "paired.csv"), "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
         w.writerow(PAIRED_COLUMNS)

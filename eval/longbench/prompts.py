@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..chat import CHAT_TOKENIZER_KWARGS, chat_prompt, has_chat_template
 from ..methods.kinds import Request
 
 NO_CHAT_TASKS = ("trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p")
@@ -85,13 +86,10 @@ def build_prompt(tok, task: str, ex: dict, template: str, window: int, use_chat:
     else:
         ctx = context
     query, source = _search_query(task, template, inp, ctx)
-    chat = use_chat and task not in NO_CHAT_TASKS and getattr(tok, "chat_template", None) is not None
+    chat = use_chat and task not in NO_CHAT_TASKS and has_chat_template(tok)
     if chat:
-        final = tok.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
-        kwargs = {"add_special_tokens": False}
-    else:
+        final, kwargs = chat_prompt(tok, prompt), dict(CHAT_TOKENIZER_KWARGS)
+    else:  # the protocol's few-shot / code tasks, or a tokenizer without a chat template: the completion form
         final, kwargs = prompt, {}
     if ctx and ctx not in final:
         ctx = ""

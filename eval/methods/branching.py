@@ -20,10 +20,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from hf_cocktail import CocktailCache, CocktailConfig
-from hf_cocktail.cache import layout
 from hf_cocktail.integration.compat import cache_kwargs
 
-from .kinds import Method, Request, build_cache
+from .kinds import Method, Request, build_cache, prefill_items
 from .queries import recording_queries
 
 
@@ -58,6 +57,7 @@ def prefill_for(
     return dyn, logits, queries
 
 
+@torch.no_grad()
 def prefill(model, input_ids: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
     """Run the model over the whole prompt into a ``DynamicCache`` (the shared full-precision prefill).
 
@@ -110,10 +110,9 @@ def branch(
         raise RuntimeError(
             f"{method.name}: the cache's preparation tokenized the prompt differently from the shared prefill"
         )
-    # per layer its (keys, values), or the layer itself where it is not full attention (sliding / hybrid models: a
-    # Cocktail cache keeps such a layer as the model's cache holds it)
-    pairs = [(layer.keys, layer.values) if layout.is_full_attention(layer) else layer for layer in dyn.layers]
-    method.load_prefill(cache, pairs, split_attention, prefill_queries if method.reads_prefill_queries else None)
+    method.load_prefill(
+        cache, prefill_items(dyn), split_attention, prefill_queries if method.reads_prefill_queries else None
+    )
     bits = method.precision_map(cache)
     counts = None if bits is None else precision_counts(bits)
     return Branch(cache, time.perf_counter() - t0, counts, bits)

@@ -15,6 +15,7 @@ the context and set their precision plan), and fills it from a full-precision pr
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import random
 import zlib
@@ -28,12 +29,6 @@ from transformers.cache_utils import Cache
 from hf_cocktail import CocktailCache, CocktailConfig, offline_encoder_path
 
 from .kivi import KIVI_GROUP, KiviCache
-
-
-def as_pairs(items: list) -> list[tuple]:
-    """A shared prefill's layers as ``(keys, values)`` pairs (an item may be a pair or a cache layer: a sliding
-    layer of a hybrid model)."""
-    return [item if isinstance(item, tuple) else (item.keys, item.values) for item in items]
 
 
 @dataclass
@@ -50,6 +45,19 @@ class Request:
 
 def example_seed(example_id: str) -> int:
     return zlib.crc32(str(example_id).encode("utf-8"))
+
+
+def is_sliding_layer(item: Any) -> bool:
+    """A sliding-window layer of the model's own cache (``DynamicSlidingWindowLayer``), as :func:`prefill_items`
+    hands it over."""
+    return getattr(item, "is_sliding", False) is True
+
+
+def prefill_items(dyn: DynamicCache) -> list:
+    """What every kind's ``load_prefill`` takes from a full-precision prefill ``DynamicCache(config=...)``: per
+    layer the ``(keys, values)`` pair of a full-attention layer, or the sliding-window layer itself (it holds only
+    its window and knows how many tokens it has seen, which a bare pair cannot say)."""
+    return [layer if is_sliding_layer(layer) else (layer.keys, layer.values) for layer in dyn.layers]
 
 
 def _num_layers(model) -> int:
@@ -78,10 +86,20 @@ class Method:
         return False
 
     def load_prefill(self, cache: Cache, pairs: list, split_attention: bool = True, prefill_queries=None) -> None:
-        """Fill ``cache`` with a full-precision prefill: one ``(keys, values)`` pair per layer (``prefill_queries``:
-        per layer the queries of the prompt's last tokens, for the methods that read them)."""
-        for i, (k, v) in enumerate(as_pairs(pairs)):
-            cache.update(k, v, i)
+        """Fill ``cache`` with a full-precision prefill: per layer a ``(keys, values)`` pair or a sliding-window
+        layer (:func:`prefill_items`; ``prefill_queries``: per layer the queries of the prompt's last tokens, for
+        the methods that read them). A ``DynamicCache`` takes a copy of each sliding layer (later steps replace
+        its tensors, never write into them); other caches refuse sliding-window models."""
+        for i, item in enumerate(pairs):
+            if is_sliding_layer(item):
+                if not isinstance(cache, DynamicCache) or len(cache.layers) <= i:
+                    raise ValueError(
+                        f"method {self.name!r} ({self.kind}) does not support sliding-window layers (layer {i}); "
+                        "use fp16 or a Cocktail method"
+                    )
+                cache.layers[i] = copy.copy(item)
+            else:
+                cache.update(item[0], item[1], i)
 
     def precision_map(self, cache: Cache) -> list[int] | None:
         """Bits of each context chunk of sequence 0 (Cocktail kinds), else None."""
@@ -111,8 +129,10 @@ class QuantizedCacheMethod(Method):
         return QuantizedCache(backend=self.backend, config=model.config, nbits=self.bits)
 
     def load_prefill(self, cache, pairs, split_attention=True, prefill_queries=None) -> None:
-        for i, (k, v) in enumerate(as_pairs(pairs)):
-            cache.update(k.clone(), v.clone(), i)  # it may quantize in place: the shared prefill stays intact
+        for i, item in enumerate(pairs):
+            if is_sliding_layer(item):
+                raise ValueError(f"method {self.name!r} ({self.kind}) does not support sliding-window layers")
+            cache.update(item[0].clone(), item[1].clone(), i)  # it may quantize in place: the prefill stays intact
 
     def config_dict(self, encoder=None) -> dict[str, Any]:
         return {
@@ -182,8 +202,9 @@ class CocktailMethod(Method):
         return dict(self.overrides).get("salient_tokens", 0) > 0
 
     def load_prefill(self, cache, pairs, split_attention=True, prefill_queries=None) -> None:
-        # detached aliases: load_prefill tags the key tensors it is given, which must not leak into the shared prefill
-        pairs = [(p[0].detach(), p[1].detach()) if isinstance(p, tuple) else p for p in pairs]  # layers: copied there
+        # detached aliases: load_prefill tags the key tensors it is given, which must not leak into the shared prefill;
+        # sliding-window layers are copied by the cache
+        pairs = [item if is_sliding_layer(item) else (item[0].detach(), item[1].detach()) for item in pairs]
         cache.load_prefill(pairs, split_attention=split_attention, prefill_queries=prefill_queries)
 
     def precision_map(self, cache) -> list[int]:

@@ -7,6 +7,7 @@ import random
 
 from hf_cocktail import CocktailCache
 
+from ..chat import CHAT_TOKENIZER_KWARGS, chat_prompt, has_chat_template
 from ..cli import UsageError
 
 NEEDLE = "The secret passcode for the vault is {code}."
@@ -42,16 +43,15 @@ def make_case(tok, essays: list[str], length: int, depth: float, sample: int, se
 
 
 def build_prompt(tok, context: str, raw: bool = False) -> tuple[str, dict]:
-    """The chat prompt; ``raw``: the haystack at the very start of a plain prompt (no instruction, no template, no
-    special tokens), so that the prompt's first tokens (the attention sinks) belong to the context."""
+    """The chat prompt (the completion form for a tokenizer without a chat template, :mod:`eval.chat`); ``raw``:
+    the haystack at the very start of a plain prompt (no instruction, no template, no special tokens), so that the
+    prompt's first tokens (the attention sinks) belong to the context."""
     if raw:
         return context + ASK.format(question=QUESTION), {"add_special_tokens": False}
     content = INSTRUCTION + context + ASK.format(question=QUESTION)
-    if getattr(tok, "chat_template", None):
-        return tok.apply_chat_template(
-            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
-        ), {"add_special_tokens": False}
-    return content, {}
+    if has_chat_template(tok):
+        return chat_prompt(tok, content), dict(CHAT_TOKENIZER_KWARGS)
+    return content, {}  # the completion form (eval.chat)
 
 
 def needle_chunk_bits(tok, prompt: str, tokenizer_kwargs: dict, case: dict, cache) -> list[int] | None:

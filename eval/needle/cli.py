@@ -36,7 +36,7 @@ from hf_cocktail import CocktailCache, offline_encoder_path
 from ..cli import UsageError, parse_float_list, parse_int_list
 from ..essays import load_essays
 from ..methods.kinds import Request
-from ..methods.registry import parse_methods
+from ..methods.registry import parse_methods, register_preset
 from ..models import DTYPES, load_model_and_tokenizer, resolve_model_path, set_threads
 from ..paths import ESSAY_DIR
 from ..records import append_jsonl, check_settings, iter_jsonl, left_out_note, lock_out_dir
@@ -89,6 +89,12 @@ def _parser() -> argparse.ArgumentParser:
         help="cases per (length, depth), or per (variant, length): other haystack / needles",
     )
     p.add_argument("--methods", default="fp16,cocktail,int4,int2")
+    p.add_argument(
+        "--preset",
+        default=None,
+        help="a cocktail_config.json folder or Hub id (e.g. model_cards/gemma-3-270m): adds the method 'preset' "
+        "(its encoder is replaced by --encoder / the offline MiniLM)",
+    )
     p.add_argument(
         "--max-new-tokens",
         type=int,
@@ -181,6 +187,7 @@ def case_record(case: dict, prompt: str, kw: dict, out: Outcome, tok) -> dict:
         "kv_bytes": out.kv_bytes,
         "fp16_kv_bytes": out.fp16_kv_bytes,
         "kv_ratio": out.kv_ratio,
+        "kv_ratio_global": out.kv_ratio_global,
         "prefill_s": out.prefill_s,
         "decode_s": out.decode_s,
         "precision_counts": out.branch.precision_counts,
@@ -244,6 +251,7 @@ def ruler_record(case: dict, out: Outcome, tok) -> dict:
         "kv_bytes": out.kv_bytes,
         "fp16_kv_bytes": out.fp16_kv_bytes,
         "kv_ratio": out.kv_ratio,
+        "kv_ratio_global": out.kv_ratio_global,
         "prefill_s": out.prefill_s,
         "decode_s": out.decode_s,
         "precision_counts": out.branch.precision_counts,
@@ -300,6 +308,8 @@ def main(argv=None) -> int:
     t_start = time.time()
     commit = git_commit(exclude=args.out_dir)  # the code that runs (read now: a commit made mid-run is not it)
     started_at = now()
+    if args.preset:
+        register_preset(args.preset)
     methods = parse_methods(args.methods)
     essays = load_essays(args.essay_dir)
     set_threads(1, args.threads)

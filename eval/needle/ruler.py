@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from hf_cocktail import CocktailCache
 
+from ..chat import CHAT_TOKENIZER_KWARGS, chat_prompt, has_chat_template
 from ..cli import UsageError
 
 TOKENS_TO_GENERATE = 128  # RULER's niah tokens_to_generate: part of the length budget
@@ -197,19 +198,17 @@ def haystack_source(essays: list[str], sample: int, min_chars: int) -> str:
 
 
 def build_prompt(tok, context: str, query_keys: list[str], single_answer: bool) -> tuple[str, str, dict]:
-    """The chat prompt (RULER's template as the user turn, the answer prefix after the assistant header), the
+    """The chat prompt (RULER's template as the user turn, the answer prefix after the assistant header; without a
+    chat template the completion form, :mod:`eval.chat`: the template's text, then the answer prefix), the
     question (the search query of Cocktail kinds) and the tokenizer keyword arguments."""
     template, prefix = _template(single_answer)
     query = join_query(query_keys)
     content = template.format(context=context, query=query)
     question = content[content.rindex("\n") + 1 :]
     answer_prefix = prefix.format(query=query).lstrip()
-    if getattr(tok, "chat_template", None):
-        chat = tok.apply_chat_template(
-            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
-        )
-        return chat + answer_prefix, question, {"add_special_tokens": False}
-    return content + " " + answer_prefix, question, {}
+    if has_chat_template(tok):
+        return chat_prompt(tok, content) + answer_prefix, question, dict(CHAT_TOKENIZER_KWARGS)
+    return content + " " + answer_prefix, question, {}  # the completion form (eval.chat)
 
 
 def make_case(

@@ -10,7 +10,25 @@ import os
 
 from ..stats import bootstrap_mean
 
-CSV_COLUMNS = ["variant", "ruler_task", "length", "method", "accuracy", "n", "kv_ratio", "asked_needles_fp16"]
+CSV_COLUMNS = [
+    "variant",
+    "ruler_task",
+    "length",
+    "method",
+    "accuracy",
+    "n",
+    "kv_ratio",
+    "asked_needles_fp16",
+    "kv_ratio_global",
+]
+
+
+def _global_ratio(rs: list[dict]) -> float | None:
+    """The mean full-attention layers' ratio, None when a record lacks it (written before the field existed)."""
+    xs = [r.get("kv_ratio_global") for r in rs]
+    return None if not xs or None in xs else round(sum(xs) / len(xs), 4)
+
+
 PAIRED_REF = "fp16"
 PAIRED_COLUMNS = ["variant", "length", "method", "reference", "cases", "diff", "diff_lo", "diff_hi", "higher", "lower"]
 
@@ -42,6 +60,7 @@ def summarize(rows: list[dict], methods: list[str], variants: list[str], lengths
                     "n": len(rs),
                     "kv_ratio": round(_mean([r["kv_ratio"] for r in rs]), 4),
                     "asked_needles_fp16": _fp16_share(rs),
+                    "kv_ratio_global": _global_ratio(rs),
                 }
             )
 
@@ -137,12 +156,18 @@ def markdown(summary: list[dict], methods: list[str], variants: list[str], lengt
     cols = [(v, L) for v in [*variants, "average"] for L in [*lengths, "all"]]
     cols = [c for c in cols if any((c[0], c[1], m) in cell for m in methods)]
     n = {c: max(cell[(*c, m)]["n"] for m in methods if (*c, m) in cell) for c in cols}
+    # the global layers' ratio where it differs from the whole cache's (a model with sliding-window layers)
+    show_global = any(
+        s.get("kv_ratio_global") is not None and abs(s["kv_ratio_global"] - s["kv_ratio"]) > 1e-6 for s in summary
+    )
     head = (
         "| method | "
         + " | ".join(f"{v} {L} (n={n[(v, L)]})" for v, L in cols)
-        + " | kv_ratio | asked needles at FP16 |"
+        + " | kv_ratio |"
+        + (" kv_ratio global |" if show_global else "")
+        + " asked needles at FP16 |"
     )
-    lines = [head, "|---" * (len(cols) + 3) + "|"]
+    lines = [head, "|---" * (len(cols) + 3 + show_global) + "|"]
     for m in methods:
         if not any((c[0], c[1], m) in cell for c in cols):
             continue
@@ -150,14 +175,17 @@ def markdown(summary: list[dict], methods: list[str], variants: list[str], lengt
         tot = cell.get(("average", "all", m))
         kvr = f"{tot['kv_ratio']:.3f}" if tot else "-"
         fp = tot["asked_needles_fp16"] if tot else "-"
-        lines.append(f"| {m} | " + " | ".join(vals) + f" | {kvr} | {fp} |")
+        glob = ""
+        if show_global:
+            glob = f" {tot['kv_ratio_global']:.3f} |" if tot and tot.get("kv_ratio_global") is not None else " - |"
+        lines.append(f"| {m} | " + " | ".join(vals) + f" | {kvr} |{glob} {fp} |")
     note = (
         f"RULER-style needles (Paul Graham essays), accuracy = RULER's string_match_all x 100 (share of the "
         f"expected values found in the output), {samples} sample(s) per variant and length; column "
         "'<variant> <length> (n=cases)' (length = prompt + 128 tokens to generate, RULER's max_seq_length; "
-        "'all': every length); 'average': mean over the cases of every variant. kv_ratio = KV bytes / FP16 "
-        "DynamicCache bytes of the same tokens. 'asked needles at FP16': asked needles whose chunks all got "
-        "FP16 / asked needles (Cocktail kinds)."
+        "'all': every length); 'average': mean over the cases of every variant. kv_ratio = KV bytes / the model's "
+        "own FP16 DynamicCache bytes of the same tokens (kv_ratio global: the full-attention layers alone). "
+        "'asked needles at FP16': asked needles whose chunks all got FP16 / asked needles (Cocktail kinds)."
     )
     return note + "\n\n" + "\n".join(lines) + "\n"
 

@@ -16,6 +16,13 @@ from hf_cocktail.cache.layer import CocktailLayer, LayerState
 from hf_cocktail.cache.prefill_watch import check_head_dims
 
 
+def _detached_copy(layer: Any) -> Any:
+    """A deep copy of one of the model's own cache layers, its tensors detached: a prefill run with autograd on
+    leaves tensors with a graph, which ``copy.deepcopy`` refuses."""
+    memo = {id(t): t.detach().clone() for t in vars(layer).values() if isinstance(t, torch.Tensor) and t.requires_grad}
+    return copy.deepcopy(layer, memo)
+
+
 class CacheLifecycles:
     """``load_prefill``, ``requery``, ``__deepcopy__`` and chunked prefill of :class:`~hf_cocktail.CocktailCache`."""
 
@@ -63,7 +70,7 @@ class CacheLifecycles:
             )
         for i, (src, (k, v)) in enumerate(zip(source, pairs)):
             if hasattr(src, "keys") and not layout.is_full_attention(src):  # sliding / hybrid / shared: as it is
-                self.layers.append(copy.deepcopy(src))
+                self.layers.append(_detached_copy(src))
                 continue
             layer = CocktailLayer(self, i)  # type: ignore[arg-type]  # the cache this mixin is part of
             self.layers.append(layer)

@@ -62,7 +62,13 @@ def memory_report(
     (``native_bytes``: every tensor they hold). ``ratio_to_fp16`` divides the same total, with full-precision
     tensors at 2 bytes per element (an FP16 deployment, even for fp32 models; ``native_deployed_bytes``: the native
     layers so counted), by the FP16 key/value bytes of the tokens held (``native_fp16_bytes`` for the native
-    layers)."""
+    layers).
+
+    Two ratios: ``ratio_to_fp16`` is the whole cache's (the Cocktail layers and the model's own layers) against the
+    model's default cache in FP16; ``quantized_layers_ratio_to_fp16`` is the Cocktail (full-attention) layers' alone
+    (their codes, scales, full part and its room, rotation and index tensors) against the same layers in FP16
+    (``quantized_layers_fp16_equivalent_bytes``). On a sliding + global model (Gemma 3) the whole cache's ratio is
+    nearer 1."""
     rep: dict[str, Any] = {"codes_bytes": 0, "scales_zeros_bytes": 0, "full_precision_bytes": 0, "layers": len(stores)}
     rep["headroom_bytes"] = 0
     fp16_equiv = full_deployed = headroom_deployed = index = 0
@@ -80,6 +86,11 @@ def memory_report(
     rep["rotation_bytes"] = storage_bytes(t for st in stores if st.rotation is not None for t in st.rotation.tensors())
     rep["index_bytes"] = index + plan_bytes
     rep["native_layers_bytes"] = native_bytes
+    rep["native_layers_fp16_bytes"] = native_fp16_bytes
+    quantized_deployed = rep["codes_bytes"] + rep["scales_zeros_bytes"] + full_deployed + headroom_deployed
+    quantized_deployed += rep["rotation_bytes"] + rep["index_bytes"]
+    rep["quantized_layers_fp16_equivalent_bytes"] = fp16_equiv
+    rep["quantized_layers_ratio_to_fp16"] = quantized_deployed / fp16_equiv if fp16_equiv else float("nan")
     held = ("codes_bytes", "scales_zeros_bytes", "full_precision_bytes", "headroom_bytes", "rotation_bytes")
     rep["total_bytes"] = sum(rep[k] for k in held) + rep["index_bytes"] + native_bytes
     # keep_context_copy: the CPU copy for requery() is reported apart (it is not part of the working cache)

@@ -1,0 +1,188 @@
+"""Perplexity of real text continued over each method's quantized context, and its KL divergence from FP16.
+
+Per window of WikiText-2 or the Paul Graham essays: the prompt (a context of real text, then the lead: the text just
+before the continuation) is prefilled once at full precision and branched into every method's cache; the next
+tokens of the text are teacher-forced through each cache (see ``eval/ppl/measure.py``).
+
+Usage (see eval/README.md)::
+
+    python -m eval.ppl --model gemma-3-270m --out-dir eval/results/gemma3_270m/ppl --windows 8 --threads 1
+
+Outputs under ``--out-dir``: ``records.jsonl`` (one line per (window, method), resumable), ``summary.md``,
+``summary.csv``, ``ppl_vs_bytes.png``, ``settings.json``, ``run_info.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer
+
+from hf_cocktail import offline_encoder_path
+
+from ..cli import UsageError
+from ..methods.registry import parse_methods, register_preset
+from ..models import DTYPES, load_model_and_tokenizer, resolve_model_path, set_threads
+from ..paths import ESSAY_DIR
+from ..records import append_jsonl, check_settings, iter_jsonl, lock_out_dir
+from ..run_info import command_line, git_commit, now, update_run_info
+from .measure import PplRunner
+from .report import write_reports
+from .windows import SOURCES, Window, make_windows, source_text
+
+MODULE = "eval.ppl"
+DEFAULT_METHODS = "fp16,int4,int4_had,int2,int2_had,cocktail,recommended"
+SETTINGS_KEYS = ("model", "dtype", "context", "lead", "continuation", "encoder")  # must match to resume
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=f"python -m {MODULE}",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--out-dir", required=True, help="results folder (resumable)")
+    p.add_argument("--model", default="smollm2", help="an offline model (smollm2, gemma-3-270m) or a Hub id / folder")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated methods (eval/methods/registry.py)")
+    p.add_argument(
+        "--preset",
+        default=None,
+        help="a cocktail_config.json folder or Hub id: adds the method 'preset' (its encoder is the evaluation's)",
+    )
+    p.add_argument("--sources", default=",".join(SOURCES), help=f"comma-separated, from {SOURCES}")
+    p.add_argument("--windows", type=int, default=8, help="windows per source (evenly spaced, non-overlapping)")
+    p.add_argument("--context", type=int, default=1920, help="context tokens per window (quantized)")
+    p.add_argument("--lead", type=int, default=64, help="tokens between the context and the continuation")
+    p.add_argument("--continuation", type=int, default=129, help="continuation tokens (the first is not scored)")
+    p.add_argument("--essay-dir", default=ESSAY_DIR)
+    p.add_argument("--wikitext-file", default=None, help="default: ../shared/data/wikitext2/wiki.test.raw")
+    p.add_argument("--encoder", default=None, help="retrieval encoder (default: the offline all-MiniLM-L6-v2)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
+    p.add_argument("--stop-after-minutes", type=float, default=None, help="start no new window after this")
+    p.add_argument("--report-only", action="store_true", help="rewrite the summary from the records, run nothing")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    args = _parser().parse_args(argv)
+    if args.preset:
+        register_preset(args.preset)
+    args.method_list = parse_methods(args.methods)
+    args.source_list = [s.strip() for s in args.sources.split(",") if s.strip()]
+    bad = [s for s in args.source_list if s not in SOURCES]
+    if bad or not args.source_list:
+        raise UsageError(f"--sources must be a comma-separated list from {SOURCES}, got {args.sources!r}")
+    for name, low in (("windows", 1), ("context", 64), ("lead", 1), ("continuation", 2)):
+        if getattr(args, name) < low:
+            raise UsageError(f"--{name} must be >= {low}, got {getattr(args, name)}")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    if args.stop_after_minutes is not None and args.stop_after_minutes <= 0:
+        raise UsageError(f"--stop-after-minutes must be > 0, got {args.stop_after_minutes}")
+    return args
+
+
+def settings_of(args, encoder: str) -> dict:
+    return {
+        "model": args.model,
+        "dtype": args.dtype,
+        "context": args.context,
+        "lead": args.lead,
+        "continuation": args.continuation,
+        "encoder": os.path.basename(os.path.normpath(encoder)),
+    }
+
+
+def build_windows(args, tok) -> list[Window]:
+    """The windows of every source, interleaved (the first of each source, then the second...) so that a run
+    stopped early still covers every source."""
+    per = [
+        make_windows(
+            tok,
+            s,
+            source_text(s, args.essay_dir, args.wikitext_file),
+            args.context,
+            args.lead,
+            args.continuation,
+            args.windows,
+        )
+        for s in args.source_list
+    ]
+    return [ws[j] for j in range(args.windows) for ws in per]
+
+
+def describe(args) -> str:
+    return (
+        f"# Perplexity over the quantized context ({args.model}, {args.dtype})\n\n"
+        f"{args.windows} windows per source ({', '.join(args.source_list)}): {args.context} context tokens, "
+        f"{args.lead} lead tokens, {args.continuation} continuation tokens ({args.continuation - 1} scored)."
+    )
+
+
+def run_windows(args, model, tok, encoder, todo, rec_path, done, t_start) -> int:
+    deadline = t_start + 60 * args.stop_after_minutes if args.stop_after_minutes else None
+    runner = PplRunner(model, tok, encoder)
+    ran = 0
+    for window, methods in tqdm(todo, desc="ppl", disable=args.no_progress, dynamic_ncols=True):
+        if deadline is not None and time.time() >= deadline:
+            break
+        for rec in runner.run(window, methods):
+            append_jsonl(rec_path, rec)
+            done[(rec["window"], rec["method"])] = rec
+        ran += 1
+    return ran
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    t_start, started_at = time.time(), now()
+    commit = git_commit(exclude=args.out_dir)
+    set_threads(1, args.threads)
+    encoder = args.encoder or offline_encoder_path()
+    check_settings(args.out_dir, settings_of(args, encoder), SETTINGS_KEYS)
+    lock = lock_out_dir(args.out_dir)  # held until the run ends
+    try:
+        return _run(args, encoder, commit, started_at, t_start)
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def _run(args, encoder: str, commit: str, started_at: str, t_start: float) -> int:
+    rec_path = os.path.join(args.out_dir, "records.jsonl")
+    done = {(r["window"], r["method"]): r for r in iter_jsonl(rec_path)} if os.path.isfile(rec_path) else {}
+    if args.report_only:  # the tokenizer cuts the windows; no model
+        model, tok = None, AutoTokenizer.from_pretrained(resolve_model_path(args.model), use_fast=True)
+    else:
+        model, tok = load_model_and_tokenizer(args.model, args.dtype, "cocktail")
+    windows = build_windows(args, tok)
+    todo = [(w, [m for m in args.method_list if (w.key, m.name) not in done]) for w in windows]
+    todo = [(w, ms) for w, ms in todo if ms]
+    ran = 0
+    if not args.report_only:
+        update_run_info(
+            args.out_dir, started_at, {"command": command_line(MODULE), "commit": commit, "status": "running"}
+        )
+        ran = run_windows(args, model, tok, encoder, todo, rec_path, done, t_start)
+    names = [m.name for m in args.method_list]
+    keys = {w.key for w in windows}
+    records = [r for (k, m), r in done.items() if k in keys and m in names]
+    print(write_reports(args.out_dir, records, names, describe(args)))
+    if not args.report_only:
+        finished = {
+            "runtime_s": round(time.time() - t_start, 1),
+            "windows_processed": ran,
+            "finished_at": now(),
+            "status": "finished" if ran == len(todo) else "stopped",
+            "windows_left": len(todo) - ran,
+        }
+        config = {"methods": {m.name: m.config_dict(encoder) for m in args.method_list}}
+        update_run_info(args.out_dir, started_at, finished, config)
+    return 0

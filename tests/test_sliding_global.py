@@ -1,0 +1,100 @@
+"""A Gemma 3-shaped model (sliding-window and global layers, one KV head): the sliding layers of a CocktailCache hold
+exactly what the model's own ``DynamicCache(config=...)`` holds there (the last ``window - 1`` tokens and the count
+of tokens seen), through ``generate`` and through ``load_prefill``; ``memory_report()`` gives the ratio of the
+quantized (global) layers and of the whole cache, checked against hand-computed bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_cocktail import CocktailCache, CocktailConfig
+from hf_cocktail.cache.layer import CocktailLayer
+from hf_cocktail.integration.compat import cache_kwargs
+
+from .conftest import TINY_GEMMA3_LAYERS, TINY_GEMMA3_WINDOW, FakeEncoder, make_prompt
+
+SLIDING = [i for i, t in enumerate(TINY_GEMMA3_LAYERS) if t == "sliding_attention"]
+GLOBAL = [i for i, t in enumerate(TINY_GEMMA3_LAYERS) if t == "full_attention"]
+GEN = dict(max_new_tokens=5, do_sample=False)
+
+
+def _cfg(**kw):
+    return CocktailConfig(chunk_size=8, group_size=16, **kw)
+
+
+def _generate(model, tok, cache):
+    prompt, ctx, q = make_prompt(120, needle_at=60)
+    if isinstance(cache, CocktailCache):
+        inputs = cache.prepare_inputs(tok, prompt, contexts=ctx, queries=q)
+    else:
+        inputs = tok(prompt, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, **cache_kwargs(model, cache), **GEN)
+    return out, inputs["input_ids"].shape[1]
+
+
+@pytest.mark.parametrize("bits", [16, 4])
+def test_sliding_layers_hold_exactly_the_models_own_window(tiny_gemma3, tiny_tokenizer, bits):
+    default = DynamicCache(config=tiny_gemma3.config)
+    ref, n_prompt = _generate(tiny_gemma3, tiny_tokenizer, default)
+    cache = CocktailCache(_cfg(uniform_bits=bits), encoder=FakeEncoder())
+    out, _ = _generate(tiny_gemma3, tiny_tokenizer, cache)
+    assert n_prompt > 4 * TINY_GEMMA3_WINDOW
+    assert [isinstance(layer, CocktailLayer) for layer in cache.layers] == [i in GLOBAL for i in range(5)]
+    for i in SLIDING:
+        mine, theirs = cache.layers[i], default.layers[i]
+        assert type(mine) is type(theirs)
+        assert mine.keys.shape == theirs.keys.shape == (1, 1, TINY_GEMMA3_WINDOW - 1, 64)
+        assert mine.get_seq_length() == theirs.get_seq_length() == out.shape[1] - 1
+    if bits == 16:  # full precision: the same tokens and the same window contents
+        assert torch.equal(out, ref)
+        for i in SLIDING:
+            torch.testing.assert_close(cache.layers[i].keys, default.layers[i].keys)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_branched_prefill_keeps_the_window_and_its_token_count(tiny_gemma3, tiny_tokenizer, grad):
+    """``grad``: the shared prefill ran with autograd on (its sliding layers' tensors carry a graph)."""
+    prompt, ctx, q = make_prompt(120, needle_at=60)
+    shared = DynamicCache(config=tiny_gemma3.config)
+    cache = CocktailCache(_cfg(uniform_bits=4), encoder=FakeEncoder(), model_config=tiny_gemma3.config)
+    inputs = cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q)
+    with torch.set_grad_enabled(grad):
+        tiny_gemma3(**inputs, **cache_kwargs(tiny_gemma3, shared))
+    assert shared.layers[SLIDING[0]].keys.requires_grad == grad
+    cache.load_prefill(shared)
+    assert not any(cache.layers[i].keys.requires_grad for i in SLIDING)
+    L = inputs["input_ids"].shape[1]
+    for i in SLIDING:
+        assert cache.layers[i] is not shared.layers[i]
+        assert cache.layers[i].keys.shape[2] == shared.layers[i].keys.shape[2] == TINY_GEMMA3_WINDOW - 1
+        assert cache.layers[i].get_seq_length() == L
+    for i in GLOBAL:
+        assert cache.layers[i].get_seq_length() == L
+
+
+def test_memory_report_gives_the_global_layers_ratio_and_the_whole_caches(tiny_gemma3, tiny_tokenizer):
+    cache = CocktailCache(_cfg(uniform_bits=4), encoder=FakeEncoder())
+    out, _ = _generate(tiny_gemma3, tiny_tokenizer, cache)
+    T = out.shape[1] - 1  # the last generated token is never fed back
+    rep = cache.memory_report()
+    per_token_layer = 1 * 64 * 2 * 2  # one KV head, D=64, keys and values, 2 bytes
+    assert rep["quantized_layers_fp16_equivalent_bytes"] == len(GLOBAL) * T * per_token_layer
+    assert rep["native_layers_fp16_bytes"] == len(SLIDING) * (TINY_GEMMA3_WINDOW - 1) * per_token_layer
+    assert (
+        rep["fp16_equivalent_bytes"] == rep["quantized_layers_fp16_equivalent_bytes"] + rep["native_layers_fp16_bytes"]
+    )
+    quantized = rep["quantized_layers_ratio_to_fp16"] * rep["quantized_layers_fp16_equivalent_bytes"]
+    whole = (quantized + rep["native_layers_fp16_bytes"]) / rep["fp16_equivalent_bytes"]
+    assert rep["ratio_to_fp16"] == pytest.approx(whole, rel=1e-12)
+    # the global layers' deployed bytes: codes, scales/zeros, the full part at 2 bytes per element (fp32 here)
+    deployed = rep["codes_bytes"] + rep["scales_zeros_bytes"] + rep["full_precision_bytes"] // 2
+    assert quantized == pytest.approx(deployed, rel=1e-12)
+    # the whole cache lies nearer 1: its sliding layers stay at full precision
+    assert rep["quantized_layers_ratio_to_fp16"] < rep["ratio_to_fp16"] < 1
+    full = CocktailCache(_cfg(uniform_bits=16), encoder=FakeEncoder())
+    _generate(tiny_gemma3, tiny_tokenizer, full)
+    rep16 = full.memory_report()
+    assert rep16["quantized_layers_ratio_to_fp16"] == rep16["ratio_to_fp16"] == 1.0
