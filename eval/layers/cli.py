@@ -32,7 +32,7 @@ from ..paths import LONGBENCH_DIR
 from ..records import append_jsonl, check_settings, iter_jsonl, lock_out_dir
 from ..run_info import command_line, git_commit, now, update_run_info
 from .measure import measure_case, measured
-from .solve import OPTIONS, option_delta, solve
+from hf_cocktail.calibrate.solve import OPTIONS, option_delta, solve
 
 MODULE = "eval.layers"
 SETTINGS_KEYS = (

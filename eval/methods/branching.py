@@ -23,7 +23,7 @@ from hf_cocktail import CocktailCache, CocktailConfig
 from hf_cocktail.compat import cache_kwargs
 
 from .kinds import Method, Request, build_cache
-from .queries import recording_queries
+from hf_cocktail.calibrate.queries import recording_queries
 
 
 def context_span(tok, request: Request) -> tuple[int, int]:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from hf_cocktail import CocktailConfig, params8, quant
-from hf_cocktail.rotation import orthonormal_matrices
+from .. import params8, quant
+from ..config import CocktailConfig
+from ..rotation import orthonormal_matrices
 
 
 class FakeQuantizer:
