@@ -111,9 +111,9 @@ def test_teacher_forcing_positions_line_up():
 def test_which_caches_are_fed_token_by_token():
     from transformers import LlamaConfig
 
-    from hf_cocktail.calibrate.divergence import needs_steps
     from eval.methods.kivi import KiviCache
     from hf_cocktail import CocktailCache
+    from hf_cocktail.calibrate.divergence import needs_steps
 
     assert not needs_steps(DynamicCache(), 40)
     assert not needs_steps(CocktailCache(), 40)
@@ -191,10 +191,10 @@ def test_tail_never_reaches_into_the_context(tiny_llama, tiny_tokenizer):
 
 
 def test_one_forward_equals_token_by_token_for_cocktail(tiny_llama, tiny_tokenizer):
-    from hf_cocktail.calibrate.divergence import teacher_force
     from eval.methods.branching import branch, prefill
     from eval.methods.kinds import Request
     from eval.methods.registry import METHODS
+    from hf_cocktail.calibrate.divergence import teacher_force
 
     prompt, ctx, query = make_prompt(150, seed=7)
     req = Request(prompt, ctx, query, "3")

@@ -210,7 +210,8 @@ def test_every_method_builds_its_cache(tiny_llama, tiny_tokenizer):
 
 def test_a_salient_method_branched_with_its_recorded_queries_equals_its_own_generate(tiny_tokenizer):
     """salient_tokens reads the prefill attention: the shared prefill records the queries after the context
-    (hf_cocktail/calibrate/queries.py) and the branch gives the tokens, salient positions and bytes of a plain generate."""
+    (hf_cocktail/calibrate/queries.py) and the branch gives the tokens, salient positions and bytes of a plain
+    generate."""
     from eval.methods.branching import branch, context_end, generate_from_branch, prefill_for
     from eval.methods.kinds import Request, cache_and_inputs
     from eval.methods.registry import METHODS

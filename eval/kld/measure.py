@@ -27,6 +27,7 @@ from collections.abc import Iterator
 
 import torch
 
+from hf_cocktail.calibrate.divergence import kl_and_top1, teacher_force
 from hf_cocktail.scoring import get_encoder
 
 from ..kv_bytes import cache_kv_bytes, fp16_kv_bytes
@@ -34,7 +35,6 @@ from ..methods.branching import branch, context_end, generate_from_branch, preci
 from ..methods.kinds import CocktailMethod, DynamicMethod, Method, Request, build_cache
 from ..models import eos_token_ids, model_input_device
 from .cases import KldCase
-from hf_cocktail.calibrate.divergence import kl_and_top1, teacher_force
 
 REFERENCE = DynamicMethod("fp16_reference", "DynamicCache: the FP16 reference of the comparison")
 

@@ -14,7 +14,7 @@ import torch
 
 from hf_cocktail import CocktailConfig
 from hf_cocktail.calibrate.fake_quant import FakeQuantizer
-from hf_cocktail.calibrate.sensitivity import LayerProbe, layer_deltas, measured
+from hf_cocktail.calibrate.sensitivity import LayerProbe, measured, probe_deltas
 
 from ..kld.cases import KldCase
 from ..kld.measure import reference_answer
@@ -60,5 +60,5 @@ def measure_case(
         "prompt_tokens": int(input_ids.shape[1]),
         "context_tokens": span[1] - span[0],
         "answer_tokens": int(answer.shape[1]),
-        **layer_deltas(probe, base, key_options, value_options, tick, max_step),
+        **probe_deltas(probe, base, key_options, value_options, tick, max_step),
     }

@@ -85,7 +85,7 @@ def measured(base: Sequence[Pair], side: int, width: int, max_step: int | None) 
     return [b[side] != width and (max_step is None or abs(b[side] - width) <= max_step) for b in base]
 
 
-def layer_deltas(
+def probe_deltas(
     probe: LayerProbe,
     base: Sequence[Pair],
     key_options: Sequence[int],
