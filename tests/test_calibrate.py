@@ -129,3 +129,16 @@ def test_bad_inputs_raise_clear_errors(tmp_path, tiny_tokenizer):
     assert [t for _, t in read_texts([rows], "context")] == ["one", "two"]
     with pytest.raises(ValueError, match="'text'"):
         read_texts([rows])
+
+
+@pytest.mark.parametrize("preset", ["smollm2-135m-instruct", "gemma-3-270m"])
+def test_the_model_presets_are_what_the_calibrate_command_chose(preset):
+    """model_cards/<preset> is written by ``python -m hf_cocktail.calibrate`` (no hand-picked widths): its config is
+    the chosen candidate of its calibration.json, within the target, the lowest held-out KLD of the fitting ones."""
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model_cards", preset)
+    record = json.loads(open(os.path.join(folder, "calibration.json")).read())
+    assert record["command"].startswith("python -m hf_cocktail.calibrate ")
+    assert CocktailConfig.from_pretrained(folder) == CocktailConfig.from_dict(record["config"])
+    chosen = next(c for c in record["candidates"] if c["name"] == record["chosen"])
+    assert chosen["fits"] and chosen["quantized_ratio"] <= record["target_bytes"]
+    assert chosen["kld"] == min(c["kld"] for c in record["candidates"] if c["fits"] and c["kind"] != "baseline")

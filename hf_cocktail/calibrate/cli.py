@@ -12,6 +12,7 @@ text per line: a JSON string or an object with the field ``--text-field``). Writ
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 
@@ -44,7 +45,13 @@ def parser() -> argparse.ArgumentParser:
         default="",
         help=f"comma-separated chunk-search scorers to try on top of the caps ({', '.join(SCORERS)}; default none)",
     )
-    p.add_argument("--encoder", default=None, help="retrieval encoder (Hub id / folder) for --search encoder")
+    p.add_argument("--encoder", default=None, help="retrieval encoder (Hub id / folder): --search encoder, the config")
+    p.add_argument(
+        "--sensitivity-from",
+        default=None,
+        metavar="CALIBRATION_JSON",
+        help="reuse the layer sensitivity of an earlier run on the same model and texts (another --target-bytes)",
+    )
     p.add_argument("--base-model", default=None, help="Hub id of the model, for the card (default: --model)")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--threads", type=int, default=None, help="torch threads")
@@ -62,6 +69,11 @@ def load_model(name: str, gguf_file: str | None, dtype: torch.dtype):
     tok = AutoTokenizer.from_pretrained(name, **kw)
     model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="cocktail", **kw).eval()
     return model, tok
+
+
+def _read_json(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         search_scorers=scorers,
         encoder=args.encoder,
         progress=not args.no_progress,
+        sensitivity_from=_read_json(args.sensitivity_from) if args.sensitivity_from else None,
     )
     base = args.base_model or BASE_MODELS.get(canonical_name(args.model) or "", args.model)
     command = "python -m hf_cocktail.calibrate " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))

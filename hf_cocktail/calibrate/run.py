@@ -117,6 +117,17 @@ def sensitivity(model, tok, windows: list[Window], cocktail: list[int], progress
     return records, {"rotation": rotation, "base_kl": {str(r): v for r, v in base_kl.items()}}
 
 
+def reused_sensitivity(earlier: dict, windows: list[str], cocktail: list[int]) -> tuple[list, dict]:
+    """The sensitivity records and rotation choice of an earlier result, checked to be of the same calibration texts
+    and Cocktail layers."""
+    if earlier.get("calibration_windows") != windows or earlier.get("cocktail_layers") != cocktail:
+        raise ValueError(
+            f"sensitivity_from was measured on texts {earlier.get('calibration_windows')} and layers "
+            f"{earlier.get('cocktail_layers')}, not on these ({windows}, {cocktail}): give the same texts and model"
+        )
+    return earlier["sensitivity"], earlier["settings"]["rotation_choice"]
+
+
 def validate_all(model, tok, preps: list[Prepared], cands: list[Candidate], target: float, progress: bool) -> list:
     """Every candidate measured on every held-out window: one record per candidate."""
     bar = tqdm(total=len(cands) * len(preps), desc="calibrate: validate", disable=not progress, dynamic_ncols=True)
@@ -156,9 +167,13 @@ def calibrate_model(
     search_scorers: Sequence[str] = (),
     encoder: str | None = None,
     progress: bool = True,
+    sensitivity_from: dict | None = None,
 ) -> CalibrationResult:
     """Calibrate a config for ``model`` on ``texts`` (strings or ``(name, text)`` pairs) whose Cocktail layers'
-    KV bytes are at most ``target`` times their FP16 bytes on the held-out texts. See the module docstring."""
+    KV bytes are at most ``target`` times their FP16 bytes on the held-out texts. See the module docstring.
+    ``encoder``: the retrieval encoder of ``search_scorers`` "encoder" and of the returned config.
+    ``sensitivity_from``: an earlier result's ``to_dict()`` on the same model and texts, whose sensitivity is reused
+    (another target without measuring it again)."""
     _check_args(target, search_scorers)
     t0 = time.perf_counter()
     cal, val = split_windows(
@@ -170,7 +185,10 @@ def calibrate_model(
             "the model has no full-attention layer: a CocktailCache quantizes nothing, nothing to calibrate"
         )
     timings = {}
-    records, rotation_choice = sensitivity(model, tokenizer, cal, cocktail, progress)
+    if sensitivity_from is None:
+        records, rotation_choice = sensitivity(model, tokenizer, cal, cocktail, progress)
+    else:
+        records, rotation_choice = reused_sensitivity(sensitivity_from, [w.name for w in cal], cocktail)
     timings["sensitivity"] = time.perf_counter() - t0
     deltas = layer_deltas(records, [BASE])
     preps = [prepare(model, tokenizer, w) for w in val]
@@ -213,7 +231,7 @@ def calibrate_model(
         "rotation_choice": rotation_choice,
     }
     return CalibrationResult(
-        CocktailConfig.from_dict(best["config"]),
+        CocktailConfig.from_dict(best["config"], **({"encoder": encoder} if encoder else {})),
         best["name"],
         target,
         measured,
