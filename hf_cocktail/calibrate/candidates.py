@@ -71,7 +71,7 @@ class CapsSpace:
         return CocktailConfig(
             **storage(self.head_dim, self.rotation),
             **kw,
-            layer_bits=self.layer_bits(budget),
+            layer_bits=tuple(map(tuple, self.layer_bits(budget))),
             full_part_bits=full_part_bits,
             salient_tokens=salient,
         )

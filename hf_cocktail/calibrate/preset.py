@@ -96,13 +96,14 @@ def write_preset(
     with open(os.path.join(out_dir, RECORD_NAME), "w", encoding="utf-8") as f:
         json.dump(record, f, indent=1)
     rel = os.path.relpath(os.path.abspath(out_dir)).replace(os.sep, "/")
+    measurements = measurements_markdown(result)
     meta = {
         "base_model": base_model or "unknown",
         "license": license,
         "settings_source": "local",
         "notes": notes or [],
         "run_info": f"{rel}/{RECORD_NAME}",
-        "measurements": measurements_markdown(result),
+        "measurements": measurements,
     }
     with open(os.path.join(out_dir, META_NAME), "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=1)
@@ -116,7 +117,7 @@ def write_preset(
         license=license,
         command=command,
         runtime_s=record["runtime_s"],
-        measurements=meta["measurements"],
+        measurements=measurements,
     )
     result.config.save_pretrained(out_dir, model_card=card)
     return card

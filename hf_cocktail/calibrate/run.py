@@ -100,7 +100,8 @@ def sensitivity(model, tok, windows: list[Window], cocktail: list[int], progress
     n = 1 + len(cocktail) * (len(KEY_OPTIONS) + len(VALUE_OPTIONS))
     bar = tqdm(total=(n + 2) * len(windows), desc="calibrate: layer sensitivity", disable=not progress)
     base = [BASE] * len(cocktail)
-    preps, base_kl = [], {r: [] for r in ROTATIONS}
+    preps: list[Prepared] = []
+    base_kl: dict[str | None, list[float]] = {r: [] for r in ROTATIONS}
     for w in windows:
         preps.append(prepare(model, tok, w))
         for r in ROTATIONS:

@@ -41,7 +41,7 @@ def read_texts(paths: Sequence[str | os.PathLike], text_field: str = "text") -> 
     if not paths:
         raise ValueError("texts: no files given; pass your own texts (.txt: one text per file, .jsonl: one per line)")
     out = []
-    for path in map(os.fspath, paths):
+    for path in (os.fspath(p) for p in paths):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"texts: {path!r} is not a file")
         with open(path, encoding="utf-8") as f:

@@ -103,6 +103,8 @@ def measure(model, tok, prep: Prepared, config: CocktailConfig, encoder=None) ->
 
 def summarize(per_window: list[dict]) -> dict:
     """Means over windows of :func:`measure`'s numbers, and the per-window KLDs."""
-    out = {k: statistics.fmean(r[k] for r in per_window) for k in ("kld", "top1", "quantized_ratio", "cache_ratio")}
+    out: dict = {
+        k: statistics.fmean(r[k] for r in per_window) for k in ("kld", "top1", "quantized_ratio", "cache_ratio")
+    }
     out["kld_per_window"] = [r["kld"] for r in per_window]
     return out
