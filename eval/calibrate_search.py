@@ -59,6 +59,9 @@ def summary(results: dict[str, dict]) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for target, res in results.items():
+        if "error" in res:
+            lines.append(f"| {target} | nothing fits: {res['error'][:160]} | | | | | | |")
+            continue
         cands = res["candidates"]
         caps, search = best(cands, "caps"), best(cands, "search")
         int4 = next(c for c in cands if c["name"] == "uniform INT4")
@@ -102,21 +105,25 @@ def main(argv=None) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     results = {}
     for target in parse_float_list(args.targets, "--targets"):
-        res = calibrate_model(
-            model,
-            tok,
-            texts,
-            target,
-            calibration_texts=cal.calibration_texts,
-            validation_texts=cal.validation_texts,
-            window=cal.window,
-            question_tokens=cal.question_tokens,
-            continuation_tokens=cal.continuation_tokens,
-            search_scorers=[s for s in args.search.split(",") if s],
-            encoder=offline_encoder_path(),
-            sensitivity_from=record,
-        )
-        results[f"{target:g}"] = res.to_dict()
+        try:
+            res = calibrate_model(
+                model,
+                tok,
+                texts,
+                target,
+                calibration_texts=cal.calibration_texts,
+                validation_texts=cal.validation_texts,
+                window=cal.window,
+                question_tokens=cal.question_tokens,
+                continuation_tokens=cal.continuation_tokens,
+                search_scorers=[s for s in args.search.split(",") if s],
+                encoder=offline_encoder_path(),
+                sensitivity_from=record,
+            )
+        except ValueError as e:  # nothing fits the target: recorded as such
+            results[f"{target:g}"] = {"error": str(e), "candidates": []}
+        else:
+            results[f"{target:g}"] = res.to_dict()
         with open(os.path.join(args.out_dir, "results.json"), "w", encoding="utf-8") as f:
             json.dump(results, f, indent=1)
         text = summary(results)
