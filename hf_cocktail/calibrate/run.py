@@ -192,12 +192,15 @@ def calibrate_model(
         records, rotation_choice = reused_sensitivity(sensitivity_from, [w.name for w in cal], cocktail)
     timings["sensitivity"] = time.perf_counter() - t0
     deltas = layer_deltas(records, [BASE])
-    preps = [prepare(model, tokenizer, w) for w in val]
+    preps = [prepare(model, tokenizer, w) for w in tqdm(val, desc="calibrate: held-out prefills", disable=not progress)]
     head_dim = preps[0].prefill.layers[cocktail[0]].keys.shape[-1]
     num_layers = len(preps[0].prefill.layers)
     space = CapsSpace(deltas, cocktail, num_layers, head_dim, rotation_choice["rotation"])
 
+    fit_bar = tqdm(desc="calibrate: bytes of candidate settings", disable=not progress, unit="fill")
+
     def ratio_of(cfg: CocktailConfig) -> float:
+        fit_bar.update()
         return bytes_ratio(tokenizer, preps[0], cfg)
 
     t1 = time.perf_counter()
@@ -215,6 +218,7 @@ def calibrate_model(
         search = search_candidates(space, best_caps, ratio_of, target, search_scorers, encoder)
         timings["fit_search"] = time.perf_counter() - t2
         measured += validate_all(model, tokenizer, preps, search, target, progress)
+    fit_bar.close()
     fitting = [m for m in measured if m["fits"] and m["kind"] != "baseline"] or [m for m in measured if m["fits"]]
     if not fitting:
         raise ValueError(f"target={target!r}: no candidate's held-out bytes ratio is within it: {measured}")
