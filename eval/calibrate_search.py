@@ -23,6 +23,7 @@ import torch
 from hf_cocktail.calibrate import calibrate_model
 from hf_cocktail.calibrate.cli import load_model
 from hf_cocktail.calibrate.cli import parser as calibrate_parser
+from hf_cocktail.calibrate.run import TargetUnreachable
 from hf_cocktail.calibrate.texts import read_texts
 from hf_cocktail.scoring import offline_encoder_path
 
@@ -87,6 +88,9 @@ def plot(results: dict[str, dict], path: str) -> None:
         for kind, m in marks.items():
             cs = [c for c in res["candidates"] if c["kind"] == kind]
             ax.scatter([c["quantized_ratio"] for c in cs], [c["kld"] for c in cs], marker=m, label=f"{kind} @ {target}")
+    if not ax.collections:
+        plt.close(fig)
+        return
     ax.set_xlabel("quantized layers' KV bytes / FP16")
     ax.set_ylabel("mean KL divergence from FP16 (held-out)")
     ax.set_yscale("log")
@@ -120,7 +124,7 @@ def main(argv=None) -> int:
                 encoder=offline_encoder_path(),
                 sensitivity_from=record,
             )
-        except ValueError as e:  # nothing fits the target: recorded as such
+        except TargetUnreachable as e:  # nothing fits the target: recorded as such
             results[f"{target:g}"] = {"error": str(e), "candidates": []}
         else:
             results[f"{target:g}"] = res.to_dict()

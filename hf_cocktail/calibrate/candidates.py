@@ -127,7 +127,7 @@ def search_candidates(
                 extra["encoder"] = encoder
             capped = space.config(cap_budget, fp, sal)  # costs of a chunk at ``low`` / 4 bits under these caps
             lo, hi = capped.packed_bits_per_element(low), capped.packed_bits_per_element(4)
-            grid = [round(lo + 0.02 * i, 4) for i in range(int((hi - lo) / 0.02) + 2)]
+            grid = [lo + 0.02 * i for i in range(int((hi - lo) / 0.02) + 2)]  # from lo exactly: the config's minimum
 
             def cfg(t: float, extra=extra) -> CocktailConfig:
                 return space.config(cap_budget, fp, sal, target_bits=t, **extra)

@@ -73,6 +73,10 @@ class CalibrationResult:
         }
 
 
+class TargetUnreachable(ValueError):
+    """No candidate's bytes fit the target."""
+
+
 def _check_args(target: float, search_scorers: Sequence[str]) -> None:
     if not isinstance(target, (int, float)) or not 0 < target <= 1:
         raise ValueError(f"target must be a number in (0, 1] (the quantized layers' bytes over FP16's), got {target!r}")
@@ -206,7 +210,7 @@ def calibrate_model(
     t1 = time.perf_counter()
     caps = caps_candidates(space, ratio_of, target)
     if not caps:
-        raise ValueError(
+        raise TargetUnreachable(
             f"target={target!r}: even every layer at 2-bit keys and values takes "
             f"{ratio_of(space.config(space.budgets[0], 8, 0.0)):.3f}x the FP16 bytes here; give a larger target"
         )
@@ -221,7 +225,7 @@ def calibrate_model(
     fit_bar.close()
     fitting = [m for m in measured if m["fits"] and m["kind"] != "baseline"] or [m for m in measured if m["fits"]]
     if not fitting:
-        raise ValueError(f"target={target!r}: no candidate's held-out bytes ratio is within it: {measured}")
+        raise TargetUnreachable(f"target={target!r}: no candidate's held-out bytes ratio is within it: {measured}")
     best = min(fitting, key=lambda m: m["kld"])
     timings["total"] = time.perf_counter() - t0
     settings = {
