@@ -9,8 +9,8 @@ Cost, counted in forward passes (defaults: 4 calibration and 4 held-out texts of
 (the rotation check, the base, then 2 key and 2 value widths per layer); ~30 cache fills (quantization only, no
 forward) to fit the caps' budgets to the target; 4 x (6 + 2) forwards of 32 tokens to validate the candidates (with
 ``--search``: ~7 fills and 4 forwards more per scorer and low width). Measured on the 2-core CPU of the project
-(fp32, 1 thread, shared with three other jobs at load ~8): SmolLM2-135M (L = 30) 1473 s, the sensitivity 913 s of
-it; Gemma 3 270M (L = 3) 943 s (dominated by the prefills, the 262K-token vocabulary and a first-use kernel build).
+(fp32, 1 thread, shared with other jobs at load 8-11): SmolLM2-135M (L = 30) 1473 s and 1897 s (the sensitivity 913 s
+and 1252 s of it); Gemma 3 270M (L = 3) 943 s and 1257 s (dominated by the prefills, the 262K-token vocabulary and a first-use kernel build).
 For an 8B model (L = 32) on one H100-class GPU the same count is ~530 forwards of 32 tokens, each bound by reading
 the 16 GB of weights (~10 ms), and 8 prefills of ~0.1 s: about 10 s of GPU time plus loading the model; an estimate
 from the count, not measured.
