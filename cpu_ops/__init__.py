@@ -1,5 +1,5 @@
 """Fused CPU kernels of hf-cocktail: split-precision decode attention straight from the packed INT4 / INT3 / INT2 codes,
-and the prefill's group quantization + bit packing (bit for bit ``hf_cocktail.quant``'s, in one fused pass).
+and the prefill's group quantization + bit packing (bit for bit ``hf_cocktail.storage.quant``'s, in one fused pass).
 
 A leaf package (it imports nothing from ``hf_cocktail``). The C++ extension is compiled on first use with
 ``torch.utils.cpp_extension`` (about a minute, once per machine and source version; later processes load the cached

@@ -75,7 +75,7 @@ def split_precision_attention(
             ``t <= R - L_q + i``.
         full_start: int32 ``(B,)``, values in ``[0, R]``.
         segments: a list of 0 to 2 tuples ``(bits, chunk_size, group_size, k_codes, k_scale, k_zero, v_codes,
-            v_scale, v_zero, tok_off, chunk_off[, levels])`` in the storage format of ``hf_cocktail.quant``:
+            v_scale, v_zero, tok_off, chunk_off[, levels])`` in the storage format of ``hf_cocktail.storage.quant``:
             bits 2, 3 or 4 for keys and values (INT3: a 2-bit plane then a 1-bit plane), or a pair
             ``(key_bits, value_bits)`` with ``value_bits <= key_bits``; chunk_size C >= 1; group_size G a power of
             two dividing D; ``k_codes`` uint8 ``(H_kv, N, D * key_bits // 8)``, ``v_codes`` uint8

@@ -1,6 +1,6 @@
 """Launchers of the fused CPU quantizers: check the inputs, allocate the outputs, then call the C++ kernel.
 
-Same signatures, outputs and errors as ``hf_cocktail.quant.quantize_pack_keys`` / ``quantize_pack_values`` (the
+Same signatures, outputs and errors as ``hf_cocktail.storage.quant.quantize_pack_keys`` / ``quantize_pack_values`` (the
 PyTorch reference, whose module docstring specifies the storage format); codes, scales and zeros are bit for bit
 the reference's. One pass per group for min / max and the finiteness check, one for the codes and their packing
 (``csrc/quantize.cpp``), parallel over chunks (keys) or tokens (values) on ATen's thread pool.
@@ -13,7 +13,7 @@ import torch
 from ._build import extension
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-SUPPORTED_BITS = (2, 3, 4)  # the packed widths of hf_cocktail.quant (INT3: a 2-bit plane, then a 1-bit plane)
+SUPPORTED_BITS = (2, 3, 4)  # the packed widths of hf_cocktail.storage.quant (INT3: a 2-bit plane, then a 1-bit plane)
 LEVEL_TABLE_BITS = (2, 3)  # bit widths that can be quantized to a table of levels (``levels=``)
 _NON_FINITE, _OVERFLOW = 1, 2  # status bits of the C++ quantizers (csrc/quantize.h)
 
@@ -45,7 +45,7 @@ def _scale_dtype(scale_dtype, x: torch.Tensor) -> torch.dtype:
 
 
 def _raise_for(status: int, x: torch.Tensor, what: str, scale_dtype: torch.dtype) -> None:
-    """The reference's errors (``hf_cocktail.quant.check_finite`` first, then the scale overflow), same text."""
+    """The reference's errors (``hf_cocktail.storage.quant.check_finite`` first, then the scale overflow), same text."""
     if status & _NON_FINITE:
         raise ValueError(
             f"{what} contain NaN or inf; hf-cocktail refuses to quantize non-finite key/value states "
@@ -78,7 +78,7 @@ _NO_TABLE = torch.empty(0)
 def quantize_pack_keys(
     k: torch.Tensor, bits: int, chunk_size: int, scale_dtype: torch.dtype | None = None, levels=None
 ):
-    """Quantize a key segment per channel within each chunk and pack it (fused; see ``hf_cocktail.quant``).
+    """Quantize a key segment per channel within each chunk and pack it (fused; see ``hf_cocktail.storage.quant``).
 
     Args:
         k: ``(H_kv, N, D)`` float32 / bfloat16 / float16 CPU keys of chunk-ordered tokens (chunks of ``chunk_size``
@@ -87,7 +87,7 @@ def quantize_pack_keys(
         chunk_size: C >= 1, the group size along tokens.
         scale_dtype: dtype of scales/zeros, float32 / bfloat16 / float16 (default: ``k.dtype``).
         levels: ``None`` (uniform levels) or, for bits 2 / 3, the float32 ``(2**bits,)`` level table of a codebook
-            (``hf_cocktail.quant.level_tensors(codebook, ...)[0]``): each value gets the code of the nearest level,
+            (``hf_cocktail.storage.quant.level_tensors(codebook, ...)[0]``): each value gets the code of the nearest level,
             as the reference's ``codebook=`` does.
 
     Returns:
@@ -117,7 +117,7 @@ def quantize_pack_values(
     v: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype | None = None, levels=None
 ):
     """Quantize a value segment per token in groups of ``group_size`` channels and pack it (fused; see
-    ``hf_cocktail.quant``).
+    ``hf_cocktail.storage.quant``).
 
     Args:
         v: ``(H_kv, N, D)`` float32 / bfloat16 / float16 CPU values; ``group_size`` (G) must divide D.
@@ -157,8 +157,8 @@ def decode_params8(
     *,
     table: torch.Tensor,
 ):
-    """8-bit scales and zeros -> fp32 numbers (fused; bit for bit ``hf_cocktail.params8.decode_params8``, whose
-    signature this is, plus its fp32 ``(256,)`` table of scale factors, ``hf_cocktail.params8.scale_table``).
+    """8-bit scales and zeros -> fp32 numbers (fused; bit for bit ``hf_cocktail.storage.params8.decode_params8``, whose
+    signature this is, plus its fp32 ``(256,)`` table of scale factors, ``hf_cocktail.storage.params8.scale_table``).
 
     Args:
         scale_codes, zero_codes: ``uint8 (H, R, K)`` CPU tensors.
@@ -171,7 +171,7 @@ def decode_params8(
     if block.dtype not in FLOAT_DTYPES:
         raise ValueError(f"block must be of dtype {' or '.join(str(d) for d in FLOAT_DTYPES)}, got {block.dtype}")
     if not (isinstance(table, torch.Tensor) and table.dtype == torch.float32 and table.shape == (256,)):
-        raise ValueError("table must be the float32 (256,) table of hf_cocktail.params8.scale_table")
+        raise ValueError("table must be the float32 (256,) table of hf_cocktail.storage.params8.scale_table")
     scale = torch.empty(scale_codes.shape, dtype=torch.float32)
     zero = torch.empty(scale_codes.shape, dtype=torch.float32)
     rows = _NO_ROWS if block_of_row is None else block_of_row.contiguous()

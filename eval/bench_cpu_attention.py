@@ -34,12 +34,12 @@ import time
 import torch
 
 import cpu_ops
-from hf_cocktail.store import FullPart, LayerStore, PackedSegment
+from hf_cocktail.storage.store import FullPart, LayerStore, PackedSegment
 
 try:
-    from hf_cocktail.split_attention import split_precision_attention_torch
+    from hf_cocktail.decode.split_attention import split_precision_attention_torch
 except ImportError:  # older layout
-    from hf_cocktail.attention import split_precision_attention_torch
+    from hf_cocktail.integration.attention import split_precision_attention_torch
 
 H_KV, N_REP, D, C, G, TAIL = 3, 3, 64, 32, 32, 32
 MIXES = {"paper": (0.1, 0.3, 0.6), "int2": (0.0, 0.0, 1.0)}  # fractions of context chunks at FP16 / INT4 / INT2

@@ -25,7 +25,7 @@ from hf_cocktail.calibrate.cli import load_model
 from hf_cocktail.calibrate.cli import parser as calibrate_parser
 from hf_cocktail.calibrate.run import TargetUnreachable
 from hf_cocktail.calibrate.texts import read_texts
-from hf_cocktail.scoring import offline_encoder_path
+from hf_cocktail.planning.scoring import offline_encoder_path
 
 from .cli import parse_float_list
 

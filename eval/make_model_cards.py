@@ -22,9 +22,9 @@ import json
 import os
 import warnings
 
-from hf_cocktail.config import CONFIG_NAME, CocktailConfig
-from hf_cocktail.hub import README_NAME
-from hf_cocktail.model_card import make_model_card, read_results
+from hf_cocktail.presets.config import CONFIG_NAME, CocktailConfig
+from hf_cocktail.presets.hub import README_NAME
+from hf_cocktail.presets.model_card import make_model_card, read_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -22,12 +22,12 @@ import time
 import torch
 from transformers import DynamicCache
 
-from .cache import CocktailCache
-from .compat import cache_kwargs
-from .config import CocktailConfig
-from .layer_bits import mean_code_bits
-from .offline_models import OFFLINE_MODELS, load_offline_model
-from .scoring import offline_encoder_path
+from hf_cocktail.cache.cache import CocktailCache
+from hf_cocktail.integration.compat import cache_kwargs
+from hf_cocktail.offline_models import OFFLINE_MODELS, load_offline_model
+from hf_cocktail.planning.scoring import offline_encoder_path
+from hf_cocktail.presets.config import CocktailConfig
+from hf_cocktail.storage.layer_bits import mean_code_bits
 
 _PLACES = [
     "Ashford",

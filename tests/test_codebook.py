@@ -4,10 +4,11 @@
 import pytest
 import torch
 
-from hf_cocktail import CocktailConfig, quant
-from hf_cocktail.rotation import Rotation
-from hf_cocktail.split_attention import split_precision_attention_torch
-from hf_cocktail.store import LayerStore
+from hf_cocktail import CocktailConfig
+from hf_cocktail.decode.split_attention import split_precision_attention_torch
+from hf_cocktail.storage import quant
+from hf_cocktail.storage.rotation import Rotation
+from hf_cocktail.storage.store import LayerStore
 
 from .conftest import generate_split_and_sdpa
 
@@ -119,7 +120,7 @@ def test_a_kernel_without_level_tables_falls_back_with_one_warning(monkeypatch):
     cpu_ops = pytest.importorskip("cpu_ops")
     if not cpu_ops.available():
         pytest.skip(f"cpu_ops extension unavailable: {cpu_ops.unavailable_reason()}")
-    from hf_cocktail import dispatch
+    from hf_cocktail.decode import dispatch
 
     for op in ("attention", "quantize"):
         monkeypatch.setattr(getattr(cpu_ops, op), "LEVEL_TABLE_BITS", ())

@@ -14,8 +14,9 @@ import huggingface_hub
 import pytest
 from huggingface_hub import constants, errors
 
-from hf_cocktail import CocktailConfig, model_card
-from hf_cocktail.config import CONFIG_NAME, FORMAT_VERSION
+from hf_cocktail import CocktailConfig
+from hf_cocktail.presets import model_card
+from hf_cocktail.presets.config import CONFIG_NAME, FORMAT_VERSION
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESETS = sorted(glob.glob(os.path.join(ROOT, "model_cards", "*", CONFIG_NAME)))

@@ -7,9 +7,9 @@ import torch
 from transformers import DynamicCache
 
 from hf_cocktail import CocktailCache, CocktailConfig
-from hf_cocktail.compat import cache_kwargs
-from hf_cocktail.split_attention import split_precision_attention_torch
-from hf_cocktail.store import FullPart, LayerStore, PackedSegment
+from hf_cocktail.decode.split_attention import split_precision_attention_torch
+from hf_cocktail.integration.compat import cache_kwargs
+from hf_cocktail.storage.store import FullPart, LayerStore, PackedSegment
 
 from .conftest import ConstEncoder, FakeEncoder, make_prompt, make_tiny_llama
 
@@ -144,7 +144,7 @@ def test_split_precision_decode_equals_attention_over_dequantized_cache(tiny_tok
 
 def test_sdpa_fallback_warns_once(tiny_tokenizer, caplog):
     prompt, ctx, q = make_prompt(40)
-    with caplog.at_level(logging.WARNING, logger="hf_cocktail.cache"):
+    with caplog.at_level(logging.WARNING, logger="hf_cocktail.cache.cache"):
         run(make_tiny_llama(attn="sdpa"), tiny_tokenizer, prompt, ctx, q, cfg(uniform_bits=2))
     assert sum("dequantizes the whole cache" in r.message for r in caplog.records) == 1
 

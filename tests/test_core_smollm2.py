@@ -5,8 +5,8 @@ import torch
 from transformers import DynamicCache
 
 from hf_cocktail import CocktailCache, CocktailConfig
-from hf_cocktail.compat import cache_kwargs
 from hf_cocktail.demo import build_prompt, generate_document
+from hf_cocktail.integration.compat import cache_kwargs
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +52,7 @@ def test_triton_backend_matches_torch_backend_on_smollm2(smollm2):
     """Under TRITON_INTERPRET=1 (set by conftest on CPU) the Triton quantizer and decode kernel give SmolLM2 the
     same tokens and logits as the PyTorch path."""
     pytest.importorskip("triton")
-    from hf_cocktail.dispatch import triton_interpreting
+    from hf_cocktail.decode.dispatch import triton_interpreting
 
     if not torch.cuda.is_available() and not triton_interpreting():
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")

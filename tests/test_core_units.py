@@ -5,9 +5,10 @@ import json
 import pytest
 import torch
 
-from hf_cocktail import CocktailConfig, quant
-from hf_cocktail.planning import assign_precisions
-from hf_cocktail.scoring import score_chunks
+from hf_cocktail import CocktailConfig
+from hf_cocktail.planning.plans import assign_precisions
+from hf_cocktail.planning.scoring import score_chunks
+from hf_cocktail.storage import quant
 
 from .conftest import ConstEncoder, FakeEncoder
 
@@ -157,7 +158,7 @@ def test_score_chunks_ranks_the_relevant_chunk_first_in_one_encoder_call():
 
 
 def test_promote_neighbors():
-    from hf_cocktail.planning import promote_neighbors
+    from hf_cocktail.planning.plans import promote_neighbors
 
     assert promote_neighbors([2, 2, 16, 4, 2, 2, 16], 1) == [2, 16, 16, 16, 2, 16, 16]
     assert promote_neighbors([16, 2, 2], 0) == [16, 2, 2]

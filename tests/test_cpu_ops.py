@@ -1,9 +1,9 @@
 """cpu_ops (the fused C++ CPU split-precision attention) against an fp64 attention over the dequantized cache.
 
-The store is built with hf_cocktail's reference quantizer (``hf_cocktail.quant``) and the reference dequantizes it
-with ``quant.dequantize_keys`` / ``dequantize_values``, so these tests do not depend on where hf_cocktail's own
-PyTorch attention lives. Tolerance (the project's rule): the kernel's max error against fp64 is at most twice the
-error of the same attention computed by PyTorch at the kernel's precision (fp32 compute, output in the query dtype),
+The store is built with hf_cocktail's reference quantizer (``hf_cocktail.storage.quant``) and the reference
+dequantizes it with ``quant.dequantize_keys`` / ``dequantize_values``, so these tests do not depend on where
+hf_cocktail's own PyTorch attention lives. Tolerance (the project's rule): the kernel's max error against fp64 is at
+most twice the error of the same attention computed by PyTorch at the kernel's precision (fp32 compute, output in the query dtype),
 plus, for fp32, eps * sqrt(T) * max|v| (the rounding noise of a sum of T fp32 terms).
 """
 
@@ -17,7 +17,7 @@ import torch
 
 import cpu_ops
 from cpu_ops import _build
-from hf_cocktail import quant
+from hf_cocktail.storage import quant
 
 if not cpu_ops.available():  # compiles on first use (about a minute), then loads the cached build
     if os.environ.get("HF_COCKTAIL_REQUIRE_CPU_OPS") == "1":  # CI: a build failure must fail, not skip

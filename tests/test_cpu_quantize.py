@@ -1,4 +1,4 @@
-"""cpu_ops' fused quantizers against the PyTorch reference ``hf_cocktail.quant`` (the spec of the storage format):
+"""cpu_ops' fused quantizers against the PyTorch reference ``hf_cocktail.storage.quant`` (the spec of the storage format):
 codes, scales and zeros must be equal (torch.equal), the errors the same, and the dispatcher must route CPU prefills
 with backend "auto" / "cpu" to them (the stores then equal the "torch" backend's)."""
 
@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import cpu_ops
-from hf_cocktail import CocktailCache, CocktailConfig, quant
-from hf_cocktail.dispatch import quantizers
+from hf_cocktail import CocktailCache, CocktailConfig
+from hf_cocktail.decode.dispatch import quantizers
+from hf_cocktail.storage import quant
 
 from .conftest import FakeEncoder, make_prompt, make_tiny_llama, prefill_all_but_last
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from hf_cocktail import CocktailCache, CocktailConfig
-from hf_cocktail.compat import cache_kwargs
-from hf_cocktail.store import FullPart
+from hf_cocktail.integration.compat import cache_kwargs
+from hf_cocktail.storage.store import FullPart
 
 from .conftest import FakeEncoder, make_prompt, make_tiny_llama
 
@@ -134,7 +134,7 @@ def test_2k_token_generation_appends_in_amortised_constant_time(tiny_tokenizer, 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_decode_step_hands_the_kernel_a_view_not_a_copy(tiny_tokenizer, monkeypatch, backend):
     """What a decode step gives the attention is a view of the growing buffer (no per-step copy of the full part)."""
-    import hf_cocktail.attention as hattn
+    import hf_cocktail.integration.attention as hattn
 
     seen = []
     original = hattn.split_precision_attention

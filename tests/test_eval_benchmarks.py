@@ -148,7 +148,7 @@ def test_profile_categories_add_up(tiny_tokenizer, tiny_shared, name):
 
 
 def test_patching_restores_every_alias():
-    from hf_cocktail import quant, store
+    from hf_cocktail.storage import quant, store
 
     original = quant.quantize_pack_keys
     with patching() as p:

@@ -17,7 +17,7 @@ from eval.methods.kinds import Request
 from hf_cocktail import CocktailCache, CocktailConfig
 from hf_cocktail.calibrate.fake_quant import FakeQuantizer
 from hf_cocktail.calibrate.solve import OPTIONS, solve
-from hf_cocktail.compat import cache_kwargs
+from hf_cocktail.integration.compat import cache_kwargs
 
 from .conftest import FakeEncoder, make_prompt, make_tiny_llama
 

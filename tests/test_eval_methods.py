@@ -11,7 +11,7 @@ import torch
 
 from eval.kv_bytes import cache_kv_bytes, fp16_kv_bytes
 from eval.paths import ESSAY_DIR, REPO_ROOT
-from hf_cocktail.compat import cache_kwargs
+from hf_cocktail.integration.compat import cache_kwargs
 
 from .conftest import make_prompt
 

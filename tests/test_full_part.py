@@ -5,12 +5,13 @@ CPU kernel), generation, the memory report and the config."""
 import pytest
 import torch
 
-from hf_cocktail import CocktailCache, CocktailConfig, quant
-from hf_cocktail.compat import cache_kwargs
-from hf_cocktail.full_part import FullPart, Int8FullPart, full_part_from_sequences
-from hf_cocktail.rotation import Rotation
-from hf_cocktail.split_attention import split_precision_attention_torch
-from hf_cocktail.store import LayerStore
+from hf_cocktail import CocktailCache, CocktailConfig
+from hf_cocktail.decode.split_attention import split_precision_attention_torch
+from hf_cocktail.integration.compat import cache_kwargs
+from hf_cocktail.storage import quant
+from hf_cocktail.storage.full_part import FullPart, Int8FullPart, full_part_from_sequences
+from hf_cocktail.storage.rotation import Rotation
+from hf_cocktail.storage.store import LayerStore
 
 from .conftest import (
     FakeEncoder,
@@ -195,7 +196,7 @@ def test_the_config_round_trips():
 
 
 def test_model_card_says_how_the_full_part_and_salient_tokens_are_stored():
-    from hf_cocktail.model_card import make_model_card
+    from hf_cocktail.presets.model_card import make_model_card
 
     card = make_model_card(CocktailConfig(full_part_bits=8, salient_tokens=0.01))
     assert "(`full_part_bits=8`)" in card and '(`salient_tokens=0.01`; needs `attn_implementation="cocktail"`)' in card

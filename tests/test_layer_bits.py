@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from hf_cocktail import CocktailCache, CocktailConfig
-from hf_cocktail.compat import cache_kwargs
-from hf_cocktail.layer_bits import capped_positions, code_widths, mean_code_bits
+from hf_cocktail.integration.compat import cache_kwargs
+from hf_cocktail.storage.layer_bits import capped_positions, code_widths, mean_code_bits
 
 from .conftest import FakeEncoder, generate_split_and_sdpa, make_prompt, make_tiny_llama
 
@@ -106,7 +106,7 @@ def test_layer_bits_must_name_every_layer(tiny_tokenizer, layer_bits):
 
 
 def test_model_card_lists_the_layer_caps():
-    from hf_cocktail.model_card import make_model_card
+    from hf_cocktail.presets.model_card import make_model_card
 
     card = make_model_card(CocktailConfig(uniform_bits=4, layer_bits=((4, 3), (2, 2))))
     assert (

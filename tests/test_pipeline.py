@@ -6,8 +6,8 @@ import torch
 from transformers import pipeline
 
 from hf_cocktail import CocktailCache, CocktailConfig
-from hf_cocktail.compat import cache_kwargs
-from hf_cocktail.pipeline import build_prompt
+from hf_cocktail.integration.compat import cache_kwargs
+from hf_cocktail.integration.pipeline import build_prompt
 
 from .conftest import FakeEncoder, make_prompt, make_tiny_llama
 

@@ -5,9 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_cocktail import quant
-from hf_cocktail.split_attention import split_precision_attention_torch
-from hf_cocktail.store import FullPart, LayerStore, PackedSegment
+from hf_cocktail.decode.split_attention import split_precision_attention_torch
+from hf_cocktail.storage import quant
+from hf_cocktail.storage.store import FullPart, LayerStore, PackedSegment
 
 SETTINGS = settings(max_examples=40, deadline=None)
 

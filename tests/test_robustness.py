@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_cocktail import CocktailCache, CocktailConfig
-from hf_cocktail.compat import cache_kwargs
+from hf_cocktail.integration.compat import cache_kwargs
 
 from .conftest import FakeEncoder, make_prompt, make_tiny_llama, random_text, two_question_document
 from .test_core_cache import GEN, cfg, dynamic, logits, run

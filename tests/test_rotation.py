@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from hf_cocktail import CocktailCache, CocktailConfig
-from hf_cocktail.compat import cache_kwargs
-from hf_cocktail.rotation import ROTATIONS, Rotation, hadamard, orthonormal_matrices
-from hf_cocktail.split_attention import split_precision_attention_torch
-from hf_cocktail.store import LayerStore
+from hf_cocktail.decode.split_attention import split_precision_attention_torch
+from hf_cocktail.integration.compat import cache_kwargs
+from hf_cocktail.storage.rotation import ROTATIONS, Rotation, hadamard, orthonormal_matrices
+from hf_cocktail.storage.store import LayerStore
 
 from .conftest import FakeEncoder, make_prompt, make_tiny_llama
 

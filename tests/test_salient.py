@@ -7,8 +7,8 @@ import torch
 from transformers import DynamicCache
 
 from hf_cocktail import CocktailCache, CocktailConfig
-from hf_cocktail.compat import cache_kwargs
-from hf_cocktail.salient import move_to_full, salient_positions, tail_attention_mass
+from hf_cocktail.integration.compat import cache_kwargs
+from hf_cocktail.planning.salient import move_to_full, salient_positions, tail_attention_mass
 
 from .conftest import FakeEncoder, make_prompt, make_tiny_llama, two_question_document
 

@@ -7,10 +7,12 @@ import dataclasses
 import pytest
 import torch
 
-from hf_cocktail import CocktailConfig, dispatch, params8, quant
-from hf_cocktail.rotation import Rotation
-from hf_cocktail.split_attention import split_precision_attention_torch
-from hf_cocktail.store import LayerStore, PackedSegment
+from hf_cocktail import CocktailConfig
+from hf_cocktail.decode import dispatch
+from hf_cocktail.decode.split_attention import split_precision_attention_torch
+from hf_cocktail.storage import params8, quant
+from hf_cocktail.storage.rotation import Rotation
+from hf_cocktail.storage.store import LayerStore, PackedSegment
 
 from .conftest import assert_fused_cpu_kernel_matches_reference, generate_split_and_sdpa
 
@@ -193,7 +195,7 @@ def test_segment_refuses_other_parameter_widths():
 
 
 def test_model_card_says_the_parameters_width():
-    from hf_cocktail.model_card import make_model_card
+    from hf_cocktail.presets.model_card import make_model_card
 
     assert "(`scale_bits=8`)" in make_model_card(CocktailConfig(scale_bits=8))
     assert "8-bit codes on three numbers" not in make_model_card(CocktailConfig())

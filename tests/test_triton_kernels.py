@@ -42,16 +42,13 @@ if INTERPRET:
     _interpret_triton_language()
 
 import triton_ops  # noqa: E402
-from hf_cocktail import (  # noqa: E402
-    CocktailCache,
-    CocktailConfig,
-    dispatch,  # noqa: E402
-    quant,
-)
-from hf_cocktail.compat import cache_kwargs  # noqa: E402
-from hf_cocktail.full_part import Int8FullPart, full_part_from_sequences  # noqa: E402
-from hf_cocktail.split_attention import split_precision_attention_torch  # noqa: E402
-from hf_cocktail.store import LayerStore, PackedSegment  # noqa: E402
+from hf_cocktail import CocktailCache, CocktailConfig
+from hf_cocktail.decode import dispatch
+from hf_cocktail.decode.split_attention import split_precision_attention_torch  # noqa: E402
+from hf_cocktail.integration.compat import cache_kwargs  # noqa: E402
+from hf_cocktail.storage import quant
+from hf_cocktail.storage.full_part import Int8FullPart, full_part_from_sequences  # noqa: E402
+from hf_cocktail.storage.store import LayerStore, PackedSegment  # noqa: E402
 from triton_ops import checks  # noqa: E402
 
 from .conftest import FakeEncoder, make_prompt, make_tiny_llama, prefill_all_but_last  # noqa: E402
@@ -280,7 +277,7 @@ def attention_sdpa(query, store, scaling, dtype):
 
 
 def triton_attention(query, store, scaling, **kw):
-    """The Triton launcher on a store's tensors, as hf_cocktail.dispatch calls it."""
+    """The Triton launcher on a store's tensors, as hf_cocktail.decode.dispatch calls it."""
     full = store.full
     return triton_ops.split_precision_attention(
         query, full.keys, full.values, full.start_tensor(), [s.kernel_args() for s in store.segments], scaling, **kw
@@ -493,7 +490,7 @@ def test_split_attention_realistic_gpu(dtype, B, Lq, low_bits, codebook):
 
 
 def test_import_without_triton_gives_install_hint(monkeypatch):
-    from hf_cocktail.dispatch import TRITON_INSTALL_HINT
+    from hf_cocktail.decode.dispatch import TRITON_INSTALL_HINT
 
     for name in [m for m in sys.modules if m == "triton_ops" or m.startswith("triton_ops.")]:
         monkeypatch.delitem(sys.modules, name)  # restored after the test
@@ -562,7 +559,7 @@ def test_generate_triton_backend_equals_torch_backend(tiny_tokenizer, monkeypatc
 def test_split_attention_rotated_store_triton_equals_torch(kind, low_bits):
     """A rotated store: the dispatcher rotates the query and the output around the Triton kernel exactly as the
     PyTorch reference does around its own attention."""
-    from hf_cocktail.rotation import Rotation
+    from hf_cocktail.storage.rotation import Rotation
 
     store = make_store([5, 9], {4: [17, 8], low_bits: [20, 11]}, 2, 64, 8, 16)
     store.rotation = Rotation.make(kind, 2, 64, seed=1, device=DEV)

@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_cocktail import CocktailCache, CocktailConfig
-from hf_cocktail.compat import cache_kwargs
+from hf_cocktail.integration.compat import cache_kwargs
 
 from .conftest import FakeEncoder, make_prompt, make_tiny_llama, random_text
 from .test_core_cache import GEN, cfg, logits

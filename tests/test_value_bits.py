@@ -6,10 +6,12 @@ import dataclasses
 import pytest
 import torch
 
-from hf_cocktail import CocktailConfig, dispatch, quant
-from hf_cocktail.rotation import Rotation
-from hf_cocktail.split_attention import split_precision_attention_torch
-from hf_cocktail.store import LayerStore, PackedSegment
+from hf_cocktail import CocktailConfig
+from hf_cocktail.decode import dispatch
+from hf_cocktail.decode.split_attention import split_precision_attention_torch
+from hf_cocktail.storage import quant
+from hf_cocktail.storage.rotation import Rotation
+from hf_cocktail.storage.store import LayerStore, PackedSegment
 
 from .conftest import generate_split_and_sdpa
 
@@ -125,7 +127,7 @@ def test_generate_split_equals_dequantized_sdpa(tiny_tokenizer, low_bits, value_
 
 
 def test_model_card_says_the_values_width():
-    from hf_cocktail.model_card import make_model_card
+    from hf_cocktail.presets.model_card import make_model_card
 
     card = make_model_card(CocktailConfig(value_bits=3, low_bits=3, rotation="hadamard"))
     assert "Values get at most 3 bits (`value_bits=3`; keys keep their chunk's bits)." in card

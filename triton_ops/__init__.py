@@ -1,8 +1,8 @@
 """Triton kernels of hf-cocktail: fused quantize + pack, and split-precision decode attention.
 
 A leaf package: it imports nothing from ``hf_cocktail``. The launchers take tensors (codes, scales, zeros, offsets),
-check them and launch; their PyTorch references are ``hf_cocktail.quant`` and
-``hf_cocktail.split_attention.split_precision_attention_torch``. On CPU they run under ``TRITON_INTERPRET=1``.
+check them and launch; their PyTorch references are ``hf_cocktail.storage.quant`` and
+``hf_cocktail.decode.split_attention.split_precision_attention_torch``. On CPU they run under ``TRITON_INTERPRET=1``.
 """
 
 TRITON_INSTALL_HINT = "pip install 'hf-cocktail[triton]' (or: pip install triton)"

@@ -419,7 +419,7 @@ def split_precision_attention(
     min_full_start: int | None = None,
     tokens_per_split: int | None = None,
 ) -> torch.Tensor:
-    """Triton version of ``hf_cocktail.split_attention.split_precision_attention_torch`` (same semantics).
+    """Triton version of ``hf_cocktail.decode.split_attention.split_precision_attention_torch`` (same semantics).
 
     Args:
         query: ``(B, H_q, L_q, D)``, D of 64 or 128 (:data:`SUPPORTED_HEAD_DIMS`).

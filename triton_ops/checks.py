@@ -17,7 +17,7 @@ def check_bits(bits: int) -> None:
 
 def boundaries(levels, bits: int, device: torch.device) -> torch.Tensor | None:
     """fp32 ``(2**bits - 1,)`` on ``device``: the midpoints of a level table (``levels``: float32 ``(2**bits,)``, bits
-    in :data:`LEVEL_TABLE_BITS`), computed as ``hf_cocktail.quant.level_tensors`` does; ``None`` for ``None``
+    in :data:`LEVEL_TABLE_BITS`), computed as ``hf_cocktail.storage.quant.level_tensors`` does; ``None`` for ``None``
     (uniform levels)."""
     if levels is None:
         return None

@@ -1,5 +1,5 @@
 """Fused min-max quantization + bit packing, bit-exact with the PyTorch reference
-(``hf_cocktail.quant``, the spec; this package imports nothing from hf_cocktail).
+(``hf_cocktail.storage.quant``, the spec; this package imports nothing from hf_cocktail).
 
 Shapes: H_kv heads, N tokens, D head dim, C chunk size (key group along tokens), G value group size (channels),
 M = ceil(N / C) chunks, Dp = D * bits // 8 packed bytes per token (bits 4, 3 or 2; INT3 as a 2-bit plane then a
@@ -217,12 +217,12 @@ def _bounds_args(levels, bits: int, dummy: torch.Tensor) -> tuple[torch.Tensor, 
 def quantize_pack_keys(
     k: torch.Tensor, bits: int, chunk_size: int, scale_dtype: torch.dtype | None = None, levels=None
 ):
-    """Triton version of :func:`hf_cocktail.quant.quantize_pack_keys` (same arguments, bit-identical results).
+    """Triton version of :func:`hf_cocktail.storage.quant.quantize_pack_keys` (same arguments, bit-identical results).
 
     Args:
         k: ``(H_kv, N, D)`` chunk-ordered keys (chunks of ``chunk_size`` = C tokens, the last may be partial).
         levels: ``None`` (uniform levels) or, for bits 2 / 3, a codebook's float32 ``(2**bits,)`` level table
-            (``hf_cocktail.quant.level_tensors(codebook, ...)[0]``: the reference's ``codebook=``).
+            (``hf_cocktail.storage.quant.level_tensors(codebook, ...)[0]``: the reference's ``codebook=``).
 
     Returns:
         ``codes uint8 (H_kv, N, D*bits//8)``, ``scale (H_kv, M, D)``, ``zero (H_kv, M, D)`` with ``M = ceil(N/C)``.
@@ -271,7 +271,7 @@ def quantize_pack_keys(
 def quantize_pack_values(
     v: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype | None = None, levels=None
 ):
-    """Triton version of :func:`hf_cocktail.quant.quantize_pack_values` (same arguments, bit-identical results).
+    """Triton version of :func:`hf_cocktail.storage.quant.quantize_pack_values` (same arguments, bit-identical results).
 
     Args:
         v: ``(H_kv, N, D)``; ``group_size`` (G) must divide D. ``levels``: as for :func:`quantize_pack_keys`.

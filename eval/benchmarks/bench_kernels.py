@@ -18,11 +18,11 @@ Methods (one row each in the table and the CSV):
   once, as with ``enable_gqa``.
 * ``qcache_int{4,2}``: transformers' ``QuantizedCache`` decode step for one layer: the layer's ``_dequantize`` of the
   whole key and value cache (``HQQQuantizedLayer`` or ``QuantoQuantizedLayer``, their defaults: q_group_size=64),
-  then ``fp16_sdpa``. If neither backend works, it is emulated with :mod:`hf_cocktail.quant`'s PyTorch dequantizer
-  and labelled ``torch-emulated``.
-* ``cocktail``: ``triton_ops.split_precision_attention`` over the tensors of a :class:`~hf_cocktail.store.LayerStore`
-  (arguments prepared once, as the decode path does), one store per mix. Its output is checked against the fp32
-  PyTorch reference ``split_precision_attention_torch`` (``max_abs_err``).
+  then ``fp16_sdpa``. If neither backend works, it is emulated with :mod:`hf_cocktail.storage.quant`'s PyTorch
+  dequantizer and labelled ``torch-emulated``.
+* ``cocktail``: ``triton_ops.split_precision_attention`` over the tensors of a
+  :class:`~hf_cocktail.storage.store.LayerStore` (arguments prepared once, as the decode path does), one store per
+  mix. Its output is checked against the fp32 PyTorch reference ``split_precision_attention_torch`` (``max_abs_err``).
 
 Bandwidth = bytes of the method's stored cache (each read once per step) / time; for ``qcache`` the bytes are the
 nominal packed codes plus fp16 scale/zero per group (its dequantized copy, written and read again, is not counted:
@@ -51,9 +51,9 @@ from dataclasses import dataclass  # noqa: E402
 import torch  # noqa: E402
 
 import triton_ops  # noqa: E402
-from hf_cocktail import quant  # noqa: E402
-from hf_cocktail.split_attention import split_precision_attention_torch  # noqa: E402
-from hf_cocktail.store import FullPart, LayerStore, PackedSegment  # noqa: E402
+from hf_cocktail.decode.split_attention import split_precision_attention_torch  # noqa: E402
+from hf_cocktail.storage import quant  # noqa: E402
+from hf_cocktail.storage.store import FullPart, LayerStore, PackedSegment  # noqa: E402
 
 PEAK_BYTES_PER_S = 4.8e12  # H200 HBM3e
 MIXES = {"paper": (0.1, 0.3, 0.6), "int4": (0.0, 1.0, 0.0), "int2": (0.0, 0.0, 1.0)}  # FP16 / INT4 / INT2 chunks

@@ -18,7 +18,7 @@ nested in it):
 * ``search``: the rest of ``run_search`` (thresholds / budget);
 * ``positions``: ``SequencePlan.build_positions``;
 * ``quantization``: ``quantize_pack_keys`` / ``quantize_pack_values`` (the fused ``cpu_ops`` ones on CPU, the
-  PyTorch reference ``hf_cocktail.quant`` with ``backend="torch"``);
+  PyTorch reference ``hf_cocktail.storage.quant`` with ``backend="torch"``);
 * ``store build``: the rest of ``LayerStore.build`` (gathering each part's tokens, the full-precision part);
 * ``rotation``: ``Rotation._apply`` (rotated storage);
 * ``model``: the rest of the forward (the model's own prefill compute).
@@ -40,7 +40,7 @@ from collections import defaultdict
 import torch
 from transformers import DynamicCache
 
-from hf_cocktail.compat import cache_kwargs
+from hf_cocktail.integration.compat import cache_kwargs
 
 from ..cli import UsageError, parse_int_list, run_cli
 from ..essays import essay_prefix
@@ -103,8 +103,12 @@ class Timers:
 def instrumented(timers: Timers):
     """Wrap the library's prefill-side functions in ``timers`` parts for the duration of the block."""
     import cpu_ops
-    from hf_cocktail import CocktailCache, inputs, planning, quant, scoring, store
-    from hf_cocktail.rotation import Rotation
+    from hf_cocktail import CocktailCache
+    from hf_cocktail.cache import inputs
+    from hf_cocktail.planning import plans as planning
+    from hf_cocktail.planning import scoring
+    from hf_cocktail.storage import quant, store
+    from hf_cocktail.storage.rotation import Rotation
 
     with patching() as p:
 

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from hf_cocktail.compat import cache_kwargs
+from hf_cocktail.integration.compat import cache_kwargs
 
 from .peak_memory import PeakMemory, cuda_sync
 

@@ -15,9 +15,10 @@ import time
 
 import torch
 
-from hf_cocktail import CocktailCache, quant
-from hf_cocktail.compat import cache_kwargs
-from hf_cocktail.split_attention import split_precision_attention_torch
+from hf_cocktail import CocktailCache
+from hf_cocktail.decode.split_attention import split_precision_attention_torch
+from hf_cocktail.integration.compat import cache_kwargs
+from hf_cocktail.storage import quant
 
 from ..essays import essay_prefix
 from ..methods.registry import METHODS

@@ -90,10 +90,10 @@ def instrumented():
     from transformers.models.llama import modeling_llama as ml
 
     import cpu_ops.attention as cpu_attention
-    import hf_cocktail.attention as hattn
+    import hf_cocktail.integration.attention as hattn
     from hf_cocktail import CocktailCache
-    from hf_cocktail.rotation import Rotation
-    from hf_cocktail.split_attention import attend_in_store_basis
+    from hf_cocktail.decode.split_attention import attend_in_store_basis
+    from hf_cocktail.storage.rotation import Rotation
 
     class _Ext:  # the C++ extension module, its entry point labelled
         def __init__(self, ext):

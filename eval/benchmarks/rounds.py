@@ -27,7 +27,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from hf_cocktail import CocktailConfig
-from hf_cocktail.compat import cache_kwargs
+from hf_cocktail.integration.compat import cache_kwargs
 
 from ..cli import UsageError
 from ..essays import essay_prefix

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 import torch
 
 from hf_cocktail.calibrate.divergence import kl_and_top1, teacher_force
-from hf_cocktail.scoring import get_encoder
+from hf_cocktail.planning.scoring import get_encoder
 
 from ..kv_bytes import cache_kv_bytes, fp16_kv_bytes
 from ..methods.branching import branch, context_end, generate_from_branch, precision_counts, prefill_for
@@ -63,7 +63,7 @@ def encoder_keys(methods: list[Method], encoder: str | None) -> set[tuple]:
 
 @contextlib.contextmanager
 def memoized_encoders(keys: set[tuple]):
-    """While open, the process's shared retrieval encoders (``hf_cocktail.scoring.get_encoder``, the objects
+    """While open, the process's shared retrieval encoders (``hf_cocktail.planning.scoring.get_encoder``, the objects
     ``CocktailCache`` uses) return the embeddings they already computed for the same list of texts instead of
     recomputing them: every Cocktail kind of one case, in both segments, embeds the same query and chunks. The
     scores are the very same tensors, so the plans are unchanged; the searches of one case cost one encoder call

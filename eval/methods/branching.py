@@ -21,7 +21,7 @@ from transformers.cache_utils import Cache
 
 from hf_cocktail import CocktailCache, CocktailConfig
 from hf_cocktail.calibrate.queries import recording_queries
-from hf_cocktail.compat import cache_kwargs
+from hf_cocktail.integration.compat import cache_kwargs
 
 from .kinds import Method, Request, build_cache
 

@@ -1,7 +1,7 @@
 """A KIVI-like quantized KV cache, the baseline that quantizes every token (not only the context).
 
 Keys are quantized per channel in groups of 32 tokens, values per token in groups of 32 channels (the quantizer of
-``hf_cocktail.quant``, FP16 scales); the most recent tokens stay at full precision (keys: the ``len % R`` newest,
+``hf_cocktail.storage.quant``, FP16 scales); the most recent tokens stay at full precision (keys: the ``len % R`` newest,
 quantized R at a time as in KIVI's code; values: the R newest). Unlike Cocktail, the template, the question and the
 generated tokens are quantized too once they leave the residual window, so this is not a CocktailCache precision
 plan. Attention runs over the dequantized keys/values (simulated: no fused kernel).
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from hf_cocktail import quant
+from hf_cocktail.storage import quant
 
 from ..kv_bytes import deployed_tensor_bytes
 

@@ -16,7 +16,7 @@ tokens, each bound by reading the 16 GB of weights (~10 ms), and 8 prefills of ~
 loading the model; an estimate from the count, not measured.
 """
 
-from .preset import write_preset
-from .run import CalibrationResult, calibrate, calibrate_model
+from hf_cocktail.calibrate.preset import write_preset
+from hf_cocktail.calibrate.run import CalibrationResult, calibrate, calibrate_model
 
 __all__ = ["CalibrationResult", "calibrate", "calibrate_model", "write_preset"]

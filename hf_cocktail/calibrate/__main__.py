@@ -1,5 +1,5 @@
 import sys
 
-from .cli import main
+from hf_cocktail.calibrate.cli import main
 
 sys.exit(main())

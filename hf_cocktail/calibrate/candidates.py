@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import CocktailConfig
-from .solve import solve
+from hf_cocktail.calibrate.solve import solve
+from hf_cocktail.presets.config import CocktailConfig
 
 STORAGE = {"rotation": "hadamard", "scale_bits": 8, "chunk_size": 32}
 VARIANTS = tuple((fp, sal) for fp in (8, 16) for sal in (0.0, 0.01, 0.02))  # (full_part_bits, salient_tokens)

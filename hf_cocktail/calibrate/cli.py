@@ -18,10 +18,10 @@ import sys
 
 import torch
 
-from ..offline_models import canonical_name, load_offline_model
-from .preset import write_preset
-from .run import SCORERS, calibrate_model
-from .texts import read_texts
+from hf_cocktail.calibrate.preset import write_preset
+from hf_cocktail.calibrate.run import SCORERS, calibrate_model
+from hf_cocktail.calibrate.texts import read_texts
+from hf_cocktail.offline_models import canonical_name, load_offline_model
 
 BASE_MODELS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct", "gemma-3-270m": "google/gemma-3-270m"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, QuantizedCache
 
-from ..cache import CocktailCache
-from ..compat import cache_kwargs
+from hf_cocktail.cache.cache import CocktailCache
+from hf_cocktail.integration.compat import cache_kwargs
 
 
 def kl_and_top1(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import params8, quant
-from ..config import CocktailConfig
-from ..rotation import orthonormal_matrices
+from hf_cocktail.presets.config import CocktailConfig
+from hf_cocktail.storage import params8, quant
+from hf_cocktail.storage.rotation import orthonormal_matrices
 
 
 class FakeQuantizer:

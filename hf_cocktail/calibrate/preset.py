@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from .._version import __version__
-from ..model_card import make_model_card
-from .run import CalibrationResult
+from hf_cocktail._version import __version__
+from hf_cocktail.calibrate.run import CalibrationResult
+from hf_cocktail.presets.model_card import make_model_card
 
 RECORD_NAME, META_NAME = "calibration.json", "card_meta.json"
 

@@ -22,13 +22,20 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..config import CocktailConfig
-from .candidates import Candidate, CapsSpace, baselines, caps_candidates, search_candidates, storage
-from .fake_quant import FakeQuantizer
-from .sensitivity import LayerProbe, cocktail_layer_indices, probe_deltas
-from .solve import layer_deltas
-from .texts import Window, split_windows
-from .validate import Prepared, bytes_ratio, measure, prepare, summarize
+from hf_cocktail.calibrate.candidates import (
+    Candidate,
+    CapsSpace,
+    baselines,
+    caps_candidates,
+    search_candidates,
+    storage,
+)
+from hf_cocktail.calibrate.fake_quant import FakeQuantizer
+from hf_cocktail.calibrate.sensitivity import LayerProbe, cocktail_layer_indices, probe_deltas
+from hf_cocktail.calibrate.solve import layer_deltas
+from hf_cocktail.calibrate.texts import Window, split_windows
+from hf_cocktail.calibrate.validate import Prepared, bytes_ratio, measure, prepare, summarize
+from hf_cocktail.presets.config import CocktailConfig
 
 BASE = (4, 3)  # the widths the sensitivity is measured around
 KEY_OPTIONS, VALUE_OPTIONS = (3, 2), (2, 4)

@@ -17,15 +17,15 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import DynamicCache
 
-from ..layout import is_full_attention
-from .divergence import kl_and_top1, teacher_force
-from .fake_quant import FakeQuantizer
+from hf_cocktail.cache.layout import is_full_attention
+from hf_cocktail.calibrate.divergence import kl_and_top1, teacher_force
+from hf_cocktail.calibrate.fake_quant import FakeQuantizer
 
 Pair = tuple[int, int]
 
 
 def cocktail_layer_indices(model_config) -> list[int]:
-    """The model layers a ``CocktailCache`` quantizes (full attention), as :mod:`hf_cocktail.layout` decides."""
+    """The model layers a ``CocktailCache`` quantizes (full attention), as :mod:`hf_cocktail.cache.layout` decides."""
     return [i for i, layer in enumerate(DynamicCache(config=model_config).layers) if is_full_attention(layer)]
 
 

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from .. import reports
-from ..cache import CocktailCache
-from ..compat import cache_kwargs
-from ..config import CocktailConfig
-from .divergence import kl_and_top1, teacher_force
-from .queries import recording_queries
-from .texts import Window
+from hf_cocktail.cache import reports
+from hf_cocktail.cache.cache import CocktailCache
+from hf_cocktail.calibrate.divergence import kl_and_top1, teacher_force
+from hf_cocktail.calibrate.queries import recording_queries
+from hf_cocktail.calibrate.texts import Window
+from hf_cocktail.integration.compat import cache_kwargs
+from hf_cocktail.presets.config import CocktailConfig
 
 
 @dataclass

@@ -6,8 +6,8 @@ left padding is never stored as a valid token), D head dim.
 
 * :class:`FullPart` holds them at the model's precision, ``(B, H_kv, R, D)``.
 * :class:`Int8FullPart` (``CocktailConfig(full_part_bits=8)``) holds 8-bit codes and one scale per token and head
-  (:func:`hf_cocktail.quant.quantize_tokens8`): 8 + 16/D bits per element instead of 16. Its ``keys`` and ``values``
-  are dequantized on each read (the decode attention reads them once per step; ``update`` hands out the codes,
+  (:func:`hf_cocktail.storage.quant.quantize_tokens8`): 8 + 16/D bits per element instead of 16. Its ``keys`` and
+  ``values`` are dequantized on each read (the decode attention reads them once per step; ``update`` hands out the codes,
   :meth:`Int8FullPart.split_path_tensors`), so the codes are all it keeps.
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import quant
+from hf_cocktail.storage import quant
 
 
 @dataclass

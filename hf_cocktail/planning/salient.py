@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .planning import SequencePlan
-from .scoring import attention_mass
+from hf_cocktail.planning.plans import SequencePlan
+from hf_cocktail.planning.scoring import attention_mass
 
 
 def keeps_salient(salient_tokens: float, full_precision_layers: Sequence[int], layer_idx: int) -> bool:

@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from .hub import CONFIG_NAME, README_NAME
+from hf_cocktail.presets.hub import CONFIG_NAME, README_NAME
 
 CARD_TAGS = ("kv-cache", "quantization", "cocktail", "long-context")
 RESULT_COLUMNS = ("task", "method", "score", "kv_ratio", "prefill_s", "decode_ms_per_token", "n")

@@ -2,8 +2,8 @@
 
 Shapes: B batch, H_kv key/value heads, D head dim, C chunk size, G value group size.
 
-* the full part (:mod:`hf_cocktail.full_part`) holds every token outside the packed chunks (FP16 context chunks, the
-  template and question tokens, generated tokens) as ``(B, H_kv, R, D)``, right-aligned: sequence ``b`` owns
+* the full part (:mod:`hf_cocktail.storage.full_part`) holds every token outside the packed chunks (FP16 context
+  chunks, the template and question tokens, generated tokens) as ``(B, H_kv, R, D)``, right-aligned: sequence ``b`` owns
   ``[start[b], R)``; at the model's precision or as 8-bit codes (``full_part_bits``).
 * :class:`PackedSegment` holds the chunks of one precision (4, 3 or 2 bits) of all sequences laid end to end along the
   token axis: sequence ``b`` owns tokens ``[tok_off[b], tok_off[b+1])`` and chunks ``[chunk_off[b], chunk_off[b+1])``;
@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import params8, quant
-from .full_part import FullPart, Int8FullPart, full_part_from_sequences
-from .rotation import Rotation
+from hf_cocktail.storage import params8, quant
+from hf_cocktail.storage.full_part import FullPart, Int8FullPart, full_part_from_sequences
+from hf_cocktail.storage.rotation import Rotation
 
 _DECODE = params8.decode_params8  # the reference decoder of 8-bit scales and zeros, the default of every decode=
 Pair = tuple[torch.Tensor, torch.Tensor]
@@ -90,9 +90,9 @@ class PackedSegment:
         """Quantize and pack per-sequence chunk-ordered segments ``ks[b], vs[b]: (H_kv, N_b, D)``: keys at ``bits``,
         values at ``value_bits`` (default ``bits``; at most ``bits``).
 
-        ``quantize_keys`` / ``quantize_values`` default to the PyTorch reference in :mod:`hf_cocktail.quant`;
-        :func:`hf_cocktail.dispatch.quantizers` gives the Triton / fused CPU ones with the same signature (they get
-        ``codebook=`` only when it is not uniform). ``codebook`` is recorded as ``"uniform"`` where it leaves
+        ``quantize_keys`` / ``quantize_values`` default to the PyTorch reference in :mod:`hf_cocktail.storage.quant`;
+        :func:`hf_cocktail.decode.dispatch.quantizers` gives the Triton / fused CPU ones with the same signature (they
+        get ``codebook=`` only when it is not uniform). ``codebook`` is recorded as ``"uniform"`` where it leaves
         ``bits`` uniform (INT4). ``scale_bits=8`` stores 8-bit scales and zeros (:func:`params8.encode_params8`),
         always quantized by the PyTorch reference.
         """
@@ -215,7 +215,7 @@ class PackedSegment:
         group_size, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, tok_off, chunk_off)`` with ``bits`` as
         :attr:`code_bits` (an int, or ``(key_bits, value_bits)``) and the offsets as int32 tensors ``(B+1,)`` on the
         segment's device; a non-uniform codebook adds its fp32 levels ``(2**bits,)``
-        (:func:`hf_cocktail.quant.level_tensors`) as a 12th item. ``decode``: see :meth:`key_params`."""
+        (:func:`hf_cocktail.storage.quant.level_tensors`) as a 12th item. ``decode``: see :meth:`key_params`."""
         args = (self.code_bits, self.chunk_size, self.group_size, *self.tensors(decode), *self.device_offsets())
         if self.codebook == "uniform":  # every decode step of every layer: no table lookup for the common case
             return args

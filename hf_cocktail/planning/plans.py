@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .quant import CHUNK_BITS
+from hf_cocktail.storage.quant import CHUNK_BITS
 
 
 @dataclass

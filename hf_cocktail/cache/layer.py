@@ -17,10 +17,10 @@ from typing import Any, Protocol
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .dispatch import quantizers
-from .layer_bits import code_widths, layer_pair
-from .rotation import Rotation
-from .store import LayerStore
+from hf_cocktail.decode.dispatch import quantizers
+from hf_cocktail.storage.layer_bits import code_widths, layer_pair
+from hf_cocktail.storage.rotation import Rotation
+from hf_cocktail.storage.store import LayerStore
 
 
 class LayerOwner(Protocol):

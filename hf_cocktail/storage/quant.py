@@ -22,8 +22,8 @@ Storage format of one precision segment (INT4 or INT2) of one layer, tokens of o
   NaN ``u``, from a scale whose inverse overflows, gets the top code); dequantization is ``L[code] * scale + zero``
   in fp32. Same bytes as uniform. The kernels take the fp32 table ``L`` (:func:`level_tensors`) as ``levels=``.
 
-* 8-bit scales and zeros (``CocktailConfig(scale_bits=8)``): :mod:`hf_cocktail.params8`.
-* the 8-bit full part (``CocktailConfig(full_part_bits=8)``, :mod:`hf_cocktail.full_part`): every token and head
+* 8-bit scales and zeros (``CocktailConfig(scale_bits=8)``): :mod:`hf_cocktail.storage.params8`.
+* the 8-bit full part (``CocktailConfig(full_part_bits=8)``, :mod:`hf_cocktail.storage.full_part`): every token and head
   symmetric absmax over its ``D`` channels: ``scale = absmax / 127`` rounded to the storage dtype, then
   ``code = clamp(round_half_even(x * (1 / scale)), -127, 127)`` as ``int8`` in fp32 (a vector whose ``scale`` is 0
   gets code 0); dequantization is ``code * scale`` in fp32 (:func:`quantize_tokens8`).

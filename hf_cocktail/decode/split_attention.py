@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from . import quant
-from .store import LayerStore, PackedSegment
+from hf_cocktail.storage import quant
+from hf_cocktail.storage.store import LayerStore, PackedSegment
 
 BLOCK_TOKENS = 4096  # the PyTorch path dequantizes at most this many tokens of one segment at a time
 

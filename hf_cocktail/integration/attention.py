@@ -12,8 +12,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .dispatch import split_precision_attention
-from .layer import CocktailLayer, layer_of
+from hf_cocktail.cache.layer import CocktailLayer, layer_of
+from hf_cocktail.decode.dispatch import split_precision_attention
 
 ATTN_NAME = "cocktail"
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .quant import SUPPORTED_BITS
+from hf_cocktail.storage.quant import SUPPORTED_BITS
 
 Pairs = tuple[tuple[int, int], ...]
 

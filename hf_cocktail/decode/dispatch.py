@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 import torch
 
-from . import params8, quant
-from .split_attention import attend_in_store_basis, split_precision_attention_torch, with_rotation
-from .store import LayerStore
+from hf_cocktail.decode.split_attention import attend_in_store_basis, split_precision_attention_torch, with_rotation
+from hf_cocktail.storage import params8, quant
+from hf_cocktail.storage.store import LayerStore
 
 BACKENDS = ("auto", "torch", "triton", "cpu")
 TRITON_INSTALL_HINT = "pip install 'hf-cocktail[triton]' (or: pip install triton)"
@@ -166,7 +166,7 @@ def _cpu_attention(query: torch.Tensor, store: LayerStore, scaling: float, out_d
 @functools.cache  # asked at every decode step: the import and lookup once per (backend, op)
 def _kernel_formats(chosen: str, op: str = "attention") -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The packed bit widths the chosen kernel package reads (``op="attention"``) or writes (``"quantize"``), and
-    those it also handles with a table of levels (a codebook's, from :func:`hf_cocktail.quant.level_tensors`)."""
+    those it also handles with a table of levels (a codebook's, from :func:`hf_cocktail.storage.quant.level_tensors`)."""
     if chosen == "triton":
         from triton_ops import checks as module
     else:

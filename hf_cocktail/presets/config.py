@@ -11,11 +11,18 @@ from typing import Any
 
 import torch
 
-from .hub import CONFIG_NAME, README_NAME, download_config, hub_has_readme, looks_like_local_path, upload_folder
-from .layer_bits import check_layer_bits, mean_code_bits
-from .model_card import write_card
-from .quant import CODEBOOKS, FULL_PART_BITS, SCALE_BITS, SUPPORTED_BITS
-from .rotation import ROTATIONS
+from hf_cocktail.presets.hub import (
+    CONFIG_NAME,
+    README_NAME,
+    download_config,
+    hub_has_readme,
+    looks_like_local_path,
+    upload_folder,
+)
+from hf_cocktail.presets.model_card import write_card
+from hf_cocktail.storage.layer_bits import check_layer_bits, mean_code_bits
+from hf_cocktail.storage.quant import CODEBOOKS, FULL_PART_BITS, SCALE_BITS, SUPPORTED_BITS
+from hf_cocktail.storage.rotation import ROTATIONS
 
 FORMAT_VERSION = 1
 DEFAULT_ENCODER = "facebook/contriever"
@@ -81,13 +88,13 @@ class CocktailConfig:
         full_precision_layers: indices of layers kept entirely at full precision (e.g. ``(0,)``).
         neighbors: chunks within ``neighbors`` positions of an FP16 chunk are promoted to FP16 too (alpha/beta
             mode), so that a fact straddling a chunk boundary is not half INT2. 0 (default) is the paper.
-        rotation: rotated storage (:mod:`hf_cocktail.rotation`): ``None`` (the paper), ``"hadamard"`` (keys and
+        rotation: rotated storage (:mod:`hf_cocktail.storage.rotation`): ``None`` (the paper), ``"hadamard"`` (keys and
             values), ``"hadamard_keys"`` or ``"hadamard_values"``. A fixed orthonormal per-head transform (Hadamard
             with seeded random signs; a seeded random orthogonal matrix for head dims that are not a power of two) is
             applied to the stored keys/values; attention rotates the query once and the output back once, never the
             cache. Same bytes, far less quantization error.
         rotation_seed: seed of the rotation's random signs.
-        codebook: the levels INT2 and INT3 codes stand for (:mod:`hf_cocktail.quant`): ``"uniform"`` (the paper:
+        codebook: the levels INT2 and INT3 codes stand for (:mod:`hf_cocktail.storage.quant`): ``"uniform"`` (the paper:
             evenly spaced between the group's min and max) or ``"lloyd"`` (anchored Lloyd-Max: the min and max kept,
             the levels between them placed for Gaussian data, denser near the middle). Same bytes; meant for rotated
             storage, whose values are near Gaussian. INT4 stays uniform. (Not adopted: ``eval/README.md``.)
@@ -95,23 +102,23 @@ class CocktailConfig:
             precision, as keys do): with 3, an INT4 chunk stores 4-bit keys and 3-bit values. Keys decide which tokens
             attention reads and lose far more to low bits. One of 2, 3, 4; needs ``codebook="uniform"``.
         scale_bits: storage of the packed chunks' scales and zeros: 16 (the paper: ``scale_dtype`` numbers) or 8
-            (8-bit codes on three numbers per chunk and head, :func:`hf_cocktail.params8.encode_params8`; key parameters
-            then cost 16/C bits per element instead of 32/C, value parameters 16/G instead of 32/G).
+            (8-bit codes on three numbers per chunk and head, :func:`hf_cocktail.storage.params8.encode_params8`; key
+            parameters then cost 16/C bits per element instead of 32/C, value parameters 16/G instead of 32/G).
         layer_bits: ``None`` (every layer alike) or one ``(key_bits, value_bits)`` pair per model layer, each of 2, 3,
             4 with ``value_bits <= key_bits``: the most code bits packed keys and values keep in that layer (a chunk
             planned at ``b`` bits stores ``min(b, key_bits)``-bit keys there; FP16 chunks stay FP16;
-            :mod:`hf_cocktail.layer_bits`). Calibrated per model (``python -m eval.layers``): the layers that
+            :mod:`hf_cocktail.storage.layer_bits`). Calibrated per model (``python -m eval.layers``): the layers that
             tolerate low bits give their bytes to those that do not. Needs ``codebook="uniform"``.
         salient_tokens: the fraction (0 to 1) of each layer's packed context tokens kept at full precision: those
             with the most attention from the tokens after the context (the question) in that layer's prefill
-            (:mod:`hf_cocktail.salient`). 0 (default) is the paper. Needs ``attn_implementation="cocktail"`` (or
-            ``load_prefill(..., prefill_queries=...)``); quantization then waits for the first decode step. Their
+            (:mod:`hf_cocktail.planning.salient`). 0 (default) is the paper. Needs ``attn_implementation="cocktail"``
+            (or ``load_prefill(..., prefill_queries=...)``); quantization then waits for the first decode step. Their
             bytes come on top of the plan's (``target_bits`` budgets the chunks only).
         full_part_bits: storage of the tokens outside the packed chunks (template, question, FP16 chunks, sink and
             salient tokens, generated tokens): 16 (the paper: the model's precision) or 8 (8-bit codes with one scale
-            per token and head, in the rotated basis with ``rotation``; :mod:`hf_cocktail.full_part`). The plan's
-            FP16 tier (16 in ``precision_map``) is then 8-bit; ``target_bits`` counts it at 8 (the scale's 16/D bits
-            left out). ``full_precision_layers`` stay at the model's precision.
+            per token and head, in the rotated basis with ``rotation``; :mod:`hf_cocktail.storage.full_part`). The
+            plan's FP16 tier (16 in ``precision_map``) is then 8-bit; ``target_bits`` counts it at 8 (the scale's 16/D
+            bits left out). ``full_precision_layers`` stay at the model's precision.
         keep_context_copy: keep a full-precision copy of the prompt up to the end of the context on CPU, so that
             :meth:`CocktailCache.requery` can answer a new question about the same document without a new prefill.
     """
@@ -310,7 +317,7 @@ class CocktailConfig:
         """Write ``cocktail_config.json`` (and a model card) into ``save_directory``; returns the config file path.
 
         Args:
-            model_card: ``True``: write a generated ``README.md`` (:func:`hf_cocktail.model_card.make_model_card`)
+            model_card: ``True``: write a generated ``README.md`` (:func:`hf_cocktail.presets.model_card.make_model_card`)
                 unless the folder already has one, which is kept (a hand-written card is never overwritten silently);
                 a ``str``: the card text, written over any existing ``README.md``; ``False``: no card.
             push_to_hub: then upload ``cocktail_config.json`` and ``README.md`` of the folder, as they are on disk,
@@ -350,7 +357,7 @@ class CocktailConfig:
 
         ``model_card``: ``True`` uploads a generated card unless the repo already has a ``README.md`` (kept); a
         ``str`` is uploaded as ``README.md`` (replacing the repo's); ``False`` uploads the config only.
-        ``card_kwargs`` go to :func:`hf_cocktail.model_card.make_model_card`.
+        ``card_kwargs`` go to :func:`hf_cocktail.presets.model_card.make_model_card`.
         """
         if model_card is True:
             if hub_has_readme(repo_id, token=token, revision=revision):

@@ -18,9 +18,9 @@ from typing import Any
 from transformers import AutoModelForCausalLM, Pipeline
 from transformers.pipelines import PIPELINE_REGISTRY
 
-from .cache import CocktailCache
-from .compat import cache_kwargs
-from .config import CocktailConfig
+from hf_cocktail.cache.cache import CocktailCache
+from hf_cocktail.integration.compat import cache_kwargs
+from hf_cocktail.presets.config import CocktailConfig
 
 TASK = "cocktail-text-generation"
 

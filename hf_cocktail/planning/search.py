@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from . import planning
-from .config import CocktailConfig
-from .planning import SequencePlan
-from .scoring import TextEncoder, attention_mass, bm25_scores, get_encoder, score_chunks
+from hf_cocktail.planning import plans as planning
+from hf_cocktail.planning.plans import SequencePlan
+from hf_cocktail.planning.scoring import TextEncoder, attention_mass, bm25_scores, get_encoder, score_chunks
+from hf_cocktail.presets.config import CocktailConfig
 
 
 def search_plan(plan: SequencePlan, cfg: CocktailConfig, encoder: TextEncoder | None = None) -> None:

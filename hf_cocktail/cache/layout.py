@@ -10,7 +10,7 @@ from typing import Any
 
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from .layer import CocktailLayer
+from hf_cocktail.cache.layer import CocktailLayer
 
 
 def model_layers(cache: Any, model_config: Any) -> list:

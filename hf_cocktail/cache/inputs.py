@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from . import planning
-from .config import CocktailConfig
-from .planning import SequencePlan
+from hf_cocktail.planning import plans as planning
+from hf_cocktail.planning.plans import SequencePlan
+from hf_cocktail.presets.config import CocktailConfig
 
 
 def prepare_plans(

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from . import layout
-from .layer import CocktailLayer
-from .prefill_watch import check_head_dims
+from hf_cocktail.cache import layout
+from hf_cocktail.cache.layer import CocktailLayer
+from hf_cocktail.cache.prefill_watch import check_head_dims
 
 
 class CacheLifecycles:

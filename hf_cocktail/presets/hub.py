@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from ._version import __version__
+from hf_cocktail._version import __version__
 
 CONFIG_NAME = "cocktail_config.json"
 README_NAME = "README.md"

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .store import LayerStore
+from hf_cocktail.storage.store import LayerStore
 
 
 def memory_report(

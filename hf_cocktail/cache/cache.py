@@ -14,17 +14,18 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
-from . import layout, planning, reports
-from .config import CocktailConfig
-from .inputs import prepare_plans
-from .layer import CocktailLayer, LayerState
-from .layer_bits import capped_positions, check_layer_count, layer_pair
-from .lifecycles import CacheLifecycles
-from .planning import PlanView, SequencePlan
-from .prefill_watch import PrefillWatch, check_head_dims, check_prefill_ids
-from .salient import keeps_salient, record_layer_mass, with_salient
-from .scoring import TextEncoder
-from .search import add_query_attention, search_plan
+from hf_cocktail.cache import layout, reports
+from hf_cocktail.cache.inputs import prepare_plans
+from hf_cocktail.cache.layer import CocktailLayer, LayerState
+from hf_cocktail.cache.lifecycles import CacheLifecycles
+from hf_cocktail.cache.prefill_watch import PrefillWatch, check_head_dims, check_prefill_ids
+from hf_cocktail.planning import plans as planning
+from hf_cocktail.planning.plans import PlanView, SequencePlan
+from hf_cocktail.planning.salient import keeps_salient, record_layer_mass, with_salient
+from hf_cocktail.planning.scoring import TextEncoder
+from hf_cocktail.planning.search import add_query_attention, search_plan
+from hf_cocktail.presets.config import CocktailConfig
+from hf_cocktail.storage.layer_bits import capped_positions, check_layer_count, layer_pair
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +39,8 @@ class CocktailCache(CacheLifecycles, Cache):
         inputs = cache.prepare_inputs(tokenizer, prompt, contexts=document, queries=question)
         out = model.generate(**inputs, **cache_kwargs(model, cache), max_new_tokens=32)
 
-    (``cache_kwargs`` from :mod:`hf_cocktail.compat` passes ``cache=`` or ``past_key_values=``, whichever the
-    installed transformers prefers.) The chunk search runs once per ``generate``, at prefill, before any layer
+    (``cache_kwargs`` from :mod:`hf_cocktail.integration.compat` passes ``cache=`` or ``past_key_values=``, whichever
+    the installed transformers prefers.) The chunk search runs once per ``generate``, at prefill, before any layer
     quantizes. Decode attention reads the packed codes when the model uses ``attn_implementation="cocktail"``;
     under plain ``"sdpa"``/``"eager"`` each step dequantizes the cache (correct, slower, with one warning).
 
@@ -48,8 +49,8 @@ class CocktailCache(CacheLifecycles, Cache):
         encoder: optional object with ``encode(list[str]) -> Tensor (n, E)`` used instead of ``config.encoder``.
         model_config: the model's config, for models with several layer kinds (sliding-window, hybrid): only
             full-attention layers become Cocktail layers, the others are the model's default cache layers (see
-            :mod:`hf_cocktail.layout`). Optional: the cache also reads it from the model at the first prefill after
-            ``prepare_inputs``.
+            :mod:`hf_cocktail.cache.layout`). Optional: the cache also reads it from the model at the first prefill
+            after ``prepare_inputs``.
     """
 
     def __init__(
@@ -406,7 +407,7 @@ class CocktailCache(CacheLifecycles, Cache):
 
     def memory_report(self) -> dict[str, Any]:
         """Breakdown of :meth:`nbytes` plus what the same tokens would take in a FP16 cache (see
-        :func:`hf_cocktail.reports.memory_report`)."""
+        :func:`hf_cocktail.cache.reports.memory_report`)."""
         copies = [layer.context_copy for layer in self._cocktail_layers() if layer.context_copy is not None]
         native = [layer for layer in self.layers if not isinstance(layer, CocktailLayer)]
         return reports.memory_report(

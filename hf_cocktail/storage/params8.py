@@ -21,7 +21,14 @@ import functools
 
 import torch
 
-from .quant import check_finite, check_params_finite, check_segment, group_codes, pack_codes, whole_chunks
+from hf_cocktail.storage.quant import (
+    check_finite,
+    check_params_finite,
+    check_segment,
+    group_codes,
+    pack_codes,
+    whole_chunks,
+)
 
 SCALE_LOG_STEPS = 16  # an 8-bit scale code c stands for s_max * 2 ** (-c / SCALE_LOG_STEPS)
 
@@ -93,8 +100,8 @@ def decode_params8(
 def quantize_pack_keys8(
     k: torch.Tensor, bits: int, chunk_size: int, scale_dtype: torch.dtype | None = None, codebook: str = "uniform"
 ):
-    """:func:`hf_cocktail.quant.quantize_pack_keys` with 8-bit scales and zeros, one block per chunk and head (module
-    docstring).
+    """:func:`hf_cocktail.storage.quant.quantize_pack_keys` with 8-bit scales and zeros, one block per chunk and head
+    (module docstring).
 
     Returns:
         ``codes uint8 (H_kv, N, D*bits//8)``, ``scale_codes uint8 (H_kv, M, D)``, ``zero_codes uint8 (H_kv, M, D)``,
@@ -121,7 +128,7 @@ def quantize_pack_values8(
     *,
     chunk_size: int,
 ):
-    """:func:`hf_cocktail.quant.quantize_pack_values` with 8-bit scales and zeros, one block per chunk of
+    """:func:`hf_cocktail.storage.quant.quantize_pack_values` with 8-bit scales and zeros, one block per chunk of
     ``chunk_size`` tokens and head (module docstring); ``v (H_kv, N, D)`` holds whole chunks of one sequence, the last
     one may be partial.
 

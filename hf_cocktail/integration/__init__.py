@@ -1,0 +1,1 @@
+"""The transformers integration: `attn_implementation="cocktail"`, the pipeline, version compat."""
