@@ -5,7 +5,8 @@ Each preset folder model_cards/<preset>/ holds ``cocktail_config.json`` and ``ca
     {"base_model": "<Hub id>", "license": "apache-2.0", "settings_source": "paper" | "local",
      "notes": ["markdown paragraph", ...],              # "{name_or_path}" is replaced by the load path
      "results": "eval/results/summary.csv",             # optional, relative to the repo root
-     "run_info": "eval/results/run_info.json"}          # optional: command, commit, runtime_s, hardware
+     "run_info": "eval/results/run_info.json",          # optional: command, commit, runtime_s, hardware
+     "measurements": "markdown"}                         # optional: python -m hf_cocktail.calibrate's held-out table
 
 Results and provenance are only ever read from the evaluation's files; without them the card says so.
 
@@ -29,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CARDS_DIR = os.path.join(ROOT, "model_cards")
 META_NAME = "card_meta.json"
-META_KEYS = {"base_model", "license", "settings_source", "notes", "results", "run_info"}
+META_KEYS = {"base_model", "license", "settings_source", "notes", "results", "run_info", "measurements"}
 
 
 def presets(cards_dir: str = CARDS_DIR) -> list[str]:
@@ -55,6 +56,10 @@ def build_card(folder: str, name_or_path: str, root: str = ROOT) -> str:
     meta = load_meta(folder)
     results, run_info = None, {}
     res_rel = meta.get("results")
+    info_rel = meta.get("run_info")
+    if not res_rel and info_rel and os.path.isfile(os.path.join(root, info_rel)):  # a calibrated preset's own record
+        with open(os.path.join(root, info_rel), encoding="utf-8") as f:
+            run_info = json.load(f)
     if res_rel and os.path.isfile(os.path.join(root, res_rel)):
         results = read_results(os.path.join(root, res_rel))
         info_rel = meta.get("run_info")
@@ -80,6 +85,7 @@ def build_card(folder: str, name_or_path: str, root: str = ROOT) -> str:
         command=run_info.get("command"),
         runtime_s=run_info.get("runtime_s"),
         results_name=res_rel,
+        measurements=meta.get("measurements"),
     )
 
 
@@ -91,7 +97,7 @@ def index(cards_dir: str = CARDS_DIR) -> str:
         res = meta.get("results")
         status = (
             "measured, see card"
-            if res and os.path.isfile(os.path.join(ROOT, res))
+            if res and os.path.isfile(os.path.join(ROOT, res)) or meta.get("measurements")
             else "paper settings, not measured here"
             if meta.get("settings_source") == "paper"
             else "no evaluation results yet"

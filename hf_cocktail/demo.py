@@ -1,9 +1,11 @@
-"""Offline demo: SmolLM2-135M-Instruct + MiniLM on a long generated document, three KV caches side by side:
-FP16 (``DynamicCache``), Cocktail with the paper's settings, and Cocktail with the recommended setting for SmolLM2
-(the preset ``model_cards/smollm2-135m-instruct`` of a source checkout; where the package is installed without
-it, :meth:`CocktailConfig.recommended`; ``--preset`` picks another).
+"""Offline demo: SmolLM2-135M-Instruct (or Gemma 3 270M base, ``--model gemma-3-270m``) + MiniLM on a long generated
+document, three KV caches side by side: FP16 (``DynamicCache``), Cocktail with the paper's settings, and Cocktail
+with the model's calibrated preset (``model_cards/<model>`` of a source checkout, written by
+``python -m hf_cocktail.calibrate``; where the package is installed without it, :meth:`CocktailConfig.recommended`;
+``--preset`` picks another). Gemma 3 270M is a base model without a chat template: it gets a completion-form prompt.
 
     python -m hf_cocktail.demo                       # a generated ~4.4K-token document with one hidden fact
+    python -m hf_cocktail.demo --model gemma-3-270m
     python -m hf_cocktail.demo --text-file my.txt --question "..."
 
 Prints the answers, each precision mix, KV bytes vs FP16 and timings; writes a PNG of the chunk search's scores and
@@ -22,9 +24,9 @@ from transformers import DynamicCache
 
 from hf_cocktail.cache.cache import CocktailCache
 from hf_cocktail.integration.compat import cache_kwargs
+from hf_cocktail.offline_models import OFFLINE_MODELS, load_offline_model
 from hf_cocktail.planning.scoring import offline_encoder_path
 from hf_cocktail.presets.config import CocktailConfig
-from hf_cocktail.smollm2 import load_smollm2
 from hf_cocktail.storage.layer_bits import mean_code_bits
 
 _PLACES = [
@@ -106,6 +108,9 @@ def generate_document(n_paragraphs: int = 60, seed: int = 0) -> tuple[str, str, 
 
 
 def build_prompt(tok, document: str, question: str) -> str:
+    """The chat-template prompt, or a completion-form one for a model without a chat template (a base model)."""
+    if not getattr(tok, "chat_template", None):
+        return f"Read the document and answer the question.\n\n{document}\n\nQuestion: {question}\nAnswer:"
     msgs = [
         {
             "role": "user",
@@ -179,26 +184,30 @@ def _describe(name, answer, seconds, cache, fp16_bytes, expected):
     )
 
 
-SMOLLM2_PRESET = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model_cards", "smollm2-135m-instruct"
-)
+CARDS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model_cards")
+SMOLLM2_PRESET = os.path.join(CARDS_DIR, "smollm2-135m-instruct")
+PRESETS = {"smollm2-135m-instruct": SMOLLM2_PRESET, "gemma-3-270m": os.path.join(CARDS_DIR, "gemma-3-270m")}
 
 
-def recommended_config(preset: str | None, encoder: str) -> tuple[CocktailConfig, str]:
-    """The demo's recommended setting and where it came from: ``preset`` if given, else the checkout's SmolLM2 preset
-    (:data:`SMOLLM2_PRESET`) where it exists, else :meth:`CocktailConfig.recommended`."""
-    if preset is None and os.path.isdir(SMOLLM2_PRESET):
-        preset = SMOLLM2_PRESET
+def recommended_config(
+    preset: str | None, encoder: str, model: str = "smollm2-135m-instruct"
+) -> tuple[CocktailConfig, str]:
+    """The demo's recommended setting and where it came from: ``preset`` if given, else the checkout's preset of
+    ``model`` (:data:`PRESETS`) where it exists, else :meth:`CocktailConfig.recommended`."""
+    default = SMOLLM2_PRESET if model == "smollm2-135m-instruct" else PRESETS[model]
+    if preset is None and os.path.isdir(default):
+        preset = default
     if preset is not None:
         return CocktailConfig.from_pretrained(preset, encoder=encoder), f"CocktailConfig.from_pretrained({preset!r})"
-    return CocktailConfig.recommended(encoder=encoder), "CocktailConfig.recommended() (no SmolLM2 preset here)"
+    return CocktailConfig.recommended(encoder=encoder), f"CocktailConfig.recommended() (no {model} preset here)"
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--text-file", help="your own document (UTF-8 text); default: a generated one")
     ap.add_argument("--question", help="question about the document (required with --text-file)")
-    ap.add_argument("--preset", help="folder or Hub id of a cocktail_config.json used instead of the SmolLM2 preset")
+    ap.add_argument("--model", default="smollm2-135m-instruct", choices=list(OFFLINE_MODELS), help="offline model")
+    ap.add_argument("--preset", help="folder or Hub id of a cocktail_config.json used instead of the model's preset")
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--out-dir", default="demo_out")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -213,11 +222,11 @@ def main(argv=None):
         if args.question:
             question, answer = args.question, None
     t0 = time.perf_counter()
-    model, tok = load_smollm2(getattr(torch, args.dtype))
-    print(f"model loaded in {time.perf_counter() - t0:.1f}s ({args.dtype})")
+    model, tok = load_offline_model(args.model, getattr(torch, args.dtype))
+    print(f"{args.model} loaded in {time.perf_counter() - t0:.1f}s ({args.dtype})")
     encoder = offline_encoder_path()
     paper = CocktailConfig(encoder=encoder)
-    recommended, source = recommended_config(args.preset, encoder)
+    recommended, source = recommended_config(args.preset, encoder, args.model)
     print(f"recommended setting: {source}")
     prompt = build_prompt(tok, document, question)
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
@@ -226,7 +235,7 @@ def main(argv=None):
     n_prompt = inputs["input_ids"].shape[1]
     print(f"prompt: {n_prompt} tokens; question: {question}" + (f" (expected: {answer})" if answer else ""))
     t0 = time.perf_counter()
-    dyn = DynamicCache()
+    dyn = DynamicCache(config=model.config)  # sliding-window layers (Gemma 3) keep their window, as by default
     out = model.generate(**inputs, **cache_kwargs(model, dyn), **gen)
     t_fp16 = time.perf_counter() - t0
     fp16_answer = tok.decode(out[0, n_prompt:], skip_special_tokens=True).strip()

@@ -37,4 +37,15 @@ def test_the_recommended_setting_comes_from_the_smollm2_preset_when_there_is_one
     elif where == "given":
         assert cfg.chunk_size == 64 and str(other) in source
     else:
-        assert cfg == CocktailConfig.recommended(encoder="enc") and "no SmolLM2 preset" in source
+        assert cfg == CocktailConfig.recommended(encoder="enc") and "no smollm2-135m-instruct preset" in source
+
+
+def test_gemma_gets_its_own_preset_and_a_completion_prompt(tiny_tokenizer):
+    from hf_cocktail import CocktailConfig
+
+    cfg, source = demo.recommended_config(None, "enc", "gemma-3-270m")
+    assert cfg == CocktailConfig.from_pretrained(demo.PRESETS["gemma-3-270m"], encoder="enc")
+    assert source.endswith("gemma-3-270m')")
+    assert tiny_tokenizer.chat_template is None  # like the Gemma 3 270M base GGUF
+    prompt = demo.build_prompt(tiny_tokenizer, "the doc", "what ?")
+    assert prompt.startswith("Read the document") and prompt.endswith("Question: what ?\nAnswer:")

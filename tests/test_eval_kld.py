@@ -22,7 +22,7 @@ from .conftest import make_prompt
 
 # ---------------------------------------------------------------- the divergence
 def test_identical_logits_give_exactly_zero():
-    from eval.kld.divergence import kl_and_top1
+    from hf_cocktail.calibrate.divergence import kl_and_top1
 
     torch.manual_seed(0)
     ref = torch.randn(7, 301) * 5
@@ -33,7 +33,7 @@ def test_identical_logits_give_exactly_zero():
 
 
 def test_known_perturbation_gives_its_kl():
-    from eval.kld.divergence import kl_and_top1
+    from hf_cocktail.calibrate.divergence import kl_and_top1
 
     # two outcomes: P = (1/2, 1/2), Q = (1/4, 3/4): KL = 1/2 ln 2 + 1/2 ln(2/3)
     ref = torch.tensor([[0.0, 0.0]], dtype=torch.float64)
@@ -91,7 +91,7 @@ def _filled_cache(n):
 
 
 def test_teacher_forcing_positions_line_up():
-    from eval.kld.divergence import teacher_force
+    from hf_cocktail.calibrate.divergence import teacher_force
 
     model = PositionModel()
     tokens = torch.tensor([[3, 30, 4, 21, 40]])
@@ -111,9 +111,9 @@ def test_teacher_forcing_positions_line_up():
 def test_which_caches_are_fed_token_by_token():
     from transformers import LlamaConfig
 
-    from eval.kld.divergence import needs_steps
     from eval.methods.kivi import KiviCache
     from hf_cocktail import CocktailCache
+    from hf_cocktail.calibrate.divergence import needs_steps
 
     assert not needs_steps(DynamicCache(), 40)
     assert not needs_steps(CocktailCache(), 40)
@@ -223,10 +223,10 @@ def test_tail_never_reaches_into_the_context(tiny_llama, tiny_tokenizer):
 
 
 def test_one_forward_equals_token_by_token_for_cocktail(tiny_llama, tiny_tokenizer):
-    from eval.kld.divergence import teacher_force
     from eval.methods.branching import branch, prefill
     from eval.methods.kinds import Request
     from eval.methods.registry import METHODS
+    from hf_cocktail.calibrate.divergence import teacher_force
 
     prompt, ctx, query = make_prompt(150, seed=7)
     req = Request(prompt, ctx, query, "3")

@@ -11,12 +11,12 @@ import torch
 from eval.cli import UsageError
 from eval.kld.cases import KldCase
 from eval.layers import cli
-from eval.layers.fake_quant import FakeQuantizer
 from eval.layers.measure import measure_case
-from eval.layers.solve import OPTIONS, solve
 from eval.methods.branching import context_span
 from eval.methods.kinds import Request
 from hf_cocktail import CocktailCache, CocktailConfig
+from hf_cocktail.calibrate.fake_quant import FakeQuantizer
+from hf_cocktail.calibrate.solve import OPTIONS, solve
 from hf_cocktail.integration.compat import cache_kwargs
 
 from .conftest import FakeEncoder, make_prompt, make_tiny_llama

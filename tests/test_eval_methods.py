@@ -177,19 +177,6 @@ def test_preset_becomes_a_method():
         METHODS.pop("preset", None)
 
 
-def test_the_smollm2_preset_is_the_measured_method():
-    """model_cards/smollm2-135m-instruct holds exactly the storage measured as ``layers3r2_had_s8_sal1_f8`` (the
-    evaluation's encoder aside), so the numbers quoted for the preset are its own."""
-    from eval.methods.registry import METHODS, register_preset
-
-    try:
-        preset = register_preset(os.path.join(REPO_ROOT, "model_cards", "smollm2-135m-instruct")).cocktail_config()
-        measured = METHODS["layers3r2_had_s8_sal1_f8"].cocktail_config()
-        assert preset.to_dict() == measured.to_dict()  # register_preset swaps in the evaluation's encoder
-    finally:
-        METHODS.pop("preset", None)
-
-
 def test_every_method_builds_its_cache(tiny_llama, tiny_tokenizer):
     """The registry's one build_cache: each kind makes its own cache class; only the Cocktail kinds prepare inputs."""
     from transformers import DynamicCache, QuantizedCache
@@ -217,7 +204,8 @@ def test_every_method_builds_its_cache(tiny_llama, tiny_tokenizer):
 
 def test_a_salient_method_branched_with_its_recorded_queries_equals_its_own_generate(tiny_tokenizer):
     """salient_tokens reads the prefill attention: the shared prefill records the queries after the context
-    (eval/methods/queries.py) and the branch gives the tokens, salient positions and bytes of a plain generate."""
+    (hf_cocktail/calibrate/queries.py) and the branch gives the tokens, salient positions and bytes of a plain
+    generate."""
     from eval.methods.branching import branch, context_end, generate_from_branch, prefill_for
     from eval.methods.kinds import Request, cache_and_inputs
     from eval.methods.registry import METHODS

@@ -4,7 +4,7 @@ segments per method compared with FP16 at the same positions.
 * ``answer``: the whole prompt is prefilled once at full precision (``DynamicCache``) and branched into every
   method's cache, exactly as ``eval.longbench`` does; FP16's greedy answer ``a[0..n-1]`` (at most
   ``max_answer_tokens``, stopped at EOS) is fed as ``a[0..n-2]`` in one forward (token by token where that is not
-  equivalent, :func:`eval.kld.divergence.needs_steps`). The logits at those ``n-1`` positions (predicting
+  equivalent, :func:`hf_cocktail.calibrate.divergence.needs_steps`). The logits at those ``n-1`` positions (predicting
   ``a[1..n-1]``) are compared with FP16's. ``a[0]`` itself comes from the prefill's logits, identical for every
   method (every cache attends at full precision during its own prefill), so it is not scored.
 * ``tail``: the same prefill cut to the prompt minus its last ``k`` tokens is branched into every method (every
@@ -27,6 +27,7 @@ from collections.abc import Iterator
 
 import torch
 
+from hf_cocktail.calibrate.divergence import kl_and_top1, teacher_force
 from hf_cocktail.planning.scoring import get_encoder
 
 from ..kv_bytes import cache_kv_bytes, fp16_kv_bytes, global_kv_ratio
@@ -34,7 +35,6 @@ from ..methods.branching import branch, context_end, generate_from_branch, preci
 from ..methods.kinds import CocktailMethod, DynamicMethod, Method, Request, build_cache, is_sliding_layer, prefill_items
 from ..models import eos_token_ids, model_input_device
 from .cases import KldCase
-from .divergence import kl_and_top1, teacher_force
 
 REFERENCE = DynamicMethod("fp16_reference", "DynamicCache: the FP16 reference of the comparison")
 

@@ -23,6 +23,7 @@ import time
 from tqdm.auto import tqdm
 
 from hf_cocktail import CocktailConfig
+from hf_cocktail.calibrate.solve import layer_deltas, mean_deltas, solve
 
 from ..cli import UsageError, parse_float_list, parse_int_list
 from ..kld.cases import longbench_cases
@@ -32,7 +33,6 @@ from ..paths import LONGBENCH_DIR
 from ..records import append_jsonl, check_settings, iter_jsonl, lock_out_dir
 from ..run_info import command_line, git_commit, now, update_run_info
 from .measure import measure_case, measured
-from .solve import OPTIONS, option_delta, solve
 
 MODULE = "eval.layers"
 SETTINGS_KEYS = (
@@ -148,30 +148,6 @@ def calibration_cases(args, tok) -> list:
 
     skipped = {c.key for c in draw(args.skip)} if args.skip else set()
     return [c for c in draw(args.skip + args.per_task) if c.key not in skipped]
-
-
-def mean_deltas(records: list[dict], side: str) -> dict[int, list[float | None]]:
-    """``side`` ("key_deltas" / "value_deltas"): per measured width, the per-layer deltas averaged over prompts
-    (``None`` where that layer did not measure it)."""
-    out = {}
-    for w in records[0][side]:
-        per_layer = zip(*(r[side][w] for r in records))
-        out[int(w)] = [None if layer[0] is None else statistics.fmean(layer) for layer in per_layer]
-    return out
-
-
-def layer_deltas(records: list[dict], base: list[tuple[int, ...]]) -> list[dict[tuple[int, int], float]]:
-    """Per layer, every option's estimated delta from the measured widths (means over the prompts; the layer's base
-    widths cost 0); options needing a width the layer did not measure are left out."""
-    keys, values = mean_deltas(records, "key_deltas"), mean_deltas(records, "value_deltas")
-    L = len(next(iter(keys.values())))
-    base = base * L if len(base) == 1 else base
-    out = []
-    for layer in range(L):
-        kd = {base[layer][0]: 0.0, **{b: d[layer] for b, d in keys.items() if d[layer] is not None}}
-        vd = {base[layer][1]: 0.0, **{b: d[layer] for b, d in values.items() if d[layer] is not None}}
-        out.append({o: option_delta(kd, vd, o) for o in OPTIONS if o[0] in kd and o[1] in vd})
-    return out
 
 
 def allocations(records: list[dict], budgets: list[float], base: list[tuple[int, ...]]) -> dict:

@@ -20,10 +20,10 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from hf_cocktail import CocktailCache, CocktailConfig
+from hf_cocktail.calibrate.queries import recording_queries
 from hf_cocktail.integration.compat import cache_kwargs
 
 from .kinds import Method, Request, build_cache, prefill_items
-from .queries import recording_queries
 
 
 def context_span(tok, request: Request) -> tuple[int, int]:

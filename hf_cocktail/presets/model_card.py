@@ -181,6 +181,7 @@ def make_model_card(
     command: str | None = None,
     runtime_s: float | None = None,
     results_name: str | None = None,
+    measurements: str | None = None,
 ) -> str:
     """The ``README.md`` model card of a Cocktail config.
 
@@ -195,6 +196,8 @@ def make_model_card(
         license: license of this config repo (the base model keeps its own).
         settings_source: ``"paper"`` (settings copied from the Cocktail paper, not measured here) or ``"local"``.
         results_name: the results file, named in the card when it does not exist (e.g. ``eval/results/summary.csv``).
+        measurements: markdown of what was measured for this config other than an evaluation's ``summary.csv``
+            (e.g. ``python -m hf_cocktail.calibrate``'s held-out table), placed first under Results.
     """
     if settings_source not in SETTINGS_SOURCES:
         raise ValueError(f"settings_source must be one of {SETTINGS_SOURCES}, got {settings_source!r}")
@@ -239,17 +242,19 @@ def make_model_card(
         "```json\n" + config.to_json_string().rstrip("\n") + "\n```",
         "## Results",
     ]
-    if results is None:
+    if measurements:
+        out.append(measurements)
+    if results is not None:
+        out.append(results_markdown(results))
+    elif not measurements:
         missing = f" (`{results_name}` does not exist yet)" if results_name else ""
         out.append(
             f"No evaluation results yet: not measured here{missing}."
             if settings_source == "local"
             else "Not measured here."
         )
-    else:
-        out.append(results_markdown(results))
     prov = []
-    if results is not None or hardware or commit:
+    if results is not None or measurements or hardware or commit:
         hw = ", ".join(f"{k}: {v}" for k, v in hardware.items()) if isinstance(hardware, dict) else hardware
         prov = [f"- Hardware: {hw or 'not recorded'}", f"- Commit: `{commit}`" if commit else "- Commit: not recorded"]
         if command:

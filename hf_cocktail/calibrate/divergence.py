@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, QuantizedCache
 
-from hf_cocktail import CocktailCache
+from hf_cocktail.cache.cache import CocktailCache
 from hf_cocktail.integration.compat import cache_kwargs
 
 

@@ -17,7 +17,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-RECORDING = "eval_recording_queries"
+RECORDING = "hf_cocktail_recording_queries"
 
 
 @contextmanager

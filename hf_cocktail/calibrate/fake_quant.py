@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_cocktail import CocktailConfig
+from hf_cocktail.presets.config import CocktailConfig
 from hf_cocktail.storage import params8, quant
 from hf_cocktail.storage.rotation import orthonormal_matrices
 

@@ -8,6 +8,8 @@ programming over the layers and the summed code bits.
 
 from __future__ import annotations
 
+import statistics
+
 OPTIONS = tuple((k, v) for k in (4, 3, 2) for v in (4, 3, 2) if v <= k)  # every (key_bits, value_bits) a layer takes
 
 
@@ -37,3 +39,27 @@ def solve(deltas: list[dict[tuple[int, int], float]], mean_code_bits: float) -> 
         raise ValueError(f"mean_code_bits={mean_code_bits!r} is below the cheapest allocation ({cheapest:g} bits)")
     total, picks = min(best.values(), key=lambda t: t[0])
     return picks, total
+
+
+def mean_deltas(records: list[dict], side: str) -> dict[int, list[float | None]]:
+    """``side`` ("key_deltas" / "value_deltas"): per measured width, the per-layer deltas averaged over prompts
+    (``None`` where that layer did not measure it)."""
+    out = {}
+    for w in records[0][side]:
+        per_layer = zip(*(r[side][w] for r in records))
+        out[int(w)] = [None if layer[0] is None else statistics.fmean(layer) for layer in per_layer]
+    return out
+
+
+def layer_deltas(records: list[dict], base: list[tuple[int, ...]]) -> list[dict[tuple[int, int], float]]:
+    """Per layer, every option's estimated delta from the measured widths (means over the prompts; the layer's base
+    widths cost 0); options needing a width the layer did not measure are left out."""
+    keys, values = mean_deltas(records, "key_deltas"), mean_deltas(records, "value_deltas")
+    L = len(next(iter(keys.values())))
+    base = base * L if len(base) == 1 else base
+    out = []
+    for layer in range(L):
+        kd = {base[layer][0]: 0.0, **{b: d[layer] for b, d in keys.items() if d[layer] is not None}}
+        vd = {base[layer][1]: 0.0, **{b: d[layer] for b, d in values.items() if d[layer] is not None}}
+        out.append({o: option_delta(kd, vd, o) for o in OPTIONS if o[0] in kd and o[1] in vd})
+    return out

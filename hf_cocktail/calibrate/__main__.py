@@ -1,0 +1,5 @@
+import sys
+
+from hf_cocktail.calibrate.cli import main
+
+sys.exit(main())

@@ -1,0 +1,266 @@
+"""Calibration of a ``CocktailConfig`` for one model on the user's texts, within a KV byte target.
+
+1. The texts become windows (:mod:`.texts`), split into calibration and validation (held-out) windows.
+2. On the calibration windows, the storage rotation (Hadamard or none) with the lower KL at the base widths (4-bit
+   keys / 3-bit values in every layer), then each Cocktail layer's sensitivity under it: the KL added when that layer
+   alone has 3- or 2-bit keys or 2- or 4-bit values around the base (:mod:`.sensitivity`), averaged.
+3. Candidates (:mod:`.candidates`): the layer solve's caps at the largest budget that fits the target, per storage
+   variant (8-bit full part or not, 0 / 1 / 2% salient tokens), and, with ``search_scorers``, the query-aware chunk
+   search on top of the best of them; bytes measured with the real cache.
+4. Every candidate and the baselines (uniform INT4, ``recommended()``) are measured on the held-out windows with the
+   real cache (:mod:`.validate`); the lowest mean KL divergence whose mean bytes ratio is within the target wins.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from hf_cocktail.calibrate.candidates import (
+    Candidate,
+    CapsSpace,
+    baselines,
+    caps_candidates,
+    search_candidates,
+    storage,
+)
+from hf_cocktail.calibrate.fake_quant import FakeQuantizer
+from hf_cocktail.calibrate.sensitivity import LayerProbe, cocktail_layer_indices, probe_deltas
+from hf_cocktail.calibrate.solve import layer_deltas
+from hf_cocktail.calibrate.texts import Window, split_windows
+from hf_cocktail.calibrate.validate import Prepared, bytes_ratio, measure, prepare, summarize
+from hf_cocktail.presets.config import CocktailConfig
+
+BASE = (4, 3)  # the widths the sensitivity is measured around
+KEY_OPTIONS, VALUE_OPTIONS = (3, 2), (2, 4)
+SCORERS = ("encoder", "bm25", "attention")
+ROTATIONS = ("hadamard", None)  # the storage rotations compared at the base widths
+
+
+@dataclass
+class CalibrationResult:
+    """What :func:`calibrate_model` measured: the chosen config, every candidate's held-out numbers, the sensitivity."""
+
+    config: CocktailConfig
+    chosen: str
+    target: float
+    candidates: list[dict[str, Any]]
+    sensitivity: list[dict[str, Any]]
+    cocktail_layers: list[int]
+    calibration_windows: list[str]
+    validation_windows: list[str]
+    settings: dict[str, Any]
+    timings_s: dict[str, float] = field(default_factory=dict)
+
+    def measured(self, name: str) -> dict[str, Any]:
+        """The held-out record of candidate ``name``."""
+        for c in self.candidates:
+            if c["name"] == name:
+                return c
+        raise KeyError(f"no candidate named {name!r}; measured: {[c['name'] for c in self.candidates]}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "chosen": self.chosen,
+            "target_bytes": self.target,
+            "config": self.config.to_dict(),
+            "candidates": self.candidates,
+            "sensitivity": self.sensitivity,
+            "cocktail_layers": self.cocktail_layers,
+            "calibration_windows": self.calibration_windows,
+            "validation_windows": self.validation_windows,
+            "settings": self.settings,
+            "timings_s": self.timings_s,
+        }
+
+
+class TargetUnreachable(ValueError):
+    """No candidate's bytes fit the target."""
+
+
+def _check_args(target: float, search_scorers: Sequence[str]) -> None:
+    if not isinstance(target, (int, float)) or not 0 < target <= 1:
+        raise ValueError(f"target must be a number in (0, 1] (the quantized layers' bytes over FP16's), got {target!r}")
+    bad = [s for s in search_scorers if s not in SCORERS]
+    if bad:
+        raise ValueError(f"search_scorers must be among {SCORERS}, got {list(search_scorers)!r}")
+
+
+def _texts(texts) -> list[tuple[str, str]]:
+    if isinstance(texts, str) or not texts:
+        raise ValueError("texts: give a non-empty list of your own texts (strings or (name, text) pairs)")
+    return [t if isinstance(t, tuple) else (f"text {i}", t) for i, t in enumerate(texts)]
+
+
+def _probe(model, prep: Prepared, cocktail: list[int], rotation: str | None) -> LayerProbe:
+    k = prep.prefill.layers[cocktail[0]].keys
+    fq = FakeQuantizer(CocktailConfig(**storage(k.shape[-1], rotation)), k.shape[1], k.shape[-1], k.dtype)
+    return LayerProbe(model, prep.prefill, prep.span, fq, prep.continuation, prep.ref_logits, cocktail)
+
+
+@torch.no_grad()
+def sensitivity(model, tok, windows: list[Window], cocktail: list[int], progress: bool) -> tuple[list, dict]:
+    """Per calibration window, :func:`.sensitivity.probe_deltas` over the Cocktail layers, stored with the rotation
+    (``"hadamard"`` or none) whose mean KL at the base widths is lower; returns the records and those base KLs."""
+    n = 1 + len(cocktail) * (len(KEY_OPTIONS) + len(VALUE_OPTIONS))
+    bar = tqdm(total=(n + 2) * len(windows), desc="calibrate: layer sensitivity", disable=not progress)
+    base = [BASE] * len(cocktail)
+    preps: list[Prepared] = []
+    base_kl: dict[str | None, list[float]] = {r: [] for r in ROTATIONS}
+    for w in windows:
+        preps.append(prepare(model, tok, w))
+        for r in ROTATIONS:
+            base_kl[r].append(_probe(model, preps[-1], cocktail, r).kl(base))
+            bar.update()
+    rotation = min(ROTATIONS, key=lambda r: statistics.fmean(base_kl[r]))
+    records = []
+    for prep in preps:
+        probe = _probe(model, prep, cocktail, rotation)
+        records.append(
+            {"window": prep.window.name, **probe_deltas(probe, base, KEY_OPTIONS, VALUE_OPTIONS, bar.update)}
+        )
+    bar.close()
+    return records, {"rotation": rotation, "base_kl": {str(r): v for r, v in base_kl.items()}}
+
+
+def reused_sensitivity(earlier: dict, windows: list[str], cocktail: list[int]) -> tuple[list, dict]:
+    """The sensitivity records and rotation choice of an earlier result, checked to be of the same calibration texts
+    and Cocktail layers."""
+    if earlier.get("calibration_windows") != windows or earlier.get("cocktail_layers") != cocktail:
+        raise ValueError(
+            f"sensitivity_from was measured on texts {earlier.get('calibration_windows')} and layers "
+            f"{earlier.get('cocktail_layers')}, not on these ({windows}, {cocktail}): give the same texts and model"
+        )
+    return earlier["sensitivity"], earlier["settings"]["rotation_choice"]
+
+
+def validate_all(model, tok, preps: list[Prepared], cands: list[Candidate], target: float, progress: bool) -> list:
+    """Every candidate measured on every held-out window: one record per candidate."""
+    bar = tqdm(total=len(cands) * len(preps), desc="calibrate: validate", disable=not progress, dynamic_ncols=True)
+    out = []
+    for c in cands:
+        per = []
+        for p in preps:
+            per.append(measure(model, tok, p, c.config))
+            bar.update()
+        s = summarize(per)
+        out.append(
+            {
+                "name": c.name,
+                "kind": c.kind,
+                "budget": c.budget,
+                **c.info,
+                **s,
+                "fits": s["quantized_ratio"] <= target,
+                "config": c.config.to_dict(),
+            }
+        )
+    bar.close()
+    return out
+
+
+def calibrate_model(
+    model,
+    tokenizer,
+    texts,
+    target: float = 0.25,
+    *,
+    calibration_texts: int = 4,
+    validation_texts: int = 4,
+    window: int = 2048,
+    question_tokens: int = 64,
+    continuation_tokens: int = 32,
+    search_scorers: Sequence[str] = (),
+    encoder: str | None = None,
+    progress: bool = True,
+    sensitivity_from: dict | None = None,
+) -> CalibrationResult:
+    """Calibrate a config for ``model`` on ``texts`` (strings or ``(name, text)`` pairs) whose Cocktail layers'
+    KV bytes are at most ``target`` times their FP16 bytes on the held-out texts. See the module docstring.
+    ``encoder``: the retrieval encoder of ``search_scorers`` "encoder" and of the returned config.
+    ``sensitivity_from``: an earlier result's ``to_dict()`` on the same model and texts, whose sensitivity is reused
+    (another target without measuring it again)."""
+    _check_args(target, search_scorers)
+    t0 = time.perf_counter()
+    cal, val = split_windows(
+        tokenizer, _texts(texts), calibration_texts, validation_texts, window, question_tokens, continuation_tokens
+    )
+    cocktail = cocktail_layer_indices(model.config)
+    if not cocktail:
+        raise ValueError(
+            "the model has no full-attention layer: a CocktailCache quantizes nothing, nothing to calibrate"
+        )
+    timings = {}
+    if sensitivity_from is None:
+        records, rotation_choice = sensitivity(model, tokenizer, cal, cocktail, progress)
+    else:
+        records, rotation_choice = reused_sensitivity(sensitivity_from, [w.name for w in cal], cocktail)
+    timings["sensitivity"] = time.perf_counter() - t0
+    deltas = layer_deltas(records, [BASE])
+    preps = [prepare(model, tokenizer, w) for w in tqdm(val, desc="calibrate: held-out prefills", disable=not progress)]
+    head_dim = preps[0].prefill.layers[cocktail[0]].keys.shape[-1]
+    num_layers = len(preps[0].prefill.layers)
+    space = CapsSpace(deltas, cocktail, num_layers, head_dim, rotation_choice["rotation"])
+
+    fit_bar = tqdm(desc="calibrate: bytes of candidate settings", disable=not progress, unit="fill")
+
+    def ratio_of(cfg: CocktailConfig) -> float:
+        fit_bar.update()
+        return bytes_ratio(tokenizer, preps[0], cfg)
+
+    t1 = time.perf_counter()
+    caps = caps_candidates(space, ratio_of, target)
+    if not caps:
+        raise TargetUnreachable(
+            f"target={target!r}: even every layer at 2-bit keys and values takes "
+            f"{ratio_of(space.config(space.budgets[0], 8, 0.0)):.3f}x the FP16 bytes here; give a larger target"
+        )
+    timings["fit_caps"] = time.perf_counter() - t1
+    measured = validate_all(model, tokenizer, preps, [*caps, *baselines(head_dim)], target, progress)
+    if search_scorers:
+        best_caps = min((c for c in caps), key=lambda c: measured[caps.index(c)]["kld"])
+        t2 = time.perf_counter()
+        search = search_candidates(space, best_caps, ratio_of, target, search_scorers, encoder)
+        timings["fit_search"] = time.perf_counter() - t2
+        measured += validate_all(model, tokenizer, preps, search, target, progress)
+    fit_bar.close()
+    fitting = [m for m in measured if m["fits"] and m["kind"] != "baseline"] or [m for m in measured if m["fits"]]
+    if not fitting:
+        raise TargetUnreachable(f"target={target!r}: no candidate's held-out bytes ratio is within it: {measured}")
+    best = min(fitting, key=lambda m: m["kld"])
+    timings["total"] = time.perf_counter() - t0
+    settings = {
+        "target": target,
+        "window": window,
+        "question_tokens": question_tokens,
+        "continuation_tokens": continuation_tokens,
+        "search_scorers": list(search_scorers),
+        "base": list(BASE),
+        "key_options": list(KEY_OPTIONS),
+        "value_options": list(VALUE_OPTIONS),
+        "rotation_choice": rotation_choice,
+    }
+    return CalibrationResult(
+        CocktailConfig.from_dict(best["config"], **({"encoder": encoder} if encoder else {})),
+        best["name"],
+        target,
+        measured,
+        records,
+        cocktail,
+        [w.name for w in cal],
+        [w.name for w in val],
+        settings,
+        {k: round(v, 1) for k, v in timings.items()},
+    )
+
+
+def calibrate(model, tokenizer, texts, target: float = 0.25, **kwargs: Any) -> CocktailConfig:
+    """The config :func:`calibrate_model` chooses: the lowest held-out KL divergence from FP16 whose Cocktail layers
+    hold at most ``target`` times their FP16 KV bytes."""
+    return calibrate_model(model, tokenizer, texts, target, **kwargs).config

@@ -1,0 +1,144 @@
+"""hf_cocktail.calibrate: the layer solve on a hand-computed case, the command end to end on tiny random models
+(a Llama and a Gemma 3 with sliding layers), and bad inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from hf_cocktail import CocktailConfig
+from hf_cocktail.calibrate import calibrate_model
+from hf_cocktail.calibrate.candidates import largest_fitting
+from hf_cocktail.calibrate.cli import main
+from hf_cocktail.calibrate.sensitivity import cocktail_layer_indices
+from hf_cocktail.calibrate.solve import layer_deltas, solve
+from hf_cocktail.calibrate.texts import read_texts, split_windows
+
+from .conftest import make_tiny_llama, random_text
+from .test_architectures import make_model
+
+SMALL = dict(window=200, question_tokens=16, continuation_tokens=8)
+
+
+def test_the_solve_picks_the_hand_computed_optimum():
+    """Two layers, options (4,3) 7 bits, (3,3) 6, (2,2) 4; budget 3.0 mean code bits = 12 summed. Fitting pairs:
+    (4,3)+(2,2) [11 bits], (2,2)+(4,3) [11], (3,3)+(3,3) [12], (2,2)+(3,3) ...; deltas: layer 0 cheap to cut, layer 1
+    not, so the optimum is layer 0 at (2,2), layer 1 at (4,3): 0.05 (vs 0.11 for (3,3)+(3,3))."""
+    deltas = [
+        {(4, 3): 0.0, (3, 3): 0.01, (2, 2): 0.05},
+        {(4, 3): 0.0, (3, 3): 0.10, (2, 2): 0.20},
+    ]
+    picks, total = solve(deltas, 3.0)
+    assert picks == [(2, 2), (4, 3)] and total == pytest.approx(0.05)
+    assert solve(deltas, 3.5)[0] == [(4, 3), (4, 3)]  # 14 bits: nothing to cut
+    with pytest.raises(ValueError, match="below the cheapest"):
+        solve(deltas, 1.9)
+
+
+def test_option_deltas_add_the_key_and_value_deltas_measured_around_the_base():
+    rec = {"key_deltas": {"3": [0.1], "2": [0.5]}, "value_deltas": {"2": [0.2], "4": [-0.05]}}
+    (d,) = layer_deltas([rec], [(4, 3)])
+    assert d[(4, 3)] == 0.0 and d[(3, 2)] == pytest.approx(0.3) and d[(4, 4)] == pytest.approx(-0.05)
+    assert d[(2, 2)] == pytest.approx(0.7) and (3, 4) not in d  # values above keys are not an option
+
+
+def test_largest_fitting_bisects_to_the_largest_value_within_the_target():
+    seen = []
+
+    def ratio(v):
+        seen.append(v)
+        return v / 10
+
+    assert largest_fitting([1, 2, 3, 4, 5, 6, 7], ratio, 0.45) == (4, 0.4)
+    assert len(seen) <= 3 and largest_fitting([5, 6], lambda v: v / 10, 0.45) is None
+
+
+def _write_texts(folder, n, words=260):
+    paths = []
+    for i in range(n):
+        p = os.path.join(folder, f"t{i}.txt")
+        with open(p, "w") as f:
+            f.write(random_text(words, seed=100 + i))
+        paths.append(p)
+    return paths
+
+
+def test_the_command_writes_a_preset_whose_widths_are_the_solve_of_its_measured_deltas(tmp_path, tiny_tokenizer):
+    model = make_tiny_llama(layers=3, head_dim=32)
+    model.save_pretrained(tmp_path / "model")
+    tiny_tokenizer.save_pretrained(tmp_path / "model")
+    texts = _write_texts(tmp_path, 4)
+    out = tmp_path / "preset"
+    argv = ["--model", str(tmp_path / "model"), "--texts", *texts, "--target-bytes", "0.3", "--out", str(out)]
+    argv += ["--calibration-texts", "2", "--validation-texts", "2", "--window", "200", "--question-tokens", "16"]
+    argv += ["--continuation-tokens", "8", "--no-progress"]
+    assert main(argv) == 0
+    record = json.loads((out / "calibration.json").read_text())
+    config = CocktailConfig.from_pretrained(out)
+    assert config == CocktailConfig.from_dict(record["config"])
+    chosen = next(c for c in record["candidates"] if c["name"] == record["chosen"])
+    assert chosen["quantized_ratio"] <= 0.3 and chosen["kind"] == "caps"
+    fitting = [c for c in record["candidates"] if c["fits"] and c["kind"] != "baseline"]
+    assert chosen["kld"] == min(c["kld"] for c in fitting)
+    # the chosen caps are the solve of the recorded sensitivity at the chosen budget
+    picks, _ = solve(layer_deltas(record["sensitivity"], [(4, 3)]), chosen["budget"])
+    assert [list(p) for p in config.layer_bits] == [list(p) for p in picks]
+    # every candidate was measured on both held-out texts, with the real cache's bytes
+    assert all(len(c["kld_per_window"]) == 2 for c in record["candidates"])
+    assert {c["name"] for c in record["candidates"]} >= {"uniform INT4", "recommended()"}
+    card = (out / "README.md").read_text()
+    assert "python -m hf_cocktail.calibrate" in card and record["chosen"] in card
+    assert "No evaluation results yet" not in card
+
+
+def test_sliding_layers_are_not_calibrated_and_keep_a_placeholder_cap(tiny_tokenizer):
+    model = make_model("gemma3", "cocktail")
+    assert cocktail_layer_indices(model.config) == [1, 3]
+    texts = [random_text(260, seed=200 + i) for i in range(2)]
+    res = calibrate_model(
+        model, tiny_tokenizer, texts, 0.35, calibration_texts=1, validation_texts=1, progress=False, **SMALL
+    )
+    assert res.cocktail_layers == [1, 3]
+    assert all(len(d) == 2 for d in res.sensitivity[0]["key_deltas"].values())  # the 2 full-attention layers only
+    bits = res.config.layer_bits
+    assert len(bits) == 4 and bits[0] == bits[2] == (4, 4)
+    assert res.measured(res.chosen)["quantized_ratio"] <= 0.35
+
+
+def test_bad_inputs_raise_clear_errors(tmp_path, tiny_tokenizer):
+    model = make_tiny_llama(layers=1, head_dim=32)
+    with pytest.raises(ValueError, match="no files given"):
+        read_texts([])
+    with pytest.raises(ValueError, match="non-empty list"):
+        calibrate_model(model, tiny_tokenizer, [], progress=False)
+    for target in (0, 1.5, "0.25"):
+        with pytest.raises(ValueError, match=r"target must be a number in \(0, 1\]"):
+            calibrate_model(model, tiny_tokenizer, ["a b"], target, progress=False)
+    with pytest.raises(ValueError, match="texts too short"):
+        split_windows(tiny_tokenizer, [("a", random_text(50)), ("b", random_text(300))], 1, 1, **SMALL)
+    with pytest.raises(ValueError, match="search_scorers"):
+        calibrate_model(model, tiny_tokenizer, ["a"], search_scorers=("random",), progress=False)
+    bad = tmp_path / "x.csv"
+    bad.write_text("a")
+    with pytest.raises(ValueError, match=r"\.txt .*\.jsonl"):
+        read_texts([bad])
+    rows = tmp_path / "r.jsonl"
+    rows.write_text(json.dumps({"context": "one"}) + "\n" + json.dumps("two") + "\n")
+    assert [t for _, t in read_texts([rows], "context")] == ["one", "two"]
+    with pytest.raises(ValueError, match="'text'"):
+        read_texts([rows])
+
+
+@pytest.mark.parametrize("preset", ["smollm2-135m-instruct", "gemma-3-270m"])
+def test_the_model_presets_are_what_the_calibrate_command_chose(preset):
+    """model_cards/<preset> is written by ``python -m hf_cocktail.calibrate`` (no hand-picked widths): its config is
+    the chosen candidate of its calibration.json, within the target, the lowest held-out KLD of the fitting ones."""
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model_cards", preset)
+    record = json.loads(open(os.path.join(folder, "calibration.json")).read())
+    assert record["command"].startswith("python -m hf_cocktail.calibrate ")
+    assert CocktailConfig.from_pretrained(folder) == CocktailConfig.from_dict(record["config"])
+    chosen = next(c for c in record["candidates"] if c["name"] == record["chosen"])
+    assert chosen["fits"] and chosen["quantized_ratio"] <= record["target_bytes"]
+    assert chosen["kld"] == min(c["kld"] for c in record["candidates"] if c["fits"] and c["kind"] != "baseline")
