@@ -106,6 +106,12 @@ class CocktailCache(CacheLifecycles, HybridStates, Cache):
         """Read-only views of the prepared plans, one per sequence (empty before :meth:`prepare_inputs`)."""
         return tuple(PlanView.of(p) for p in self._plans or [])
 
+    def _require_plans(self) -> list[SequencePlan]:
+        """The prepared plans; a RuntimeError naming the missing step before :meth:`prepare_inputs`."""
+        if self._plans is None:
+            raise RuntimeError("CocktailCache has no prepared prompt: call cache.prepare_inputs(...) first")
+        return self._plans
+
     # ----------------------------------------------------------------- search
     def scores_from_attention(self) -> bool:
         """True while the chunk scores still have to come from the prefill attention (scorer="attention")."""
@@ -123,9 +129,9 @@ class CocktailCache(CacheLifecycles, HybridStates, Cache):
         context (never from tokens past the prepared prompt, e.g. assisted decoding's candidates in the same
         forward). ``query (B, H_q, L_q, D)`` (the forward's last ``L_q`` tokens), ``key (B, H_kv, L, D)``."""
         if self.scores_from_attention():
-            add_query_attention(self._plans, query, key, scaling)
+            add_query_attention(self._require_plans(), query, key, scaling)
         if keeps_salient(self.config.salient_tokens, self.config.full_precision_layers, layer_idx):
-            record_layer_mass(self._plans, query, key, scaling, layer_idx, self.prompt_len)
+            record_layer_mass(self._require_plans(), query, key, scaling, layer_idx, self.prompt_len)
 
     def plans_for_prefill(self, k: torch.Tensor, search: bool = True) -> list[SequencePlan]:
         """The plans for a prefill of keys ``k (B, H_kv, L, D)``: runs the search once, follows generate's batch
@@ -158,13 +164,14 @@ class CocktailCache(CacheLifecycles, HybridStates, Cache):
         """Per sequence, the prompt positions of each part of layer ``layer_idx``'s store (see
         :meth:`SequencePlan.build_positions`; with ``layer_bits`` the parts above the layer's key width merge into
         it); ``all_full``: a layer kept entirely at full precision."""
+        plans = self._require_plans()
         if all_full:
-            return [plan.all_full_positions(self.prefill_len, self.config.packed_bits) for plan in self._plans]
+            return [plan.all_full_positions(self.prefill_len, self.config.packed_bits) for plan in plans]
         pair = self.layer_bits_pair(layer_idx)
-        out = [capped_positions(plan.positions, pair and pair[0]) for plan in self._plans]
+        out = [capped_positions(plan.positions, pair and pair[0]) for plan in plans]
         if self.config.salient_tokens > 0:
             f = self.config.salient_tokens
-            out = [with_salient(pos, plan, layer_idx, f) for pos, plan in zip(out, self._plans)]
+            out = [with_salient(pos, plan, layer_idx, f) for pos, plan in zip(out, plans)]
         return out
 
     def layer_bits_pair(self, layer_idx: int) -> tuple[int, int] | None:
@@ -174,7 +181,7 @@ class CocktailCache(CacheLifecycles, HybridStates, Cache):
 
     def run_search(self) -> None:
         """Score every chunk and assign its precision (done automatically at prefill, once per ``generate``)."""
-        for plan in self._plans:
+        for plan in self._require_plans():
             search_plan(plan, self.config, self._encoder)
         self._searched = True
         self.prefill_len = -1  # positions are built at prefill, for its length
@@ -345,7 +352,7 @@ class CocktailCache(CacheLifecycles, HybridStates, Cache):
         self._flush_deferred()
         if not self._plans or not self._searched:
             raise RuntimeError("precision_map() is available after the prefill of generate (the search runs there)")
-        return [list(p.bits) for p in self._plans]
+        return [list(p.decided_bits()) for p in self._plans]
 
     def chunk_scores(self) -> list[list[float] | None]:
         """Per sequence, each context chunk's similarity score (None with ``uniform_bits``); rows as in

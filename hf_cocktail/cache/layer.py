@@ -112,13 +112,12 @@ class CocktailLayer(CacheLayerMixin):
         if self.state is LayerState.EMPTY:
             return self._first_update(key_states, value_states)
         if self.state is LayerState.DEFERRED:  # first decode step after an attention-scored prefill: quantize now
-            self._build_store(*self.deferred)
-            self.deferred = None
+            self._build_deferred()
         self.state = LayerState.DECODE
-        self.store.append(key_states, value_states)
+        self._store.append(key_states, value_states)
         self.seq_len += key_states.shape[2]
         if self.path is AttentionPath.SPLIT:  # attention reads the store; these only lead it to this layer
-            keys, values = self.store.full.split_path_tensors()
+            keys, values = self._store.full.split_path_tensors()
             return self._tagged(keys), values
         # still here at a second decode step means another attention implementation consumes the dequantized cache
         self._dequantized_steps += 1
@@ -193,10 +192,25 @@ class CocktailLayer(CacheLayerMixin):
     def flush_deferred(self) -> None:
         """scorer="attention" and generation ended at prefill: quantize now."""
         if self.state is LayerState.DEFERRED:
-            self._build_store(*self.deferred)
-            self.deferred = None
+            self._build_deferred()
 
     # ----------------------------------------------------------------- storage
+    @property
+    def _store(self) -> LayerStore:
+        """The store, which the prefill builds (states PREFILL and DECODE)."""
+        if self.store is None:
+            raise RuntimeError(
+                f"CocktailLayer {self.layer_idx} has no store: its prefill has not run (state {self.state})"
+            )
+        return self.store
+
+    def _build_deferred(self) -> None:
+        """State DEFERRED: quantize the raw prefill keys/values kept until the prefill attention was seen."""
+        if self.deferred is None:
+            raise RuntimeError(f"CocktailLayer {self.layer_idx} is in state DEFERRED without its prefill keys/values")
+        self._build_store(*self.deferred)
+        self.deferred = None
+
     def _build_store(self, k: torch.Tensor, v: torch.Tensor) -> None:
         plans = self.cache.plans_for_prefill(k)
         cfg = self.config
@@ -230,7 +244,7 @@ class CocktailLayer(CacheLayerMixin):
         """The whole cache at the model's precision in original token order, ``(B, H_kv, seq_len, D)`` each, left
         padding as zeros (masked by the attention mask). Used by the plain sdpa/eager fallback."""
         positions = self.cache.layer_positions(self.layer_idx, self.all_full)
-        return self.store.dequantized(positions, self.seq_len, self.cache.prefill_len)
+        return self._store.dequantized(positions, self.seq_len, self.cache.prefill_len)
 
     # ----------------------------------------------------------------- batch manipulation
     def select_sequences(self, indices: list[int], same_packed: bool = False) -> None:
@@ -258,7 +272,7 @@ class CocktailLayer(CacheLayerMixin):
         if self.deferred is not None:
             self.deferred = (self.deferred[0][:, :, :-n], self.deferred[1][:, :, :-n])
         else:
-            self.store.full.truncate(n)
+            self._store.full.truncate(n)
         self.seq_len -= n
 
 

@@ -92,6 +92,7 @@ class CacheLifecycles:
             the ``BatchEncoding`` of ``prompt`` to pass to ``generate``.
         """
         self._check_requery(query)
+        assert self._plans is not None and self._input_ids is not None  # checked above; prepare_inputs set both
         plan = self._plans[0]
         enc = tokenizer(prompt, return_tensors="pt")
         ids = enc["input_ids"]

@@ -207,7 +207,7 @@ def split_precision_attention(query: torch.Tensor, store: LayerStore, scaling: f
             (s.code_bits, s.codebook)
             for s in store.segments
             if not _kernel_reads(chosen, "attention", s.bits, s.codebook)
-            or (s.value_bits != s.bits and not _kernel_reads(chosen, "attention", s.value_bits, s.codebook))
+            or (s.value_width != s.bits and not _kernel_reads(chosen, "attention", s.value_width, s.codebook))
         ]
         if missing:
             _warn_once(

@@ -39,7 +39,7 @@ def _dequantize_block(seg: PackedSegment, which: str, *, a: int, e: int, first_t
         return quant.dequantize_values(
             seg.v_codes[:, a:e],
             *seg.value_params(a, e),
-            seg.value_bits,
+            seg.value_width,
             seg.group_size,
             codebook=seg.codebook,
         )

@@ -42,6 +42,12 @@ class SequencePlan:
     def chunk_sizes(self, chunk_size: int) -> list[int]:
         return [b - a for a, b in (self.chunk_range(i, chunk_size) for i in range(self.num_chunks))]
 
+    def decided_bits(self) -> list[int]:
+        """``bits``, once the search (or ``set_precisions``) decided them; a RuntimeError before."""
+        if self.bits is None:
+            raise RuntimeError("this sequence's chunk precisions are not decided yet: run the search or set_precisions")
+        return self.bits
+
     def build_positions(self, prefill_len: int, chunk_size: int, packed_bits: Sequence[int] = (4, 2)) -> None:
         """Positions of each part (``"full"`` and each of ``packed_bits``) among the first ``prefill_len`` prompt
         tokens (later ones are appended as new tokens to the full-precision part)."""

@@ -58,6 +58,7 @@ class ConfigFiles:
             repo_id = os.path.basename(os.path.abspath(save_directory))
         write_card(self, save_directory, model_card, repo_id or os.fspath(save_directory), card_kwargs)
         if push_to_hub:
+            assert repo_id is not None  # set from the folder's name above
             upload_folder(
                 save_directory,
                 repo_id,

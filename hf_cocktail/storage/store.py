@@ -190,7 +190,7 @@ class PackedSegment:
         v = quant.dequantize_values(
             self.v_codes[:, t0:t1],
             *self.value_params(t0, t1),
-            self.value_bits,
+            self.value_width,
             self.group_size,
             out_dtype,
             codebook=self.codebook,
@@ -209,7 +209,12 @@ class PackedSegment:
     def code_bits(self) -> int | tuple[int, int]:
         """The code widths as the kernels take them: ``bits`` where keys and values share it, else the pair
         ``(bits, value_bits)``."""
-        return self.bits if self.value_bits == self.bits else (self.bits, self.value_bits)
+        return self.bits if self.value_width == self.bits else (self.bits, self.value_width)
+
+    @property
+    def value_width(self) -> int:
+        """The values' code width: ``value_bits`` (``__post_init__`` sets it to ``bits`` where it was None)."""
+        return self.bits if self.value_bits is None else self.value_bits
 
     def kernel_args(self, decode: Callable = _DECODE) -> tuple:
         """The segment as the kernel packages (``triton_ops``, ``cpu_ops``) take it: ``(bits, chunk_size,
@@ -220,7 +225,13 @@ class PackedSegment:
         args = (self.code_bits, self.chunk_size, self.group_size, *self.tensors(decode), *self.device_offsets())
         if self.codebook == "uniform":  # every decode step of every layer: no table lookup for the common case
             return args
-        return (*args, quant.level_tensors(self.codebook, self.bits, self.k_codes.device)[0])
+        return (*args, self._levels())
+
+    def _levels(self) -> torch.Tensor:
+        """The fp32 levels ``(2**bits,)`` of this segment's non-uniform codebook, on its device."""
+        tables = quant.level_tensors(self.codebook, self.bits, self.k_codes.device)
+        assert tables is not None  # from_sequences records "uniform" where the codebook has no levels for ``bits``
+        return tables[0]
 
     def coded_kernel_args(self) -> tuple:
         """:meth:`kernel_args` for a kernel that reads 8-bit scales and zeros itself (``cpu_ops``): with
@@ -235,11 +246,7 @@ class PackedSegment:
         if self.k_block is None or not self.k_scale.numel() or not self.v_scale.numel():
             return self.kernel_args()
         codes = (self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero)
-        levels = (
-            None
-            if self.codebook == "uniform"
-            else quant.level_tensors(self.codebook, self.bits, self.k_codes.device)[0]
-        )
+        levels = None if self.codebook == "uniform" else self._levels()
         return (
             self.code_bits,
             self.chunk_size,
