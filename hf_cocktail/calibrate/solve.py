@@ -51,6 +51,11 @@ def mean_deltas(records: list[dict], side: str) -> dict[int, list[float | None]]
     return out
 
 
+def _measured(deltas: dict[int, list[float | None]], layer: int) -> dict[int, float]:
+    """``{width: delta}`` of the widths ``layer`` measured."""
+    return {b: d for b, per_layer in deltas.items() if (d := per_layer[layer]) is not None}
+
+
 def layer_deltas(records: list[dict], base: list[tuple[int, ...]]) -> list[dict[tuple[int, int], float]]:
     """Per layer, every option's estimated delta from the measured widths (means over the prompts; the layer's base
     widths cost 0); options needing a width the layer did not measure are left out."""
@@ -59,7 +64,7 @@ def layer_deltas(records: list[dict], base: list[tuple[int, ...]]) -> list[dict[
     base = base * L if len(base) == 1 else base
     out = []
     for layer in range(L):
-        kd = {base[layer][0]: 0.0, **{b: d[layer] for b, d in keys.items() if d[layer] is not None}}
-        vd = {base[layer][1]: 0.0, **{b: d[layer] for b, d in values.items() if d[layer] is not None}}
+        kd = {base[layer][0]: 0.0, **_measured(keys, layer)}
+        vd = {base[layer][1]: 0.0, **_measured(values, layer)}
         out.append({o: option_delta(kd, vd, o) for o in OPTIONS if o[0] in kd and o[1] in vd})
     return out
