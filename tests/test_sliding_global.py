@@ -87,14 +87,24 @@ def test_memory_report_gives_the_global_layers_ratio_and_the_whole_caches(tiny_g
         rep["fp16_equivalent_bytes"] == rep["quantized_layers_fp16_equivalent_bytes"] + rep["native_layers_fp16_bytes"]
     )
     quantized = rep["quantized_layers_ratio_to_fp16"] * rep["quantized_layers_fp16_equivalent_bytes"]
-    whole = (quantized + rep["native_layers_fp16_bytes"]) / rep["fp16_equivalent_bytes"]
-    assert rep["ratio_to_fp16"] == pytest.approx(whole, rel=1e-12)
-    # the global layers' deployed bytes: codes, scales/zeros, the full part at 2 bytes per element (fp32 here)
-    deployed = rep["codes_bytes"] + rep["scales_zeros_bytes"] + rep["full_precision_bytes"] // 2
-    assert quantized == pytest.approx(deployed, rel=1e-12)
+    # the global layers' deployed bytes: codes, scales/zeros, the full part and its room at 2 bytes per element (fp32
+    # here), the rotation matrices and index tensors as held
+    extra = rep["rotation_bytes"] + rep["index_bytes"]
+    deployed = (
+        rep["codes_bytes"] + rep["scales_zeros_bytes"] + (rep["full_precision_bytes"] + rep["headroom_bytes"]) // 2
+    )
+    assert quantized == pytest.approx(deployed + extra, rel=1e-12)
+    # the whole cache adds the sliding layers, every tensor they hold (floats at 2 bytes per element): the K/V of the
+    # window they attend to, plus per layer the one token more their buffer keeps and an int64 token count
+    native = rep["ratio_to_fp16"] * rep["fp16_equivalent_bytes"] - quantized
+    assert native == pytest.approx(rep["native_layers_fp16_bytes"] + len(SLIDING) * (per_token_layer + 8), rel=1e-12)
     # the whole cache lies nearer 1: its sliding layers stay at full precision
     assert rep["quantized_layers_ratio_to_fp16"] < rep["ratio_to_fp16"] < 1
     full = CocktailCache(_cfg(uniform_bits=16), encoder=FakeEncoder())
     _generate(tiny_gemma3, tiny_tokenizer, full)
     rep16 = full.memory_report()
-    assert rep16["quantized_layers_ratio_to_fp16"] == rep16["ratio_to_fp16"] == 1.0
+    # at 16 bits the global layers hold their tokens as FP16 would, plus the part's room and the index tensors
+    held16 = rep16["quantized_layers_fp16_equivalent_bytes"] + rep16["headroom_bytes"] // 2 + rep16["index_bytes"]
+    assert rep16["quantized_layers_ratio_to_fp16"] == pytest.approx(
+        held16 / rep16["quantized_layers_fp16_equivalent_bytes"], rel=1e-12
+    )

@@ -14,7 +14,8 @@ from collections.abc import Iterator
 
 import torch
 
-from ..kld.divergence import kl_and_top1, teacher_force
+from hf_cocktail.calibrate.divergence import kl_and_top1, teacher_force
+
 from ..kld.measure import REFERENCE, encoder_keys, memoized_encoders
 from ..kv_bytes import cache_kv_bytes, fp16_kv_bytes, global_kv_ratio
 from ..methods.branching import branch, context_end, precision_counts, prefill_for
