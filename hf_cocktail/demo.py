@@ -181,6 +181,11 @@ def _describe(name, answer, seconds, cache, fp16_bytes, expected):
         + (", 8-bit" if cfg.full_part_bits == 8 else "")
         + (f", with {cfg.salient_tokens:.0%} salient tokens per layer" if cfg.salient_tokens else "")
         + ")"
+        + (
+            f"; the quantized (full-attention) layers alone: {rep['quantized_layers_ratio_to_fp16']:.3f}x"
+            if rep["native_layers_bytes"]
+            else ""
+        )
     )
 
 
