@@ -30,7 +30,7 @@ from hf_cocktail import offline_encoder_path
 
 from ..cli import UsageError, parse_float_list, parse_int_list
 from ..longbench.metrics import ENGLISH_TASKS
-from ..methods.registry import parse_methods, register_preset
+from ..methods.registry import add_method_args, methods_from_args
 from ..models import DTYPES, load_model_and_tokenizer, resolve_model_path, set_threads
 from ..paths import ESSAY_DIR, LONGBENCH_DIR
 from ..records import append_jsonl, check_settings, iter_jsonl, left_out_note, lock_out_dir
@@ -70,13 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2", help="'smollm2' (offline GGUF wheel) or a Hub id / local folder")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--device-map", default=None)
-    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated methods (eval/methods/registry.py)")
-    p.add_argument(
-        "--preset",
-        default=None,
-        help="a cocktail_config.json folder or Hub id (e.g. model_cards/gemma-3-270m): adds the method 'preset' "
-        "(its encoder is replaced by --encoder / the offline MiniLM)",
-    )
+    add_method_args(p, DEFAULT_METHODS)
     p.add_argument(
         "--tasks",
         default=",".join(ENGLISH_TASKS),
@@ -131,9 +125,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def parse_args(argv=None) -> argparse.Namespace:
     args = _parser().parse_args(argv)
-    if args.preset:
-        register_preset(args.preset)
-    args.method_list = parse_methods(args.methods)
+    args.method_list = methods_from_args(args)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     args.task_list = [] if tasks == ["none"] else tasks
     bad = [t for t in args.task_list if t not in ENGLISH_TASKS]

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from hf_cocktail import offline_encoder_path
 
 from ..cli import UsageError
-from ..methods.registry import parse_methods, register_preset
+from ..methods.registry import add_method_args, methods_from_args
 from ..models import DTYPES, load_model_and_tokenizer, set_threads
 from ..paths import LONGBENCH_DIR
 from ..records import check_settings, lock_out_dir
@@ -92,7 +92,6 @@ def _parser() -> argparse.ArgumentParser:
         help="folder with dataset2prompt.json and dataset2maxlen.json",
     )
     p.add_argument("--tasks", default=",".join(ENGLISH_TASKS), help="comma-separated LongBench tasks")
-    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated methods (see eval/methods/registry.py)")
     p.add_argument("--window", type=int, default=2048, help="max prompt tokens (middle truncation)")
     p.add_argument("--limit", type=int, default=None, help="max examples per task (the first ones of each file)")
     p.add_argument("--task-limits", default=None, help="per-task caps, e.g. 'multi_news=3,qmsum=3'")
@@ -103,12 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-chat", action="store_true", help="never apply the chat template")
     p.add_argument("--encoder", default=None, help="retrieval encoder (default: the offline all-MiniLM-L6-v2)")
-    p.add_argument(
-        "--preset",
-        default=None,
-        help="a cocktail_config.json folder or Hub id (e.g. model_cards/smollm2-135m-instruct): adds the "
-        "method 'preset' (its encoder is replaced by --encoder / the offline MiniLM)",
-    )
+    add_method_args(p, DEFAULT_METHODS)
     p.add_argument("--threads", type=int, default=None, help="torch threads per process (default: cores/processes)")
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -130,9 +124,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             metric_for(t)
         except ValueError as e:
             raise UsageError(str(e)) from e
-    if args.preset:
-        register_preset(args.preset)
-    args.method_list = parse_methods(args.methods)
+    args.method_list = methods_from_args(args)
     args.task_limit_map = parse_task_ints(args.task_limits, "--task-limits")
     args.new_cap_map = parse_task_ints(args.max_new_tokens_cap, "--max-new-tokens-cap")
     if not args.hub and not os.path.isdir(args.data_dir):

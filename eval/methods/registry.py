@@ -377,6 +377,24 @@ def register_preset(name_or_path: str) -> Method:
     return METHODS["preset"]
 
 
+def add_method_args(p, default: str) -> None:
+    """The ``--methods`` and ``--preset`` arguments every evaluation script takes (``argparse`` parser ``p``)."""
+    p.add_argument("--methods", default=default, help="comma-separated methods (eval/methods/registry.py)")
+    p.add_argument(
+        "--preset",
+        default=None,
+        help="a cocktail_config.json folder or Hub id (e.g. model_cards/gemma-3-270m): adds the method 'preset' "
+        "(its encoder is replaced by --encoder / the offline MiniLM)",
+    )
+
+
+def methods_from_args(args) -> list[Method]:
+    """The methods of parsed ``--methods`` / ``--preset`` (:func:`add_method_args`), the preset registered first."""
+    if args.preset:
+        register_preset(args.preset)
+    return parse_methods(args.methods)
+
+
 def parse_methods(spec: str) -> list[Method]:
     """``--methods``: comma-separated names from :data:`METHODS`, each once."""
     names = [s.strip() for s in spec.split(",") if s.strip()]

@@ -36,7 +36,7 @@ from hf_cocktail import CocktailCache, offline_encoder_path
 from ..cli import UsageError, parse_float_list, parse_int_list
 from ..essays import load_essays
 from ..methods.kinds import Request
-from ..methods.registry import parse_methods, register_preset
+from ..methods.registry import add_method_args, methods_from_args
 from ..models import DTYPES, load_model_and_tokenizer, resolve_model_path, set_threads
 from ..paths import ESSAY_DIR
 from ..records import append_jsonl, check_settings, iter_jsonl, left_out_note, lock_out_dir
@@ -88,13 +88,7 @@ def _parser() -> argparse.ArgumentParser:
         default=1,
         help="cases per (length, depth), or per (variant, length): other haystack / needles",
     )
-    p.add_argument("--methods", default="fp16,cocktail,int4,int2")
-    p.add_argument(
-        "--preset",
-        default=None,
-        help="a cocktail_config.json folder or Hub id (e.g. model_cards/gemma-3-270m): adds the method 'preset' "
-        "(its encoder is replaced by --encoder / the offline MiniLM)",
-    )
+    add_method_args(p, "fp16,cocktail,int4,int2")
     p.add_argument(
         "--max-new-tokens",
         type=int,
@@ -308,9 +302,7 @@ def main(argv=None) -> int:
     t_start = time.time()
     commit = git_commit(exclude=args.out_dir)  # the code that runs (read now: a commit made mid-run is not it)
     started_at = now()
-    if args.preset:
-        register_preset(args.preset)
-    methods = parse_methods(args.methods)
+    methods = methods_from_args(args)
     essays = load_essays(args.essay_dir)
     set_threads(1, args.threads)
     encoder = args.encoder or offline_encoder_path()

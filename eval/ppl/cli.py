@@ -25,7 +25,7 @@ from transformers import AutoTokenizer
 from hf_cocktail import offline_encoder_path
 
 from ..cli import UsageError
-from ..methods.registry import parse_methods, register_preset
+from ..methods.registry import add_method_args, methods_from_args
 from ..models import DTYPES, load_model_and_tokenizer, resolve_model_path, set_threads
 from ..paths import ESSAY_DIR
 from ..records import append_jsonl, check_settings, iter_jsonl, lock_out_dir
@@ -48,12 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", required=True, help="results folder (resumable)")
     p.add_argument("--model", default="smollm2", help="an offline model (smollm2, gemma-3-270m) or a Hub id / folder")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated methods (eval/methods/registry.py)")
-    p.add_argument(
-        "--preset",
-        default=None,
-        help="a cocktail_config.json folder or Hub id: adds the method 'preset' (its encoder is the evaluation's)",
-    )
+    add_method_args(p, DEFAULT_METHODS)
     p.add_argument("--sources", default=",".join(SOURCES), help=f"comma-separated, from {SOURCES}")
     p.add_argument("--windows", type=int, default=8, help="windows per source (evenly spaced, non-overlapping)")
     p.add_argument("--context", type=int, default=1920, help="context tokens per window (quantized)")
@@ -71,9 +66,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def parse_args(argv=None) -> argparse.Namespace:
     args = _parser().parse_args(argv)
-    if args.preset:
-        register_preset(args.preset)
-    args.method_list = parse_methods(args.methods)
+    args.method_list = methods_from_args(args)
     args.source_list = [s.strip() for s in args.sources.split(",") if s.strip()]
     bad = [s for s in args.source_list if s not in SOURCES]
     if bad or not args.source_list:
