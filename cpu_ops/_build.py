@@ -25,7 +25,7 @@ import warnings
 import torch
 
 _DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-_SOURCES = ("split_attention.cpp", "quantize.cpp")
+_SOURCES = ("split_attention.cpp", "quantize.cpp", "tokens8.cpp")
 _HEADERS = ("kernel.h", "quantize.h")
 # -fopenmp: at::parallel_for's OpenMP region (the libgomp loaded at run time is torch's: same soname);
 # -Wno-psabi: the baseline build passes 8-float vectors between (inlined) helpers, which GCC would note

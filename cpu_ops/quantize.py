@@ -182,3 +182,27 @@ def decode_params8(
 
 
 _NO_ROWS = torch.empty(0, dtype=torch.long)
+
+
+def append_tokens8(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    codes: tuple[torch.Tensor, torch.Tensor],
+    scales: tuple[torch.Tensor, torch.Tensor],
+    pos: int,
+) -> None:
+    """Quantize new tokens to 8-bit codes and write them into an 8-bit full part's buffers, in place (fused; bit for
+    bit ``hf_cocktail.storage.quant.quantize_tokens8(x, scale_dtype, check=False)`` on finite inputs; a non-finite
+    token gets a NaN or inf scale, as there).
+
+    Args:
+        k, v: ``(B, H_kv, L, D)`` float32 / bfloat16 / float16 CPU tensors, last dim contiguous.
+        codes: the int8 key and value buffers ``(B, H_kv, capacity, D)`` (views are fine), last dim contiguous.
+        scales: the key and value scale buffers ``(B, H_kv, capacity, 1)``, float32 / bfloat16 / float16.
+        pos: the first token position written; tokens ``[pos, pos + L)`` must fit in ``capacity``.
+
+    Raises:
+        ValueError: a wrong shape, dtype, device or stride, or tokens that do not fit (checked in C++: this runs
+            once per layer and decode step).
+    """
+    extension().append_tokens8(k, v, codes[0], codes[1], scales[0], scales[1], pos)

@@ -12,12 +12,14 @@ from ..cli import UsageError, parse_int_list
 from ..essays import essay_prefix
 from ..kv_bytes import cache_kv_bytes, fp16_kv_bytes
 from ..methods.kinds import Method, Request, cache_and_inputs
-from ..methods.registry import METHODS
+from ..methods.registry import METHODS, register_preset
 from ..models import DTYPES, load_model_and_tokenizer, model_input_device, set_threads
 from ..records import write_json
 from ..run_info import command_line, git_commit, hardware_info
 from .generate_timing import timed_generate
 from .rounds import QUESTION, make_prompt, resolve_methods
+
+PRESET_HELP = "a cocktail_config.json folder or Hub id (e.g. model_cards/smollm2-135m-instruct): adds the method preset"
 
 
 def measure(method: Method, model, tok, context: str, new_tokens: int, encoder: str | None = None) -> dict:
@@ -58,6 +60,7 @@ def parse_args(
     )
     p.add_argument("--contexts", default=None, help="context lengths in tokens (default 1024,2048,4096,8192)")
     p.add_argument("--methods", default=None, help=f"methods (default {default_methods})")
+    p.add_argument("--preset", default=None, help=PRESET_HELP)
     p.add_argument("--new-tokens", type=int, default=None, help="new tokens per run (default 32)")
     p.add_argument(
         "--quick",
@@ -102,6 +105,8 @@ def parse_args(
         raise UsageError("--new-tokens must be >= 2 (decode time needs at least one decode step)")
     if rounds and (args.rounds < 0 or args.steps_per_round < 1 or args.warmup_steps < 0):
         raise UsageError("--rounds must be >= 0, --steps-per-round >= 1, --warmup-steps >= 0")
+    if args.preset:
+        register_preset(args.preset)
     methods = resolve_methods(args.methods)  # registry names, recommended, NAME:BACKEND
     args.method_list = [METHODS["fp16"]] + [m for m in methods if m.name != "fp16"]  # fp16 first: the reference
     return args

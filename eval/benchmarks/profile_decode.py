@@ -40,9 +40,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from ..cli import UsageError, parse_int_list, run_cli
+from ..methods.registry import register_preset
 from ..models import DTYPES, load_model_and_tokenizer, set_threads
 from ..run_info import command_line
-from .harness import write_run_json
+from .harness import PRESET_HELP, write_run_json
 from .instrument import patching
 from .rounds import (
     alternating_rounds,
@@ -245,6 +246,7 @@ def parse_args(argv=None):
     p.add_argument("--context", default="8000", help="context lengths in tokens (comma-separated)")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--methods", default="fp16,cocktail,cocktail:torch")
+    p.add_argument("--preset", default=None, help=PRESET_HELP)
     p.add_argument("--steps", type=int, default=8, help="profiled decode steps per method")
     p.add_argument(
         "--profile-rounds",
@@ -271,6 +273,8 @@ def parse_args(argv=None):
     bad = [d for d in args.dtype_list if d not in DTYPES]
     if bad or not args.dtype_list:
         raise UsageError(f"--dtypes must be among {DTYPES}, got {args.dtypes!r}")
+    if args.preset:
+        register_preset(args.preset)
     args.method_list = resolve_methods(args.methods)
     if args.method_list[0].name != "fp16":
         args.method_list = resolve_methods("fp16") + [m for m in args.method_list if m.name != "fp16"]

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from hf_cocktail.decode.dispatch import quantizers
+from hf_cocktail.decode.dispatch import attach_fused_writer, quantizers
 from hf_cocktail.storage.layer_bits import code_widths
 from hf_cocktail.storage.rotation import Rotation
 from hf_cocktail.storage.store import LayerStore
@@ -234,6 +234,7 @@ class CocktailLayer(CacheLayerMixin):
             cfg.scale_bits,
             16 if self.all_full else cfg.full_part_bits,
         )
+        attach_fused_writer(self.store, cfg.backend)
         if cfg.keep_context_copy and self.context_copy is None:
             end = max(p.ctx_end for p in plans)
             self.context_copy = (k[:, :, :end].to("cpu", copy=True), v[:, :, :end].to("cpu", copy=True))

@@ -111,6 +111,16 @@ def quantizers(backend: str, device: torch.device) -> tuple[Callable, Callable]:
     return _by_bits(fast[0], reference[0], chosen), _by_bits(fast[1], reference[1], chosen)
 
 
+def attach_fused_writer(store: LayerStore, backend: str) -> None:
+    """An 8-bit full part whose backend resolves to the fused CPU kernels appends new tokens with one call of
+    ``cpu_ops.append_tokens8`` (the codes and scales of the PyTorch reference, written into its buffers)."""
+    full = store.full
+    if isinstance(full, Int8FullPart) and resolve_backend(backend, full.codes.keys.device) == "cpu":
+        import cpu_ops
+
+        full.write8 = cpu_ops.append_tokens8
+
+
 def _by_bits(fast: Callable, reference: Callable, chosen: str) -> Callable:
     """``fast`` for the bit widths and codebooks its kernel package quantizes, ``reference`` for the others (same
     signature; one warning)."""

@@ -14,12 +14,15 @@ left padding is never stored as a valid token), D head dim.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from hf_cocktail.storage import quant
 
+# a fused 8-bit writer (cpu_ops.append_tokens8): (k, v, (key codes, value codes), (key scales, value scales), pos)
+Write8 = Callable[[torch.Tensor, torch.Tensor, tuple, tuple, int], None]
 HEADROOM_STEP = 16  # tokens of room the first append after the prefill reserves (then: half the tokens appended)
 
 
@@ -53,6 +56,15 @@ class FullPart:
         prefill: :data:`HEADROOM_STEP` tokens at the first append, then half the tokens appended so far (the appended
         part grows 1.5x per copy), so a long generation copies the part O(log) times instead of once per step."""
         R, n = self.length, k.shape[2]
+        buf_k, buf_v = self.reserve(n)
+        buf_k.narrow(2, R, n).copy_(k)
+        buf_v.narrow(2, R, n).copy_(v)
+        self.advance(n)
+
+    def reserve(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value buffers ``(B, H_kv, capacity, D)``, grown (:meth:`append`'s rule) so that tokens
+        ``[length, length + n)`` fit; :meth:`advance` then makes written tokens part of ``keys`` / ``values``."""
+        R = self.length
         if self._buffers is None or R + n > self._buffers[0].shape[2]:
             B, H, _, D = self.keys.shape
             base = R if self._base is None else self._base
@@ -61,14 +73,18 @@ class FullPart:
             bufs = tuple(t.new_empty((B, H, capacity, D)) for t in (self.keys, self.values))
             bufs[0][:, :, :R], bufs[1][:, :, :R] = self.keys, self.values
             self._buffers = (bufs[0], bufs[1])
-        buf_k, buf_v = self._buffers
-        buf_k[:, :, R : R + n] = k
-        buf_v[:, :, R : R + n] = v
-        self.keys, self.values = buf_k[:, :, : R + n], buf_v[:, :, : R + n]
+        return self._buffers
+
+    def advance(self, n: int) -> None:
+        """The ``n`` tokens written after ``length`` into the :meth:`reserve` d buffers join the part."""
+        if self._buffers is None:
+            raise RuntimeError("FullPart.advance without reserve")
+        end = self.length + n
+        self.keys, self.values = self._buffers[0].narrow(2, 0, end), self._buffers[1].narrow(2, 0, end)
 
     def truncate(self, n: int) -> None:
         """Drop the last ``n`` tokens (their buffer room is reused by the next append)."""
-        self.keys, self.values = self.keys[:, :, : self.length - n], self.values[:, :, : self.length - n]
+        self.keys, self.values = self.keys.narrow(2, 0, self.length - n), self.values.narrow(2, 0, self.length - n)
 
     def reserved_bytes(self) -> int:
         """Buffer capacity held beyond the valid tokens (room for the next appended tokens)."""
@@ -132,6 +148,8 @@ class Int8FullPart:
     codes: FullPart
     scales: FullPart
     dtype: torch.dtype
+    # a fused writer with the signature of cpu_ops.append_tokens8 (the decode dispatch sets it where it runs), or None
+    write8: Write8 | None = field(default=None, repr=False)
 
     @classmethod
     def from_sequences(cls, ks: list[torch.Tensor], vs: list[torch.Tensor], scale_dtype: torch.dtype) -> Int8FullPart:
@@ -171,10 +189,18 @@ class Int8FullPart:
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize and append ``(B, H_kv, L_new, D)`` new tokens for every sequence. Unchecked (no device sync per
         step, as the 16-bit part): a non-finite state or a scale beyond its dtype gives NaN keys/values, which
-        the attention output shows."""
-        codes, scales = quant.quantize_tokens8(torch.stack([k, v]), self.scales.keys.dtype, check=False)  # one call
-        self.codes.append(codes[0], codes[1])
-        self.scales.append(scales[0], scales[1])
+        the attention output shows. With :attr:`write8` set, one call of the fused writer writes the same codes and
+        scales into the buffers; else the PyTorch reference."""
+        write8 = self.write8
+        if write8 is None:
+            codes, scales = quant.quantize_tokens8(torch.stack([k, v]), self.scales.keys.dtype, check=False)
+            self.codes.append(codes[0], codes[1])
+            self.scales.append(scales[0], scales[1])
+            return
+        n = k.shape[2]
+        write8(k, v, self.codes.reserve(n), self.scales.reserve(n), self.codes.length)
+        self.codes.advance(n)
+        self.scales.advance(n)
 
     def truncate(self, n: int) -> None:
         self.codes.truncate(n)
@@ -204,7 +230,7 @@ class Int8FullPart:
         return self.codes.index_bytes() + self.scales.index_bytes()
 
     def select(self, indices: list[int]) -> Int8FullPart:
-        return Int8FullPart(self.codes.select(indices), self.scales.select(indices), self.dtype)
+        return Int8FullPart(self.codes.select(indices), self.scales.select(indices), self.dtype, self.write8)
 
 
 def full_part_from_sequences(

@@ -1,0 +1,124 @@
+// Fused append of new tokens to an 8-bit full part (hf_cocktail.storage.full_part.Int8FullPart): per token and head,
+// quantize_tokens8 of hf_cocktail.storage.quant (scale = max |x| / 127 rounded to the scale dtype, code =
+// clamp(round(x / scale), -127, 127)) written straight into the part's preallocated buffers, in one call for the keys
+// and the values, instead of the reference's ~35 small tensor operations per layer and step.
+//
+// The arithmetic is the reference's, operation by operation in fp32: amax = max |x| (NaN propagates), scale = amax /
+// 127 rounded to the scale dtype (round to nearest even, as torch's .to()), s32 the scale back in fp32, inv = s32 > 0
+// ? 1 / s32 : 0, code = clamp(nearbyint(x * inv), -127, 127) (round half to even, as torch.round). Compiled without
+// floating-point contraction (the pragma below). Unchecked, as the reference's append: a NaN input gives a NaN scale
+// (its codes are then 0), which the attention output shows.
+#include "quantize.h"
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+namespace cpu_ops_quant {
+namespace {
+
+// One vector of D inputs (type X) -> D int8 codes and one scale (type S).
+template <typename X, typename S>
+void quantize_token8(const X* x, int64_t D, int8_t* codes, S* scale) {
+  float amax = 0.0f;
+  bool nan = false;
+  for (int64_t d = 0; d < D; ++d) {
+    const float a = std::fabs(static_cast<float>(x[d]));
+    nan = nan || std::isnan(a);
+    amax = a > amax ? a : amax;
+  }
+  const S s = static_cast<S>(nan ? NAN : amax / 127.0f);
+  *scale = s;
+  const float s32 = static_cast<float>(s);
+  const float inv = s32 > 0.0f ? 1.0f / s32 : 0.0f;
+  for (int64_t d = 0; d < D; ++d) {
+    float y = std::nearbyint(static_cast<float>(x[d]) * inv);
+    y = y > -127.0f ? y : -127.0f;
+    y = y < 127.0f ? y : 127.0f;
+    codes[d] = std::isnan(static_cast<float>(x[d]) * inv) ? 0 : static_cast<int8_t>(y);
+  }
+}
+
+template <typename X, typename S>
+void append_one(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t pos) {
+  const int64_t B = x.size(0), H = x.size(1), L = x.size(2), D = x.size(3);
+  const X* xp = x.data_ptr<X>();
+  int8_t* cp = codes.data_ptr<int8_t>();
+  S* sp = scales.data_ptr<S>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t t = 0; t < L; ++t)
+        quantize_token8<X, S>(xp + b * x.stride(0) + h * x.stride(1) + t * x.stride(2), D,
+                              cp + b * codes.stride(0) + h * codes.stride(1) + (pos + t) * codes.stride(2),
+                              sp + b * scales.stride(0) + h * scales.stride(1) + (pos + t) * scales.stride(2));
+}
+
+template <typename X>
+void append_scales_of(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t pos) {
+  switch (scales.scalar_type()) {
+    case at::kFloat: return append_one<X, float>(x, codes, scales, pos);
+    case at::kBFloat16: return append_one<X, c10::BFloat16>(x, codes, scales, pos);
+    case at::kHalf: return append_one<X, c10::Half>(x, codes, scales, pos);
+    default: TORCH_CHECK_VALUE(false, "append_tokens8: scales must be float32, bfloat16 or float16");
+  }
+}
+
+void append_tensor(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t pos) {
+  switch (x.scalar_type()) {
+    case at::kFloat: return append_scales_of<float>(x, codes, scales, pos);
+    case at::kBFloat16: return append_scales_of<c10::BFloat16>(x, codes, scales, pos);
+    case at::kHalf: return append_scales_of<c10::Half>(x, codes, scales, pos);
+    default: TORCH_CHECK_VALUE(false, "append_tokens8: keys / values must be float32, bfloat16 or float16");
+  }
+}
+
+// The checks of cpu_ops.append_tokens8 (here, not in Python: the call runs once per layer and decode step).
+void check_buffer(const at::Tensor& t, const char* name, const at::Tensor& k, int64_t last, int64_t pos) {
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.dim() == 4 && t.size(0) == k.size(0) && t.size(1) == k.size(1) &&
+                        t.size(3) == last && t.stride(3) == 1,
+                    "append_tokens8: ", name, " must be a CPU tensor of shape (B, H_kv, capacity, ", last,
+                    ") = (", k.size(0), ", ", k.size(1), ", capacity, ", last, ") with a contiguous last dim, got ",
+                    t.sizes(), " strides ", t.strides(), " on ", t.device());
+  TORCH_CHECK_VALUE(t.size(2) >= pos + k.size(2), "append_tokens8: ", name, " has room for ", t.size(2),
+                    " tokens, tokens [", pos, ", ", pos + k.size(2), ") were to be written");
+}
+
+void check_tokens(const at::Tensor& k, const at::Tensor& v) {
+  for (const at::Tensor* t : {&k, &v})
+    TORCH_CHECK_VALUE(t->device().is_cpu() && t->dim() == 4 && t->stride(3) == 1,
+                      "append_tokens8: k and v must be (B, H_kv, L, D) CPU tensors with a contiguous last dim, got ",
+                      t->sizes(), " strides ", t->strides(), " on ", t->device());
+  TORCH_CHECK_VALUE(k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(),
+                    "append_tokens8: v must match k, got k ", k.scalar_type(), " ", k.sizes(), " and v ",
+                    v.scalar_type(), " ", v.sizes());
+}
+
+}  // namespace
+
+void append_tokens8(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_codes, const at::Tensor& v_codes,
+                    const at::Tensor& k_scales, const at::Tensor& v_scales, int64_t pos) {
+  TORCH_CHECK_VALUE(pos >= 0, "append_tokens8: pos must be >= 0, got ", pos);
+  check_tokens(k, v);
+  for (const at::Tensor* c : {&k_codes, &v_codes}) {
+    TORCH_CHECK_VALUE(c->scalar_type() == at::kChar, "append_tokens8: codes must be int8, got ", c->scalar_type());
+    check_buffer(*c, "codes", k, k.size(3), pos);
+  }
+  TORCH_CHECK_VALUE(k_scales.scalar_type() == v_scales.scalar_type(),
+                    "append_tokens8: the key and value scales must have one dtype, got ", k_scales.scalar_type(),
+                    " and ", v_scales.scalar_type());
+  for (const at::Tensor* s : {&k_scales, &v_scales}) check_buffer(*s, "scales", k, 1, pos);
+  append_tensor(k, k_codes, k_scales, pos);
+  append_tensor(v, v_codes, v_scales, pos);
+}
+
+}  // namespace cpu_ops_quant
