@@ -261,23 +261,6 @@ _ROTATION_METHODS += [
 ]
 _RECOMMENDED = _recommended_overrides()
 _ROTATION_METHODS.append(CocktailMethod("recommended", f"CocktailConfig.recommended(): {_RECOMMENDED}", _RECOMMENDED))
-# the anchored Lloyd-Max codebook (codebook="lloyd": INT2 / INT3 levels denser near the middle, same bytes), each the
-# twin of a method above
-_LLOYD_TWINS = (
-    "int2_had",
-    "int2_had_g64",
-    "int3_had",
-    "int3_had_g64",
-    "cocktail_had",
-    "cocktail_l3_had",
-    "budget3.3_had_g64",
-    "budget3.8_l3_had_g64",
-)
-_ROTATION_METHODS += [
-    CocktailMethod(f"{m.name}_lloyd", f"{m.description}; codebook 'lloyd'", {**m.overrides, "codebook": "lloyd"})
-    for m in _ROTATION_METHODS
-    if m.name in _LLOYD_TWINS
-]
 METHODS.update({m.name: m for m in _ROTATION_METHODS})
 
 
