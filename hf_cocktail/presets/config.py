@@ -82,7 +82,8 @@ class CocktailConfig(ConfigFiles):
         recent_tokens: the last ``recent_tokens`` context tokens always stay at full precision.
         full_precision_layers: indices of layers kept entirely at full precision (e.g. ``(0,)``).
         neighbors: chunks within ``neighbors`` positions of an FP16 chunk are promoted to FP16 too (alpha/beta
-            mode), so that a fact straddling a chunk boundary is not half INT2. 0 (default) is the paper.
+            mode), so that a fact straddling a chunk boundary is not half INT2. 0 (default) is the paper. Not adopted:
+            on SmolLM2 ``neighbors=1`` bought no gain beyond noise for 14% more KV bytes (CHANGELOG.md).
         rotation: rotated storage (:mod:`hf_cocktail.storage.rotation`): ``None`` (the paper), ``"hadamard"`` (keys and
             values), ``"hadamard_keys"`` or ``"hadamard_values"``. A fixed orthonormal per-head transform (Hadamard
             with seeded random signs; a seeded random orthogonal matrix for head dims that are not a power of two) is
@@ -293,8 +294,7 @@ REMOVED_FIELDS: dict[str, tuple[Any, str]] = {
     "codebook": (
         "uniform",
         "the anchored Lloyd-Max levels measured no better than uniform levels on LongBench (every paired interval "
-        "contains 0) and ~4x worse on the needle prompts with INT3, and no preset used them; uniform levels are the "
-        "only ones left",
+        "contains 0) and ~4x worse on the needle prompts with INT3, and no preset used them",
     ),
 }
 
@@ -308,9 +308,9 @@ def _drop_removed(d: dict[str, Any]) -> None:
         value = d.pop(name)
         if value != kept or type(value) is not type(kept):
             raise ValueError(
-                f"{name}={value!r} was removed from hf-cocktail after version 0.1.0 ({why}); the only value left is "
-                f"{kept!r}, which is what loading without the key gives: delete {name!r} from the saved config "
-                "(CHANGELOG.md)"
+                f"{name}={value!r} is no longer supported: the {name!r} field was removed in this version of "
+                f"hf-cocktail (CHANGELOG.md, Removed), because {why}; loading without the key gives {kept!r}, the "
+                f"only behaviour left: delete {name!r} from the saved config"
             )
 
 
