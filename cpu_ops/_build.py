@@ -26,7 +26,7 @@ import torch
 
 _DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _SOURCES = ("split_attention.cpp", "quantize.cpp", "tokens8.cpp")
-_HEADERS = ("kernel.h", "quantize.h")
+_HEADERS = ("kernel.h", "kernel_simd.h", "kernel_unpack.h", "quantize.h")
 # -fopenmp: at::parallel_for's OpenMP region (the libgomp loaded at run time is torch's: same soname);
 # -Wno-psabi: the baseline build passes 8-float vectors between (inlined) helpers, which GCC would note
 _CFLAGS = ("-O3", "-fopenmp", "-Wno-psabi")

@@ -11,7 +11,6 @@ from ._build import extension
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INT32, UINT8, INT8 = (torch.int32,), (torch.uint8,), (torch.int8,)
 SUPPORTED_BITS = (2, 3, 4)
-LEVEL_TABLE_BITS = (2, 3)  # bit widths whose codes may stand for a table of levels (a segment's 12th item)
 _SEGMENT_FIELDS = (
     "bits",
     "chunk_size",
@@ -78,7 +77,7 @@ def split_precision_attention(
             ``i`` sees full-part token ``t`` iff ``t <= R - L_q + i``.
         full_start: int32 ``(B,)``, values in ``[0, R]``.
         segments: a list of 0 to 2 tuples ``(bits, chunk_size, group_size, k_codes, k_scale, k_zero, v_codes,
-            v_scale, v_zero, tok_off, chunk_off[, levels[, k_block, v_block]])`` in the storage format of
+            v_scale, v_zero, tok_off, chunk_off[, k_block, v_block])`` in the storage format of
             ``hf_cocktail.storage.quant``:
             bits 2, 3 or 4 for keys and values (INT3: a 2-bit plane then a 1-bit plane), or a pair
             ``(key_bits, value_bits)`` with ``value_bits <= key_bits``; chunk_size C >= 1; group_size G a power of
@@ -87,10 +86,7 @@ def split_precision_attention(
             ``(H_kv, M, D)`` and ``v_scale``, ``v_zero`` ``(H_kv, N, D // G)``, all four of one dtype (float16 /
             bfloat16 / float32); ``tok_off``, ``chunk_off`` int32 ``(B + 1,)``: sequence ``b`` owns tokens
             ``[tok_off[b], tok_off[b+1])`` and chunks ``[chunk_off[b], chunk_off[b+1])``; the chunk of token ``t``
-            is ``chunk_off[b] + (t - tok_off[b]) // C``. ``levels`` (optional, one width of 2 or 3 bits): float32
-            ``(2**bits,)``,
-            the level each code stands for (a codebook: ``level * scale + zero`` instead of ``code * scale +
-            zero``); ``None`` stands for uniform levels. 8-bit scales and zeros (``hf_cocktail.storage.params8``):
+            is ``chunk_off[b] + (t - tok_off[b]) // C``. 8-bit scales and zeros (``hf_cocktail.storage.params8``):
             ``k_scale`` ... ``v_zero`` are their uint8 codes, ``k_block`` and ``v_block`` ``(H_kv, M, 3)`` float
             ``(s_max, z_lo, z_step)`` per chunk (values: the chunk of the token), decoded in the inner loop as
             ``s_max * scale_table[code]`` and ``z_lo + code * z_step``.
@@ -145,10 +141,10 @@ def split_precision_attention(
 
     seg_tensors, seg_ints, tokens = [], [], 0
     for i, seg in enumerate(segments):
-        if not isinstance(seg, (list, tuple)) or len(seg) - len(_SEGMENT_FIELDS) not in (0, 1, 3):
+        if not isinstance(seg, (list, tuple)) or len(seg) - len(_SEGMENT_FIELDS) not in (0, 2):
             _fail(
                 f"segments[{i}]",
-                f"a tuple {_SEGMENT_FIELDS} (+ levels (+ k_block, v_block))",
+                f"a tuple {_SEGMENT_FIELDS} (+ k_block, v_block)",
                 f"{len(seg)} items" if isinstance(seg, (list, tuple)) else type(seg).__name__,
             )
         bits, C, G, kc, ks, kz, vc, vs, vz, tok, chk = seg[: len(_SEGMENT_FIELDS)]
@@ -167,7 +163,7 @@ def split_precision_attention(
         _check_tensor((i, "v_zero"), vz, (ks.dtype,), vs.shape)
         _check_tensor((i, "tok_off"), tok, INT32, (B + 1,))
         _check_tensor((i, "chunk_off"), chk, INT32, (B + 1,))
-        seg_tensors += [t.contiguous() for t in (kc, ks, kz, vc, vs, vz, tok, chk)] + [_levels(seg, i, bits, vbits)]
+        seg_tensors += [t.contiguous() for t in (kc, ks, kz, vc, vs, vz, tok, chk)]
         seg_tensors += _blocks(seg, i, params8, H_kv, M) if params8 else [_EMPTY, _EMPTY]
         seg_ints += [bits, vbits, C, G]
         tokens += N
@@ -191,7 +187,7 @@ def split_precision_attention(
         isa == "baseline",
         *full_scale_args,
         *rotation_args,
-        _table(scale_table) if any(t.numel() for t in seg_tensors[9::11]) else _EMPTY,
+        _table(scale_table) if any(t.numel() for t in seg_tensors[8::10]) else _EMPTY,
     )
 
 
@@ -204,27 +200,13 @@ def code_widths(bits, name: str) -> tuple[int, int]:
     return pair[0], pair[1]
 
 
-def _levels(seg, i: int, bits: int, vbits: int) -> torch.Tensor:
-    """A segment's optional 12th item, checked: its level table, or an empty tensor for uniform levels (no item, or
-    None)."""
-    if len(seg) == len(_SEGMENT_FIELDS) or seg[len(_SEGMENT_FIELDS)] is None:
-        return _EMPTY
-    if bits not in LEVEL_TABLE_BITS or vbits != bits:
-        _fail(
-            f"segments[{i}].bits", f"one of {LEVEL_TABLE_BITS} (keys and values of one width) with levels", repr(seg[0])
-        )
-    levels = seg[len(_SEGMENT_FIELDS)]
-    _check_tensor((i, "levels"), levels, (torch.float32,), (1 << bits,))
-    return levels.contiguous()
-
-
 _EMPTY = torch.empty(0)
 
 
 def _blocks(seg, i: int, params8: bool, H_kv: int, M: int) -> list[torch.Tensor]:
-    """The block numbers ``(H_kv, M, 3)`` of a segment with 8-bit scales and zeros (items 13 and 14), checked."""
-    if len(seg) != len(_SEGMENT_FIELDS) + 3:
-        _fail(f"segments[{i}]", "a tuple with k_block and v_block (14 items) for uint8 scale and zero codes", len(seg))
+    """The block numbers ``(H_kv, M, 3)`` of a segment with 8-bit scales and zeros (items 12 and 13), checked."""
+    if len(seg) != len(_SEGMENT_FIELDS) + 2:
+        _fail(f"segments[{i}]", "a tuple with k_block and v_block (13 items) for uint8 scale and zero codes", len(seg))
     kb, vb = seg[-2:]
     _check_tensor((i, "k_block"), kb, FLOAT_DTYPES, (H_kv, M, 3))
     _check_tensor((i, "v_block"), vb, (kb.dtype,), (H_kv, M, 3))

@@ -14,7 +14,6 @@ from ._build import extension
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SUPPORTED_BITS = (2, 3, 4)  # the packed widths of hf_cocktail.storage.quant (INT3: a 2-bit plane, then a 1-bit plane)
-LEVEL_TABLE_BITS = (2, 3)  # bit widths that can be quantized to a table of levels (``levels=``)
 _NON_FINITE, _OVERFLOW = 1, 2  # status bits of the C++ quantizers (csrc/quantize.h)
 
 
@@ -58,26 +57,7 @@ def _raise_for(status: int, x: torch.Tensor, what: str, scale_dtype: torch.dtype
         )
 
 
-def _boundaries(levels, bits: int) -> torch.Tensor:
-    """The quantization boundaries of a level table (midpoints, fp32 as the reference computes them), or an empty
-    tensor for uniform levels."""
-    if levels is None:
-        return _NO_TABLE
-    if bits not in LEVEL_TABLE_BITS:
-        raise ValueError(f"levels apply to bits {LEVEL_TABLE_BITS}, got bits={bits!r}")
-    if not (isinstance(levels, torch.Tensor) and levels.dtype == torch.float32 and levels.shape == (1 << bits,)):
-        got = f"{levels.dtype} {tuple(levels.shape)}" if isinstance(levels, torch.Tensor) else type(levels).__name__
-        raise ValueError(f"levels must be a float32 tensor of shape ({1 << bits},), got {got}")
-    levels = levels.cpu()
-    return ((levels[1:] + levels[:-1]) * 0.5).contiguous()
-
-
-_NO_TABLE = torch.empty(0)
-
-
-def quantize_pack_keys(
-    k: torch.Tensor, bits: int, chunk_size: int, scale_dtype: torch.dtype | None = None, levels=None
-):
+def quantize_pack_keys(k: torch.Tensor, bits: int, chunk_size: int, scale_dtype: torch.dtype | None = None):
     """Quantize a key segment per channel within each chunk and pack it (fused; see ``hf_cocktail.storage.quant``).
 
     Args:
@@ -86,9 +66,6 @@ def quantize_pack_keys(
         bits: 4, 3 or 2.
         chunk_size: C >= 1, the group size along tokens.
         scale_dtype: dtype of scales/zeros, float32 / bfloat16 / float16 (default: ``k.dtype``).
-        levels: ``None`` (uniform levels) or, for bits 2 / 3, the float32 ``(2**bits,)`` level table of a codebook
-            (``hf_cocktail.storage.quant.level_tensors(codebook, ...)[0]``): each value gets the code of the nearest
-            level, as the reference's ``codebook=`` does.
 
     Returns:
         ``codes uint8 (H_kv, N, D*bits//8)``, ``scale (H_kv, M, D)``, ``zero (H_kv, M, D)`` with ``M = ceil(N/C)``.
@@ -101,21 +78,18 @@ def quantize_pack_keys(
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
     scale_dtype = _scale_dtype(scale_dtype, k)
-    bounds = _boundaries(levels, bits)
     M = -(-N // chunk_size)
     codes = torch.empty((H, N, D * bits // 8), dtype=torch.uint8)
     scale = torch.empty((H, M, D), dtype=scale_dtype)
     zero = torch.empty((H, M, D), dtype=scale_dtype)
     if N:
         k = k.contiguous()
-        status = extension().quantize_keys(k, int(bits), chunk_size, codes, scale, zero, bounds)
+        status = extension().quantize_keys(k, int(bits), chunk_size, codes, scale, zero)
         _raise_for(status, k, "keys", scale_dtype)
     return codes, scale, zero
 
 
-def quantize_pack_values(
-    v: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype | None = None, levels=None
-):
+def quantize_pack_values(v: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype | None = None):
     """Quantize a value segment per token in groups of ``group_size`` channels and pack it (fused; see
     ``hf_cocktail.storage.quant``).
 
@@ -123,7 +97,6 @@ def quantize_pack_values(
         v: ``(H_kv, N, D)`` float32 / bfloat16 / float16 CPU values; ``group_size`` (G) must divide D.
         bits: 4, 3 or 2.
         scale_dtype: dtype of scales/zeros, float32 / bfloat16 / float16 (default: ``v.dtype``).
-        levels: as for :func:`quantize_pack_keys`.
 
     Returns:
         ``codes uint8 (H_kv, N, D*bits//8)``, ``scale (H_kv, N, D//G)``, ``zero (H_kv, N, D//G)``.
@@ -138,13 +111,12 @@ def quantize_pack_values(
     if D % group_size:
         raise ValueError(f"group_size={group_size} must divide the head dim D={D}")
     scale_dtype = _scale_dtype(scale_dtype, v)
-    bounds = _boundaries(levels, bits)
     codes = torch.empty((H, N, D * bits // 8), dtype=torch.uint8)
     scale = torch.empty((H, N, D // group_size), dtype=scale_dtype)
     zero = torch.empty((H, N, D // group_size), dtype=scale_dtype)
     if N:
         v = v.contiguous()
-        status = extension().quantize_values(v, int(bits), group_size, codes, scale, zero, bounds)
+        status = extension().quantize_values(v, int(bits), group_size, codes, scale, zero)
         _raise_for(status, v, "values", scale_dtype)
     return codes, scale, zero
 

@@ -138,6 +138,22 @@ def test_newer_format_version_rejected(tmp_path):
         CocktailConfig.from_pretrained(tmp_path)
 
 
+def test_removed_codebook_key_loads_as_uniform_and_lloyd_is_refused(tmp_path):
+    """A config saved before ``codebook`` was removed: ``"uniform"`` (what every saved config held unless it chose
+    Lloyd levels) loads as the same config without the key; ``"lloyd"`` is refused, saying it was removed and why."""
+    saved = {**CocktailConfig(rotation="hadamard").to_dict(), "codebook": "uniform"}
+    (tmp_path / CONFIG_NAME).write_text(json.dumps(saved))
+    assert CocktailConfig.from_pretrained(tmp_path) == CocktailConfig(rotation="hadamard")
+    assert "codebook" not in CocktailConfig.from_pretrained(tmp_path).to_dict()
+    for value in ("lloyd", "Uniform", True):
+        with pytest.raises(ValueError, match=rf"codebook={value!r} is no longer supported: the 'codebook' field was"):
+            CocktailConfig.from_dict({**saved, "codebook": value})
+    with pytest.raises(ValueError, match=r"removed in this version .* because the anchored Lloyd-Max levels measured"):
+        CocktailConfig.from_dict({**saved, "codebook": "lloyd"})
+    with pytest.raises(TypeError, match="codebook"):  # the constructor has no such field any more
+        CocktailConfig(codebook="uniform")
+
+
 def test_model_card_option_of_save_pretrained(tmp_path):
     cfg = CocktailConfig()
     cfg.save_pretrained(tmp_path / "a", base_model="org/base")

@@ -44,13 +44,11 @@ def make_case(
     scale_dtype=torch.float16,
     layout="plain",
     seed=0,
-    codebook="uniform",
 ):
     """A random problem. ``full``: valid full-part tokens per sequence; ``segs``: ``[(bits, [tokens per
     sequence])]`` with ``bits`` an int or a pair ``(key_bits, value_bits)``. ``layout``: ``plain`` (contiguous),
     ``capacity`` (a view of a longer preallocated buffer) or ``transposed`` (a (B, R, H, D) buffer seen as
     (B, H, R, D)). Left padding of the full part is NaN (never read).
-    ``codebook``: the reference's (a segment whose bits it leaves uniform has no levels item).
 
     Returns ``(args, kv)``: the kernel's arguments and, per sequence, its dequantized fp32 keys / values in
     attention order [full part, segment 0, segment 1] with the number of full-part tokens."""
@@ -77,14 +75,9 @@ def make_case(
         parts = []
         for b, n in enumerate(lens):
             k, v = _keys(g, H_kv, n, D), torch.randn(H_kv, n, D, generator=g) * 1.5
-            kq = quant.quantize_pack_keys(k, kbits, C, scale_dtype, codebook=codebook)
-            vq = quant.quantize_pack_values(v, vbits, G, scale_dtype, codebook=codebook)
-            kv[b].append(
-                (
-                    quant.dequantize_keys(*kq, kbits, C, codebook=codebook),
-                    quant.dequantize_values(*vq, vbits, G, codebook=codebook),
-                )
-            )
+            kq = quant.quantize_pack_keys(k, kbits, C, scale_dtype)
+            vq = quant.quantize_pack_values(v, vbits, G, scale_dtype)
+            kv[b].append((quant.dequantize_keys(*kq, kbits, C), quant.dequantize_values(*vq, vbits, G)))
             parts.append((kq, vq))
         cat = lambda i, j: torch.cat([p[i][j] for p in parts], dim=1)  # noqa: E731
         tok, chk = [0], [0]
@@ -106,9 +99,6 @@ def make_case(
                 torch.tensor(chk, dtype=torch.int32),
             )
         )
-        tables = quant.level_tensors(codebook, kbits, "cpu")
-        if tables is not None:
-            segments[-1] += (tables[0],)
     args = (query, fk, fv, torch.tensor(start, dtype=torch.int32), segments, D**-0.5)
     return args, [(torch.cat([k for k, _ in p], 1), torch.cat([v for _, v in p], 1), full[b]) for b, p in enumerate(kv)]
 
@@ -182,13 +172,7 @@ CASES = {
     "int3_d40_G8_tail_bytes": dict(full=[5, 2], segs=[(4, [33, 12]), (3, [20, 41])], D=40, G=8, n_rep=3),
     "int3_d8_G2": dict(full=[4], segs=[(3, [35])], D=8, G=2, C=4),
     "int3_d128_scales_bf16": dict(full=[8], segs=[(3, [130])], D=128, scale_dtype=torch.bfloat16, n_rep=4),
-    # codebook "lloyd" (INT2 / INT3 codes stand for a table of levels; INT4 beside them stays uniform)
-    "lloyd_int4_int3_gqa3": dict(full=[20], segs=[(4, [96]), (3, [250])], H_kv=3, n_rep=3, codebook="lloyd"),
-    "lloyd_int2_batch3_ragged": dict(
-        full=[5, 9, 3], segs=[(4, [0, 17, 40]), (2, [70, 0, 11])], n_rep=3, C=8, G=16, codebook="lloyd"
-    ),
-    "lloyd_int3_d40_G8_tail_bytes": dict(full=[5, 2], segs=[(3, [20, 41])], D=40, G=8, n_rep=3, codebook="lloyd"),
-    "lloyd_int2_d80_G4_not_per_vector": dict(full=[3], segs=[(2, [70])], D=80, G=4, L_q=3, codebook="lloyd"),
+    "int2_d80_G4_Lq3_not_per_vector": dict(full=[3], segs=[(2, [70])], D=80, G=4, L_q=3),
     # values at fewer code bits than keys (CocktailConfig.value_bits): keys and values in different tile orders
     "k4v3_k3v2_gqa3": dict(full=[20], segs=[((4, 3), [96]), ((3, 2), [250])], H_kv=3, n_rep=3),
     "k4v2_batch3_ragged_empty": dict(
@@ -218,9 +202,7 @@ def test_matches_fp64_reference(name):
         "long_5000",
         "int4_int3_gqa3",
         "int3_d40_G8_tail_bytes",
-        "lloyd_int4_int3_gqa3",
-        "lloyd_int2_batch3_ragged",
-        "lloyd_int2_d80_G4_not_per_vector",
+        "int2_d80_G4_Lq3_not_per_vector",
         "k4v3_k3v2_gqa3",
         "k4v3_d40_G8_tail_bytes",
     ],
@@ -376,6 +358,13 @@ def test_invalid_segments_name_the_field(change, match):
         cpu_ops.split_precision_attention(*a, **kw)
 
 
+def test_a_segment_of_12_items_is_refused():
+    """A 12th item (the codebook's level table of earlier versions) is refused, not ignored."""
+    (query, fk, fv, start, segments, scaling), _ = make_case(full=[4], segs=[(3, [10])])
+    with pytest.raises(ValueError, match=r"segments\[0\] must be a tuple .* \(\+ k_block, v_block\), got 12 items"):
+        cpu_ops.split_precision_attention(query, fk, fv, start, [(*segments[0], torch.zeros(8))], scaling)
+
+
 def test_unavailable_extension_says_why(monkeypatch):
     """A failed build makes available() False and the launcher raise ImportError naming the cause and the fix."""
     monkeypatch.setattr(_build, "_module", None)
@@ -408,34 +397,3 @@ def test_is_a_leaf_package():
                 else []
             )
             assert not any(n.split(".")[0] == "hf_cocktail" for n in names), f"{path.name} imports {names}"
-
-
-@pytest.mark.parametrize("isa", ["auto", "baseline"])
-def test_levels_are_read_not_the_codes(isa):
-    """The same codes read with the uniform levels (no 12th item) differ from the lloyd levels' result, and each
-    matches the reference dequantized with its own levels (a kernel ignoring the table fails the first check)."""
-    args, kv = make_case(full=[4], segs=[(3, [90])], codebook="lloyd")
-    lloyd = check(args, kv, isa=isa)
-    query, fk, fv, start, segments, scaling = args
-    as_uniform = cpu_ops.split_precision_attention(query, fk, fv, start, [segments[0][:11]], scaling, isa=isa)
-    assert (lloyd - as_uniform).abs().max() > 1e-3
-
-
-@pytest.mark.parametrize(
-    "levels, bits, match",
-    [
-        (torch.zeros(8, dtype=torch.float64), 3, r"segments\[0\].levels must be of dtype torch.float32"),
-        (torch.zeros(4), 3, r"segments\[0\].levels must be of shape \(8\)"),
-        (
-            torch.zeros(16),
-            4,
-            r"segments\[0\].bits must be one of \(2, 3\) \(keys and values of one width\) with levels, got 4",
-        ),
-        (torch.zeros(8), (3, 2), r"segments\[0\].bits must be one of \(2, 3\) \(keys and values .* got \(3, 2\)"),
-    ],
-)
-def test_invalid_levels_name_the_field(levels, bits, match):
-    args, _ = make_case(full=[4], segs=[(bits, [10])])
-    args[4][0] += (levels,)
-    with pytest.raises(ValueError, match=match):
-        cpu_ops.split_precision_attention(*args)

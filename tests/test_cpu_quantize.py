@@ -199,36 +199,6 @@ def test_launcher_checks(name, args, match):
         getattr(cpu_ops, name)(*args)
 
 
-# ----------------------------------------------------------------------------- codebook levels
-@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bits", [2, 3])
-def test_lloyd_codes_equal_the_reference(bits, dtype, scale_dtype):
-    """codebook "lloyd": codes, scales and zeros bit for bit the reference's (keys with a partial last chunk and
-    constant channels, values with a constant token); the codes differ from the uniform ones."""
-    x = _data(3, 45, 64, dtype, seed=bits)
-    levels = quant.level_tensors("lloyd", bits, "cpu")[0]
-    for name, group in (("quantize_pack_keys", 8), ("quantize_pack_values", 16)):
-        ref = getattr(quant, name)(x, bits, group, scale_dtype, codebook="lloyd")
-        fused = getattr(cpu_ops, name)(x, bits, group, scale_dtype, levels=levels)
-        assert all(torch.equal(r, f) for r, f in zip(ref, fused)), name
-        assert not torch.equal(fused[0], getattr(cpu_ops, name)(x, bits, group, scale_dtype)[0])
-
-
-@pytest.mark.parametrize(
-    "bits, levels, match",
-    [
-        (4, torch.zeros(16), r"levels apply to bits \(2, 3\), got bits=4"),
-        (3, torch.zeros(8, dtype=torch.float64), r"levels must be a float32 tensor of shape \(8,\), got torch.float64"),
-        (2, [0.0, 1.0, 2.0, 3.0], r"levels must be a float32 tensor of shape \(4,\), got list"),
-    ],
-)
-def test_levels_are_checked(bits, levels, match):
-    for name in ("quantize_pack_keys", "quantize_pack_values"):
-        with pytest.raises(ValueError, match=match):
-            getattr(cpu_ops, name)(_data(1, 8, 16, torch.float32), bits, 8, None, levels=levels)
-
-
 # ----------------------------------------------------------------------------- dispatch and a whole prefill
 def test_auto_on_cpu_picks_the_fused_quantizers(monkeypatch):
     """backend "auto" (and "cpu") on CPU tensors quantize with cpu_ops, every bit width; "torch" with the reference."""
@@ -252,15 +222,15 @@ def test_auto_on_cpu_picks_the_fused_quantizers(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "dtype, rotation, low_bits, codebook",
+    "dtype, rotation, low_bits",
     [
-        (torch.float32, None, 2, "uniform"),
-        (torch.bfloat16, "hadamard", 2, "uniform"),
-        (torch.float32, None, 3, "uniform"),
-        (torch.float32, "hadamard", 3, "lloyd"),
+        (torch.float32, None, 2),
+        (torch.bfloat16, "hadamard", 2),
+        (torch.float32, None, 3),
+        (torch.float32, "hadamard", 3),
     ],
 )
-def test_prefill_stores_equal_the_torch_backend(tiny_tokenizer, monkeypatch, dtype, rotation, low_bits, codebook):
+def test_prefill_stores_equal_the_torch_backend(tiny_tokenizer, monkeypatch, dtype, rotation, low_bits):
     """A tiny Llama prefill of two prompts of different lengths, with a search that picks FP16, INT4 and INT2 (or
     INT3) chunks: the stores built with backend "cpu" (which calls the fused quantizers) equal backend "torch"'s."""
     calls = {"quantize_pack_keys": 0, "quantize_pack_values": 0}
@@ -283,7 +253,6 @@ def test_prefill_stores_equal_the_torch_backend(tiny_tokenizer, monkeypatch, dty
             backend=backend,
             rotation=rotation,
             low_bits=low_bits,
-            codebook=codebook,
         )
         cache = CocktailCache(cfg, encoder=FakeEncoder())
         inputs = cache.prepare_inputs(
@@ -303,7 +272,6 @@ def test_prefill_stores_equal_the_torch_backend(tiny_tokenizer, monkeypatch, dty
     for lt, lx in zip(ref.layers, fused.layers):
         for st, sx in zip(lt.store.segments, lx.store.segments):
             assert st.num_tokens > 0 and st.tok_off == sx.tok_off and st.chunk_off == sx.chunk_off
-            assert st.codebook == sx.codebook == (codebook if st.bits < 4 else "uniform")
             assert all(torch.equal(a, b) for a, b in zip(st.tensors(), sx.tensors()))
         assert torch.equal(lt.store.full.keys, lx.store.full.keys)
         assert torch.equal(lt.store.full.values, lx.store.full.values)

@@ -31,7 +31,6 @@ SAMPLES: dict = {
     "neighbors": [1],
     "rotation": ["hadamard", "hadamard_keys"],
     "rotation_seed": [1],
-    "codebook": ["lloyd"],
     "value_bits": [2, 3, 4],
     "scale_bits": [8],
     "layer_bits": [((4, 3), (3, 2))],
@@ -51,17 +50,12 @@ MOOT = [
     ("rotation", ANY, "uniform_bits", {16}),  # with full_part_bits at its default 16
     ("scale_dtype", ANY, "uniform_bits", {16}),  # the same
     ("layer_bits", ANY, "uniform_bits", {16, 2}),
-    ("codebook", ANY, "uniform_bits", {4, 16}),
     ("value_bits", {3, 4}, "uniform_bits", {3}),
     ("value_bits", {2, 3, 4}, "uniform_bits", {2}),
     ("alpha", ANY, "target_bits", ANY),
     ("neighbors", ANY, "target_bits", ANY),
     ("keep_context_copy", ANY, "scorer", {"attention"}),
 ]
-# refused by other cross-field rules (a codebook other than uniform keeps keys and values at one width)
-OTHER = {frozenset({"codebook", "value_bits"}), frozenset({"codebook", "layer_bits"})}
-
-
 def moot_by(field, value, other, other_value) -> bool:
     return any(
         (f, c) == (field, other) and (vs is ANY or value in vs) and (cs is ANY or other_value in cs)
@@ -99,10 +93,7 @@ def test_each_sample_alone(field):
 def test_every_pair_of_fields(a, b):
     for va, vb in itertools.product(SAMPLES[a], SAMPLES[b]):
         expected, values = expected_refusal(a, va, b, vb), {"rotation": None, a: va, b: vb}
-        if frozenset({a, b}) in OTHER:
-            with pytest.raises(ValueError, match="codebook"):
-                CocktailConfig(**{a: va, b: vb})
-        elif expected is None:
+        if expected is None:
             CocktailConfig(**{a: va, b: vb})
         else:
             moot, cause = expected

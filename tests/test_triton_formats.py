@@ -93,7 +93,7 @@ def test_8_bit_codes_need_blocks_table_and_scales():
     scales = (full.scales.keys, full.scales.values)
     table = params8.scale_table(DEV)
     call = lambda *a, **kw: triton_ops.split_precision_attention(query, *a, **kw)  # noqa: E731
-    with pytest.raises(ValueError, match=re.escape("needs k_block and v_block as items 13 and 14, got 11 items")):
+    with pytest.raises(ValueError, match=re.escape("needs k_block and v_block as items 12 and 13, got 11 items")):
         call(*codes, full.start_tensor(), [segs[0][:11]], 0.1, full_scales=scales, scale_table=table)
     with pytest.raises(ValueError, match=re.escape("scale_table must be a float32 (256,) tensor")):
         call(*codes, full.start_tensor(), segs, 0.1, full_scales=scales)

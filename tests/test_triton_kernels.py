@@ -14,7 +14,6 @@ if INTERPRET:  # must be set before the first import of triton, and before trito
     os.environ["TRITON_INTERPRET"] = "1"
 
 import dataclasses  # noqa: E402
-import functools  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
 
@@ -49,7 +48,6 @@ from hf_cocktail.integration.compat import cache_kwargs  # noqa: E402
 from hf_cocktail.storage import quant  # noqa: E402
 from hf_cocktail.storage.full_part import Int8FullPart, full_part_from_sequences  # noqa: E402
 from hf_cocktail.storage.store import LayerStore, PackedSegment  # noqa: E402
-from triton_ops import checks  # noqa: E402
 
 from .conftest import FakeEncoder, make_prompt, make_tiny_llama, prefill_all_but_last  # noqa: E402
 
@@ -71,14 +69,9 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 
 
 # ----------------------------------------------------------------------------- quantize + pack
-def assert_same_quantization(x, bits, group, scale_dtype, keys, codebook="uniform"):
-    tables = quant.level_tensors(codebook, bits, x.device)
-    tri = (triton_ops.quantize_pack_keys if keys else triton_ops.quantize_pack_values)(
-        x, bits, group, scale_dtype, **({} if tables is None else {"levels": tables[0]})
-    )
-    ref = (quant.quantize_pack_keys if keys else quant.quantize_pack_values)(
-        x, bits, group, scale_dtype, codebook=codebook
-    )
+def assert_same_quantization(x, bits, group, scale_dtype, keys):
+    tri = (triton_ops.quantize_pack_keys if keys else triton_ops.quantize_pack_values)(x, bits, group, scale_dtype)
+    ref = (quant.quantize_pack_keys if keys else quant.quantize_pack_values)(x, bits, group, scale_dtype)
     for name, a, b in zip(("codes", "scale", "zero"), tri, ref):
         assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, b.dtype, a.shape, b.shape)
         assert torch.equal(a, b), f"{name} differ at {int((a != b).sum())} of {a.numel()} entries"
@@ -115,48 +108,6 @@ def test_quantize_rounding_ties_and_constant_groups(scale_dtype, bits):
     assert_same_quantization(x.to(DEV), bits, 16, scale_dtype, keys=False)
     scale = triton_ops.quantize_pack_keys(x.to(DEV), bits, 8, scale_dtype)[1].float().cpu()
     assert scale[0, 1, 8:11].tolist() == [1.0, 1 + 2 * eps, 2 + 4 * eps]  # really rounded to even
-
-
-def test_level_boundaries_are_the_reference_boundaries():
-    """The launchers turn a level table into the reference's fp32 boundaries, bit for bit; bad tables are refused."""
-    for bits in (2, 3):
-        levels, bounds = quant.level_tensors("lloyd", bits, DEV)
-        assert torch.equal(checks.boundaries(levels, bits, torch.device(DEV)), bounds)
-    assert checks.boundaries(None, 4, torch.device(DEV)) is None
-    x = torch.randn(1, 8, 16, device=DEV)
-    for bits, levels, match in [
-        (4, torch.zeros(16), r"levels apply to bits \(2, 3\), got bits=4"),
-        (3, torch.zeros(8, dtype=torch.float16), r"levels must be a float32 tensor of shape \(8,\), got torch.float16"),
-        (2, [0.0, 1.0, 2.0, 3.0], r"levels must be a float32 tensor of shape \(4,\), got list"),
-    ]:
-        for fn in (triton_ops.quantize_pack_keys, triton_ops.quantize_pack_values):
-            with pytest.raises(ValueError, match=match):
-                fn(x, bits, 8, None, levels=levels)
-
-
-@pytest.mark.parametrize("bits", [2, 3])
-@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_quantize_lloyd_bit_exact(bits, scale_dtype):
-    """Codebook "lloyd": random keys / values (37 tokens: a partial last chunk of 5), zero-range groups (scale 0:
-    code 0), and a group with scale 1 and zero 0 whose values lie exactly on each boundary (code j + 1) and one fp32
-    step below it (code j)."""
-    g = torch.Generator().manual_seed(bits)
-    x = torch.randn(2, 37, 64, generator=g) * 4 + torch.randn(1, 1, 64, generator=g) * 8
-    x[0, :8, 3] = 2.5  # key channel 3 of chunk 0 is constant
-    x[1, 36, :] = -1.5  # the last token (alone in the partial chunk): every value group constant, and key chunk 4
-    for dtype in (torch.float32, torch.bfloat16):
-        assert_same_quantization(x.to(dtype).to(DEV), bits, 8, scale_dtype, keys=True, codebook="lloyd")
-        assert_same_quantization(x.to(dtype).to(DEV), bits, 16, scale_dtype, keys=False, codebook="lloyd")
-    b = quant.level_tensors("lloyd", bits, "cpu")[1]
-    qmax = (1 << bits) - 1
-    edge = torch.cat([torch.tensor([0.0, qmax]), b, torch.nextafter(b, torch.zeros_like(b))])  # 8 or 16 values
-    T, j = len(edge), torch.arange(len(b))
-    want = torch.cat([torch.tensor([0, qmax]), j + 1, j])
-    codes = assert_same_quantization(edge.reshape(1, 1, T).to(DEV), bits, T, scale_dtype, keys=False, codebook="lloyd")
-    assert quant.unpack_codes(codes[0], bits).flatten().tolist() == want.tolist()
-    keys = edge.reshape(1, T, 1).expand(1, T, 8).contiguous().to(DEV)  # one chunk of T tokens, 8 equal channels
-    codes = assert_same_quantization(keys, bits, T, scale_dtype, keys=True, codebook="lloyd")
-    assert quant.unpack_codes(codes[0], bits)[0, :, 0].tolist() == want.tolist()
 
 
 def test_quantize_empty_segment():
@@ -201,14 +152,13 @@ def test_quantize_errors_match_reference(case):
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("codebook", ["uniform", "lloyd"])
-def test_quantize_pack_bit_exact_gpu(dtype, codebook):
+def test_quantize_pack_bit_exact_gpu(dtype):
     g = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(8, 4096 + 17, 128, generator=g, device="cuda") * 3).to(dtype)
     for bits in (2, 3, 4):
         for scale_dtype in (torch.float16, torch.bfloat16, torch.float32):
-            assert_same_quantization(x, bits, 32, scale_dtype, keys=True, codebook=codebook)
-            assert_same_quantization(x, bits, 32, scale_dtype, keys=False, codebook=codebook)
+            assert_same_quantization(x, bits, 32, scale_dtype, keys=True)
+            assert_same_quantization(x, bits, 32, scale_dtype, keys=False)
 
 
 # ----------------------------------------------------------------------------- split-precision attention
@@ -222,7 +172,6 @@ def make_store(
     dtype=torch.float32,
     scale_dtype=torch.float16,
     seed=0,
-    codebook="uniform",
     max_value_bits=None,
     scale_bits=16,
     full_part_bits=16,
@@ -236,7 +185,7 @@ def make_store(
     fp = full_part_from_sequences(
         [rnd(n).to(dtype) for n in full], [rnd(n).to(dtype) for n in full], full_part_bits, torch.float16
     )
-    quantize_keys, quantize_values = dispatch.quantizers("triton", torch.device(DEV))  # codebook -> levels
+    quantize_keys, quantize_values = dispatch.quantizers("triton", torch.device(DEV))
     segs = [
         PackedSegment.from_sequences(
             [rnd(n) for n in ns],
@@ -247,7 +196,6 @@ def make_store(
             scale_dtype,
             quantize_keys,
             quantize_values,
-            codebook,
             bits if max_value_bits is None else min(bits, max_value_bits),
             scale_bits,
         )
@@ -338,55 +286,6 @@ def test_split_attention_matches_reference(name):
     check_attention(query, store, scaling, split_precision_attention_torch(query, store, scaling), tokens_per_split=tps)
 
 
-def lloyd_store(B, H_kv, D, low_bits):
-    """``LayerStore.build(..., codebook="lloyd")`` with the Triton quantizers, B sequences of 60 tokens: INT4
-    (uniform) and ``low_bits`` (Lloyd levels) segments of ragged lengths (partial chunks of 8), the rest full."""
-    g = torch.Generator().manual_seed(0)
-    k, v = (torch.randn(B, H_kv, 60, D, generator=g).to(DEV) for _ in range(2))
-    cuts = [(16, 50), (8, 40), (0, 53)][:B]  # the INT4 tokens [0, a), the low-bit ones [a, c), full [c, 60)
-    positions = [{"full": torch.arange(c, 60), 4: torch.arange(0, a), low_bits: torch.arange(a, c)} for a, c in cuts]
-    build = functools.partial(LayerStore.build, k, v, positions, 8, 32, torch.float16, codebook="lloyd")
-    store, ref = build(*dispatch.quantizers("triton", torch.device(DEV))), build()  # Triton's, with levels=
-    for seg, ref_seg in zip(store.segments, ref.segments):  # the Triton quantizers wrote the reference's bytes
-        assert all(torch.equal(a, b) for a, b in zip(seg.tensors(), ref_seg.tensors()))
-    assert [(s.bits, s.codebook, len(s.kernel_args())) for s in store.segments] == [
-        (4, "uniform", 11),
-        (low_bits, "lloyd", 12),
-    ]
-    return store
-
-
-@pytest.mark.parametrize("low_bits,B,n_rep,Lq,tps", [(2, 2, 2, 1, None), (3, 3, 1, 2, 8), (2, 1, 4, 2, 16)])
-def test_split_attention_lloyd_matches_reference(low_bits, B, n_rep, Lq, tps):
-    """A store of Lloyd INT2 / INT3 codes: the kernel dequantizes code ``c`` as ``levels[c] * scale + zero``."""
-    store = lloyd_store(B, 2, 64, low_bits)
-    query = (torch.randn(B, 2 * n_rep, Lq, 64, generator=torch.Generator().manual_seed(1)) * 2).to(DEV)
-    ref = split_precision_attention_torch(query, store, 0.125)
-    check_attention(query, store, 0.125, ref, tokens_per_split=tps)
-
-
-@pytest.mark.parametrize("bad", ["float16", "length", "device", "list", "13_items"])
-def test_split_attention_rejects_bad_levels(bad):
-    store = lloyd_store(1, 2, 64, 3)
-    full = store.full
-    *args, levels = store.segments[1].kernel_args()
-    wrong = {
-        "float16": (levels.half(),),
-        "length": (quant.level_tensors("lloyd", 2, DEV)[0],),  # INT2 levels for INT3 codes
-        "device": (levels.to("meta"),),
-        "list": (levels.tolist(),),
-        "13_items": (levels, levels),
-    }[bad]
-    segments = [store.segments[0].kernel_args(), (*args, *wrong)]
-    match = (
-        r"12 with levels, or 14 .*, got 13" if bad == "13_items" else r"segments\[1\] levels must be a float32 tensor"
-    )
-    with pytest.raises(ValueError, match=match):
-        triton_ops.split_precision_attention(
-            torch.randn(1, 2, 1, 64).to(DEV), full.keys, full.values, full.start_tensor(), segments, 0.1
-        )
-
-
 def test_split_attention_other_head_dim_falls_back(monkeypatch):
     monkeypatch.setattr(dispatch, "_warned", set())
     store = make_store([4], {4: [9], 2: [5]}, 2, 32, 8, 16)
@@ -472,20 +371,34 @@ def test_split_attention_rejects_unsupported_bits():
         )
 
 
+def test_split_attention_rejects_a_segment_of_12_items():
+    """A 12th item (the codebook's level table of earlier versions) is refused, not ignored."""
+    store = make_store([4], {4: [3], 3: [3]}, 2, 64, 8, 32)
+    full, seg = store.full, store.segments[1].kernel_args()
+    with pytest.raises(ValueError, match=r"segments\[1\] must have 11 items, or 13 with the blocks .*, got 12"):
+        triton_ops.split_precision_attention(
+            torch.randn(1, 2, 1, 64).to(DEV),
+            full.keys,
+            full.values,
+            full.start_tensor(),
+            [store.segments[0].kernel_args(), (*seg, torch.zeros(8, device=DEV))],
+            0.1,
+        )
+
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("B,Lq", [(1, 1), (3, 2)])
 @pytest.mark.parametrize("low_bits", [2, 3])
-@pytest.mark.parametrize("codebook", ["uniform", "lloyd", "value_bits_2"])
-def test_split_attention_realistic_gpu(dtype, B, Lq, low_bits, codebook):
+@pytest.mark.parametrize("max_value_bits", [None, 2])
+def test_split_attention_realistic_gpu(dtype, B, Lq, low_bits, max_value_bits):
     """~4K tokens per sequence, Llama-3-8B heads (H_q 32, H_kv 8, D 128), ragged INT4 + INT2 / INT3 segments
-    (uniform or Lloyd levels, or uniform with 2-bit values), fp16/bf16."""
+    (values at their chunk's bits, or at 2 bits), fp16/bf16."""
     full = [420, 97, 1300][:B]
     int4 = [1210, 0, 2047][:B]
     low = [2466, 3999, 700][:B]
-    kw = {"max_value_bits": 2} if codebook == "value_bits_2" else {"codebook": codebook}
-    store = make_store(full, {4: int4, low_bits: low}, 8, 128, 32, 32, dtype=dtype, **kw)
+    store = make_store(full, {4: int4, low_bits: low}, 8, 128, 32, 32, dtype=dtype, max_value_bits=max_value_bits)
     g = torch.Generator(device="cuda").manual_seed(1)
     query = torch.randn(B, 32, Lq, 128, generator=g, device="cuda").to(dtype)
     check_attention(query, store, 128**-0.5, attention_sdpa(query, store, 128**-0.5, dtype))

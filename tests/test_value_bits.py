@@ -22,9 +22,7 @@ def test_value_bits_is_validated(bad):
         CocktailConfig(value_bits=bad)
 
 
-def test_value_bits_needs_the_uniform_codebook_and_round_trips():
-    with pytest.raises(ValueError, match=r"value_bits applies with codebook='uniform'.*codebook='lloyd', value_bits=3"):
-        CocktailConfig(value_bits=3, codebook="lloyd")
+def test_value_bits_round_trips():
     cfg = CocktailConfig(value_bits=3, low_bits=3, rotation="hadamard")
     assert CocktailConfig.from_dict(cfg.to_dict()) == cfg
     assert CocktailConfig.from_dict({k: v for k, v in cfg.to_dict().items() if k != "value_bits"}).value_bits is None
@@ -73,13 +71,11 @@ def test_store_packs_values_at_their_width_and_keys_at_the_chunks():
     assert store.nbytes() < same.nbytes()
 
 
-def test_segment_refuses_values_wider_than_keys_or_a_split_codebook():
+def test_segment_refuses_values_wider_than_keys():
     store, _, _ = _store(max_value_bits=None)
     seg = store.segments[1]
     with pytest.raises(ValueError, match=r"value_bits must be one of \(2, 3\) for 3-bit keys, got 4"):
         dataclasses.replace(seg, value_bits=4)
-    with pytest.raises(ValueError, match=r"codebook='lloyd' needs keys and values at one width"):
-        dataclasses.replace(seg, codebook="lloyd", value_bits=2)
     with pytest.raises(ValueError, match=r"value_bits must be one of \(2, 3, 4\) for 4-bit keys, got 1"):
         PackedSegment.from_sequences(
             [torch.randn(1, 8, 16)], [torch.randn(1, 8, 16)], 4, 8, 8, torch.float32, value_bits=1

@@ -1,17 +1,9 @@
-"""Split-precision decode attention over a layer's full-precision part and packed segments (flash-decoding style).
+"""Split-precision decode attention over a layer's full-precision part and packed segments (flash-decoding style):
+the launcher. The kernels are in :mod:`triton_ops.attention_kernels`, the checks of their arguments in
+:mod:`triton_ops.attention_args`.
 
 Shapes: B batch, H_q query heads, H_kv key/value heads (``n_rep = H_q // H_kv``), L_q query tokens, D head dim,
 R length of the full-precision part, C chunk size, G value group size.
-
-Kernel 1 runs one program per (sequence, kv head, block of query rows, token split). The splits cover the
-full-precision part, then the first packed segment (INT4), then the second (INT2 or INT3; a segment's bit width is
-a compile-time constant), each cut into pieces of
-``tokens_per_split`` tokens of that sequence; ragged sequences just leave some splits empty. A program loads the
-``n_rep * L_q`` query rows of its kv head together (GQA without ``repeat_kv``), unpacks and dequantizes codes in
-registers (code ``c`` as ``c * scale + zero``, or ``levels[c] * scale + zero`` for a segment with a codebook's table
-of levels; 8-bit scales / zeros and an int8 full part are decoded there too) and keeps an fp32 online softmax, and
-writes its partial (max, sum, unnormalised output). Kernel 2 merges the partials of a row with a log-sum-exp
-reduction and writes the output in ``query.dtype``.
 """
 
 from __future__ import annotations
@@ -22,493 +14,21 @@ from collections.abc import Sequence
 
 import torch
 import triton
-import triton.language as tl
 
-from .checks import check_bits, check_device
+from .attention_args import code_widths, full_scales_args, scale_table_arg, segment_args
+from .attention_kernels import merge_kernel, split_attn_kernel
+from .checks import check_device
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 _TILE = 8192  # elements of the (query rows x tokens x D) product held in registers (64 per thread, 4 warps)
 _LOG2E = 1.4426950408889634
 
-
-@triton.jit
-def _online_update(acc, m_i, l_i, q, k, v, valid):
-    """One block of the online softmax: ``q (BQ, D)`` pre-scaled by ``scaling * log2(e)``, ``k, v (BT, D)`` fp32,
-    ``valid (BQ, BT)``. ``m_i``, ``l_i`` are the running max and sum in base 2, ``acc (BQ, D)`` the output sum."""
-    s = tl.where(valid, tl.sum(q[:, None, :] * k[None, :, :], axis=2), float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked rows: keep exp2 away from inf - inf
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _load_codes(row_ptr, m2, d, D: tl.constexpr, BITS: tl.constexpr):
-    """int32 codes ``(BT, D)`` of the tokens whose packed bytes start at ``row_ptr (BT, 1)`` (rows where ``m2``):
-    channel d in byte d // per at bit (d % per) * BITS; INT3 as a 2-bit plane (INT2's layout, ``D // 4`` bytes)
-    then a 1-bit plane (channel d in byte D // 4 + d // 8 at bit d % 8)."""
-    if BITS == 3:
-        lo = tl.load(row_ptr + (d // 4)[None, :], mask=m2, other=0).to(tl.int32)
-        hi = tl.load(row_ptr + (D // 4 + d // 8)[None, :], mask=m2, other=0).to(tl.int32)
-        q = ((lo >> ((d % 4) * 2)[None, :]) & 3) | (((hi >> (d % 8)[None, :]) & 1) << 2)
-    else:
-        PER: tl.constexpr = 8 // BITS
-        packed = tl.load(row_ptr + (d // PER)[None, :], mask=m2, other=0).to(tl.int32)
-        q = (packed >> ((d % PER) * BITS)[None, :]) & ((1 << BITS) - 1)
-    return q
-
-
-@triton.jit
-def _code_values(q, lv_ptr, LEVELS: tl.constexpr):
-    """int32 codes ``q (BT, D)`` -> their levels in code units, fp32: ``lv_ptr[q]`` with ``LEVELS``, else ``q``."""
-    if LEVELS:
-        y = tl.load(lv_ptr + q)
-    else:
-        y = q.to(tl.float32)
-    return y
-
-
-@triton.jit
-def _params(s_ptr, z_ptr, off, blk_ptr, chunk, tab_ptr, m2, P8: tl.constexpr):
-    """fp32 scales and zeros at ``off`` (masked by ``m2``): numbers, or with ``P8`` uint8 codes decoded with the
-    block of ``chunk`` (``(BT, 1)``): ``s_max * tab_ptr[sc]`` and ``z_lo + zc * z_step``."""
-    if P8:
-        sc = tl.load(s_ptr + off, mask=m2, other=0).to(tl.int32)
-        zc = tl.load(z_ptr + off, mask=m2, other=0).to(tl.float32)
-        s_max = tl.load(blk_ptr + chunk * 3, mask=m2, other=0.0).to(tl.float32)
-        z_lo = tl.load(blk_ptr + chunk * 3 + 1, mask=m2, other=0.0).to(tl.float32)
-        z_step = tl.load(blk_ptr + chunk * 3 + 2, mask=m2, other=0.0).to(tl.float32)
-        scale = s_max * tl.load(tab_ptr + sc)
-        zero = z_lo + zc * z_step
-    else:
-        scale = tl.load(s_ptr + off, mask=m2, other=0.0).to(tl.float32)
-        zero = tl.load(z_ptr + off, mask=m2, other=0.0).to(tl.float32)
-    return scale, zero
-
-
-@triton.jit
-def _packed_split(
-    acc,
-    m_i,
-    l_i,
-    q,
-    rmask,
-    b,
-    h,
-    j,
-    TPS,
-    kc_ptr,
-    ks_ptr,
-    kz_ptr,
-    vc_ptr,
-    vs_ptr,
-    vz_ptr,
-    tok_ptr,
-    chk_ptr,
-    lv_ptr,
-    kb_ptr,
-    vb_ptr,
-    tab_ptr,
-    N,
-    M,
-    C,
-    D: tl.constexpr,
-    BT: tl.constexpr,
-    BITS: tl.constexpr,
-    VBITS: tl.constexpr,
-    G: tl.constexpr,
-    LEVELS: tl.constexpr,
-    P8: tl.constexpr,
-):
-    """Split ``j`` of sequence ``b`` in a packed segment: its tokens ``[tok_off[b] + j*TPS, ...)``. Key scales are
-    per (chunk, channel), chunk = ``chunk_off[b] + (token - tok_off[b]) // C``; value scales per (token, group).
-    Keys have ``BITS``-bit codes, values ``VBITS``-bit ones. With ``LEVELS`` (one width), code ``c`` stands for
-    ``lv_ptr[c]`` (fp32, ``2**BITS`` levels). With ``P8`` (8-bit scales and zeros, ``hf_cocktail.storage.params8``) the
-    scale / zero pointers hold uint8 codes, decoded in registers with their chunk's block ``(s_max, z_lo, z_step)``
-    (``kb_ptr`` / ``vb_ptr``, ``(H_kv, M, 3)``) as ``s_max * tab_ptr[code]`` and ``z_lo + code * z_step``."""
-    DP: tl.constexpr = D * BITS // 8
-    VDP: tl.constexpr = D * VBITS // 8
-    NG: tl.constexpr = D // G
-    d = tl.arange(0, D)
-    grp = d // G
-    t0 = tl.load(tok_ptr + b)
-    c0 = tl.load(chk_ptr + b)
-    lo = t0 + j * TPS
-    hi = tl.minimum(lo + TPS, tl.load(tok_ptr + b + 1))
-    h64 = h.to(tl.int64)
-    kc_ptr += h64 * N * DP
-    vc_ptr += h64 * N * VDP
-    ks_ptr += h64 * M * D
-    kz_ptr += h64 * M * D
-    vs_ptr += h64 * N * NG
-    vz_ptr += h64 * N * NG
-    kb_ptr += h64 * M * 3
-    vb_ptr += h64 * M * 3
-    for a in range(lo, hi, BT):
-        t = a + tl.arange(0, BT)
-        tm = t < hi
-        t64 = t.to(tl.int64)
-        m2 = tm[:, None]
-        chunk = (c0 + (t - t0) // C).to(tl.int64)[:, None]
-        k_off = chunk * D + d[None, :]
-        v_off = t64[:, None] * NG + grp[None, :]
-        ks, kz = _params(ks_ptr, kz_ptr, k_off, kb_ptr, chunk, tab_ptr, m2, P8)
-        vs, vz = _params(vs_ptr, vz_ptr, v_off, vb_ptr, chunk, tab_ptr, m2, P8)
-        kq = _code_values(_load_codes(kc_ptr + t64[:, None] * DP, m2, d, D, BITS), lv_ptr, LEVELS)
-        k = kq * ks + kz
-        vq = _code_values(_load_codes(vc_ptr + t64[:, None] * VDP, m2, d, D, VBITS), lv_ptr, LEVELS)
-        v = vq * vs + vz
-        acc, m_i, l_i = _online_update(acc, m_i, l_i, q, k, v, rmask[:, None] & tm[None, :])
-    return acc, m_i, l_i
-
-
-@triton.jit
-def _split_attn_kernel(
-    q_ptr,
-    s_qb,
-    s_qh,
-    s_ql,
-    fk_ptr,
-    fv_ptr,
-    s_fb,
-    s_fh,
-    s_ft,
-    fks_ptr,
-    fvs_ptr,
-    s_sb,
-    s_sh,
-    s_st,
-    start_ptr,
-    R,
-    a_kc,
-    a_ks,
-    a_kz,
-    a_vc,
-    a_vs,
-    a_vz,
-    a_tok,
-    a_chk,
-    a_lv,
-    a_kb,
-    a_vb,
-    a_N,
-    a_M,
-    a_C,
-    b_kc,
-    b_ks,
-    b_kz,
-    b_vc,
-    b_vs,
-    b_vz,
-    b_tok,
-    b_chk,
-    b_lv,
-    b_kb,
-    b_vb,
-    b_N,
-    b_M,
-    b_C,
-    po_ptr,
-    pm_ptr,
-    pl_ptr,
-    H_kv,
-    L_q,
-    n_rep,
-    n_qb,
-    S_full,
-    S_a,
-    S_total,
-    TPS,
-    qk_scale,
-    tab_ptr,
-    D: tl.constexpr,
-    BQ: tl.constexpr,
-    BT: tl.constexpr,
-    BITS_A: tl.constexpr,
-    VBITS_A: tl.constexpr,
-    G_A: tl.constexpr,
-    LV_A: tl.constexpr,
-    BITS_B: tl.constexpr,
-    VBITS_B: tl.constexpr,
-    G_B: tl.constexpr,
-    LV_B: tl.constexpr,
-    P8_A: tl.constexpr,
-    P8_B: tl.constexpr,
-    F8: tl.constexpr,
-):
-    """Grid ``(B * H_kv * n_qb, S_total)``: partial attention of one block of query rows over one token split."""
-    pid = tl.program_id(0)
-    sp = tl.program_id(1)
-    qb = pid % n_qb
-    h = (pid // n_qb) % H_kv
-    b = pid // (n_qb * H_kv)
-    row = qb * BQ + tl.arange(0, BQ)  # row = rep * L_q + i (query head h * n_rep + rep, query token i)
-    rmask = row < n_rep * L_q
-    i = row % L_q
-    d = tl.arange(0, D)
-    q_off = b.to(tl.int64) * s_qb + (h * n_rep + row // L_q).to(tl.int64) * s_qh + i * s_ql
-    q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * qk_scale
-    acc = tl.zeros([BQ, D], dtype=tl.float32)
-    m_i = tl.full([BQ], float("-inf"), tl.float32)
-    l_i = tl.zeros([BQ], dtype=tl.float32)
-    if sp < S_full:
-        # full-precision part, right-aligned: sequence b owns [start[b], R); key t is visible to query token i
-        # iff t <= R - L_q + i (the last L_q tokens are the queries' own)
-        lo = tl.load(start_ptr + b) + sp * TPS
-        hi = tl.minimum(lo + TPS, R)
-        f_off = b.to(tl.int64) * s_fb + h.to(tl.int64) * s_fh
-        for a in range(lo, hi, BT):
-            t = a + tl.arange(0, BT)
-            tm = t < hi
-            off = f_off + t.to(tl.int64)[:, None] * s_ft + d[None, :]
-            k = tl.load(fk_ptr + off, mask=tm[:, None], other=0.0).to(tl.float32)
-            v = tl.load(fv_ptr + off, mask=tm[:, None], other=0.0).to(tl.float32)
-            if F8:  # an 8-bit full part: int8 codes times their token's scale (quant.dequantize_tokens8)
-                s_off = b.to(tl.int64) * s_sb + h.to(tl.int64) * s_sh + t.to(tl.int64)[:, None] * s_st
-                k = k * tl.load(fks_ptr + s_off, mask=tm[:, None], other=0.0).to(tl.float32)
-                v = v * tl.load(fvs_ptr + s_off, mask=tm[:, None], other=0.0).to(tl.float32)
-            valid = rmask[:, None] & tm[None, :] & (t[None, :] <= (R - L_q + i)[:, None])
-            acc, m_i, l_i = _online_update(acc, m_i, l_i, q, k, v, valid)
-    elif sp < S_full + S_a:
-        acc, m_i, l_i = _packed_split(
-            acc,
-            m_i,
-            l_i,
-            q,
-            rmask,
-            b,
-            h,
-            sp - S_full,
-            TPS,
-            a_kc,
-            a_ks,
-            a_kz,
-            a_vc,
-            a_vs,
-            a_vz,
-            a_tok,
-            a_chk,
-            a_lv,
-            a_kb,
-            a_vb,
-            tab_ptr,
-            a_N,
-            a_M,
-            a_C,
-            D,
-            BT,
-            BITS_A,
-            VBITS_A,
-            G_A,
-            LV_A,
-            P8_A,
-        )
-    else:
-        acc, m_i, l_i = _packed_split(
-            acc,
-            m_i,
-            l_i,
-            q,
-            rmask,
-            b,
-            h,
-            sp - S_full - S_a,
-            TPS,
-            b_kc,
-            b_ks,
-            b_kz,
-            b_vc,
-            b_vs,
-            b_vz,
-            b_tok,
-            b_chk,
-            b_lv,
-            b_kb,
-            b_vb,
-            tab_ptr,
-            b_N,
-            b_M,
-            b_C,
-            D,
-            BT,
-            BITS_B,
-            VBITS_B,
-            G_B,
-            LV_B,
-            P8_B,
-        )
-    r = (pid.to(tl.int64) * S_total + sp) * BQ + tl.arange(0, BQ)
-    tl.store(pm_ptr + r, m_i)
-    tl.store(pl_ptr + r, l_i)
-    tl.store(po_ptr + r[:, None] * D + d[None, :], acc)
-
-
-@triton.jit
-def _merge_kernel(
-    po_ptr,
-    pm_ptr,
-    pl_ptr,
-    o_ptr,
-    s_ob,
-    s_oh,
-    s_ol,
-    H_kv,
-    L_q,
-    n_rep,
-    n_qb,
-    S_total,
-    D: tl.constexpr,
-    BQ: tl.constexpr,
-    BS: tl.constexpr,
-):
-    """Grid ``(B * H_kv * n_qb,)``: log-sum-exp merge of the ``S_total`` partials of a block of query rows."""
-    pid = tl.program_id(0)
-    qb = pid % n_qb
-    h = (pid // n_qb) % H_kv
-    b = pid // (n_qb * H_kv)
-    rq = tl.arange(0, BQ)
-    d = tl.arange(0, D)
-    m_run = tl.full([BQ], float("-inf"), tl.float32)
-    l_run = tl.zeros([BQ], dtype=tl.float32)
-    acc = tl.zeros([BQ, D], dtype=tl.float32)
-    for s0 in range(0, S_total, BS):
-        s = s0 + tl.arange(0, BS)
-        sm = s < S_total
-        r = (pid.to(tl.int64) * S_total + s)[:, None] * BQ + rq[None, :]  # (BS, BQ)
-        m_s = tl.load(pm_ptr + r, mask=sm[:, None], other=float("-inf"))
-        l_s = tl.load(pl_ptr + r, mask=sm[:, None], other=0.0)
-        o_s = tl.load(po_ptr + r[:, :, None] * D + d[None, None, :], mask=sm[:, None, None], other=0.0)
-        m_new = tl.maximum(m_run, tl.max(m_s, axis=0))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_run - m_use)
-        w = tl.exp2(m_s - m_use[None, :])  # (BS, BQ); 0 for empty splits
-        l_run = l_run * alpha + tl.sum(l_s * w, axis=0)
-        acc = acc * alpha[:, None] + tl.sum(o_s * w[:, :, None], axis=0)
-        m_run = m_new
-    row = qb * BQ + rq
-    rmask = row < n_rep * L_q
-    out = acc / tl.where(l_run > 0, l_run, 1.0)[:, None]
-    o_off = b.to(tl.int64) * s_ob + (h * n_rep + row // L_q).to(tl.int64) * s_oh + (row % L_q) * s_ol
-    tl.store(o_ptr + o_off[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
+__all__ = ["SUPPORTED_HEAD_DIMS", "code_widths", "split_precision_attention"]
 
 
 @functools.cache
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _check_levels(lv, i: int, bits: int, vbits: int, device: torch.device) -> torch.Tensor:
-    """A segment's 12th item: fp32 levels ``(2**bits,)`` on ``device`` (a codebook's), made contiguous."""
-    if vbits != bits:
-        raise ValueError(f"segments[{i}] levels need keys and values of one width, got bits ({bits}, {vbits})")
-    ok = isinstance(lv, torch.Tensor) and lv.dtype == torch.float32 and lv.shape == (1 << bits,)
-    if not (ok and lv.device == device):
-        got = f"{lv.dtype} {tuple(lv.shape)} on {lv.device}" if isinstance(lv, torch.Tensor) else type(lv).__name__
-        raise ValueError(
-            f"segments[{i}] levels must be a float32 tensor of shape ({1 << bits},) on {device}, got {got}"
-        )
-    return lv.contiguous()
-
-
-def _full_scales(full_scales, fk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int8 full part's scales ``(B, H_kv, R, 1)`` (checked), or ``fk`` twice as an unused stand-in."""
-    if full_scales is None:
-        if fk.dtype == torch.int8:
-            raise ValueError("full_keys are int8 codes (an 8-bit full part): pass their full_scales")
-        return fk, fk
-    if fk.dtype != torch.int8:
-        raise ValueError(f"full_scales come with int8 full_keys / full_values (an 8-bit full part), got {fk.dtype}")
-    want = (*fk.shape[:3], 1)
-    for name, t in zip(("full_scales[0]", "full_scales[1]"), full_scales):
-        if not (
-            isinstance(t, torch.Tensor) and t.is_floating_point() and tuple(t.shape) == want and t.device == fk.device
-        ):
-            got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be a float tensor of shape {want} on {fk.device}, got {got}")
-    ks, vs = full_scales
-    if ks.stride() != vs.stride():
-        raise ValueError(f"full_scales[1] must have the strides of full_scales[0] {ks.stride()}, got {vs.stride()}")
-    return ks, vs
-
-
-def _scale_table(table, device: torch.device) -> torch.Tensor:
-    ok = isinstance(table, torch.Tensor) and table.dtype == torch.float32 and tuple(table.shape) == (256,)
-    if not (ok and table.device == device):
-        raise ValueError(
-            f"scale_table must be a float32 (256,) tensor on {device} (8-bit scales and zeros), got {table!r:.80}"
-        )
-    return table.contiguous()
-
-
-def code_widths(bits, i: int) -> tuple[int, int]:
-    """A segment's ``bits`` item -> ``(key_bits, value_bits)``: an int is both, a pair has ``value_bits <=
-    key_bits``."""
-    pair = tuple(bits) if isinstance(bits, (list, tuple)) and len(bits) == 2 else (bits, bits)
-    for b in pair:
-        check_bits(b)
-    if pair[1] > pair[0]:
-        raise ValueError(f"segments[{i}] value bits must be <= key bits, got bits {bits!r}")
-    return pair
-
-
-def _check_codes(k_codes, v_codes, bits: tuple[int, int], i: int, H_kv: int, D: int) -> None:
-    """Codes as wide as their declared bits: uint8 ``(H_kv, N, D * bits // 8)``, keys and values of one ``N`` (the
-    kernel reads by these widths, so a mismatch would read past the buffers)."""
-    n = k_codes.shape[1] if isinstance(k_codes, torch.Tensor) and k_codes.dim() == 3 else -1
-    for name, codes, b in (("k_codes", k_codes, bits[0]), ("v_codes", v_codes, bits[1])):
-        ok = isinstance(codes, torch.Tensor) and codes.dtype == torch.uint8 and codes.dim() == 3
-        if not (ok and tuple(codes.shape) == (H_kv, n, D * b // 8)):
-            got = f"{codes.dtype} {tuple(codes.shape)}" if isinstance(codes, torch.Tensor) else type(codes).__name__
-            raise ValueError(
-                f"segments[{i}].{name} must be uint8 of shape (H_kv={H_kv}, N, D*bits//8={D * b // 8}) for {b}-bit "
-                f"codes (keys and values of one N), got {got}"
-            )
-
-
-def _check_blocks(seg: tuple, i: int, H_kv: int, M: int, device: torch.device) -> list[torch.Tensor]:
-    """The block numbers ``(H_kv, M, 3)`` of a segment with 8-bit scales and zeros (items 13 and 14)."""
-    if len(seg) != 14:
-        raise ValueError(
-            f"segments[{i}] has uint8 scale and zero codes (8-bit scales and zeros) and needs k_block and v_block as "
-            f"items 13 and 14, got {len(seg)} items"
-        )
-    for name, blk in (("k_block", seg[12]), ("v_block", seg[13])):
-        ok = isinstance(blk, torch.Tensor) and blk.is_floating_point() and blk.device == device
-        if not (ok and tuple(blk.shape) == (H_kv, M, 3)):
-            got = f"{blk.dtype} {tuple(blk.shape)} on {blk.device}" if isinstance(blk, torch.Tensor) else blk
-            raise ValueError(
-                f"segments[{i}].{name} must be a float tensor (H_kv={H_kv}, M={M}, 3) on {device}, got {got}"
-            )
-    return [seg[12].contiguous(), seg[13].contiguous()]
-
-
-def _segment_args(seg: tuple | None, i: int, max_tokens: int | None, dummy: torch.Tensor):
-    """Kernel arguments of packed segment ``i`` (or of an empty stand-in), its key / value bits and group size,
-    whether it has levels, whether its scales and zeros are 8-bit codes, its longest sequence."""
-    if seg is None:
-        z = dummy
-        return [z, z, z, z, z, z, z, z, z, z, z, 0, 0, 1], (2, 2), 1, False, False, 0
-    if len(seg) not in (11, 12, 14):
-        raise ValueError(
-            f"segments[{i}] must have 11 items, 12 with levels, or 14 with levels (or None) and the blocks of 8-bit "
-            f"scales and zeros, got {len(seg)}"
-        )
-    bits, chunk_size, group_size, *tensors, tok, chk = seg[:11]
-    bits = code_widths(bits, i)
-    _check_codes(tensors[0], tensors[3], bits, i, dummy.shape[1], dummy.shape[3])
-    has_levels = len(seg) > 11 and seg[11] is not None
-    levels = _check_levels(seg[11], i, *bits, dummy.device) if has_levels else None
-    p8 = isinstance(tensors[1], torch.Tensor) and tensors[1].dtype == torch.uint8
-    tensors = [t.contiguous() for t in tensors]
-    blocks = _check_blocks(seg, i, dummy.shape[1], tensors[1].shape[1], dummy.device) if p8 else [dummy, dummy]
-    if max_tokens is None:
-        max_tokens = int((tok[1:] - tok[:-1]).max()) if tok.numel() > 1 else 0
-    lv = dummy if levels is None else levels
-    args = [*tensors, tok, chk, lv, *blocks, tensors[0].shape[1], tensors[1].shape[1], chunk_size]
-    return args, bits, group_size, levels is not None, p8, max_tokens
 
 
 def split_precision_attention(
@@ -533,13 +53,10 @@ def split_precision_attention(
             ``full_scales`` (an 8-bit full part): int8 codes, read as ``code * scale`` of their token.
         full_start: int32 ``(B,)`` on the query's device.
         segments: at most two packed segments, each ``(bits, chunk_size, group_size, k_codes, k_scale, k_zero,
-            v_codes, v_scale, v_zero, tok_off, chunk_off[, levels])`` with int32 offsets ``(B+1,)``; ``bits`` is one
-            width for keys and values or a pair ``(key_bits, value_bits)`` with ``value_bits <= key_bits``; ``levels``
-            (a codebook's): fp32 ``(2**bits,)`` on the query's device, code ``c`` then dequantizes as
-            ``levels[c] * scale + zero`` instead of ``c * scale + zero``. 8-bit scales and zeros
-            (``hf_cocktail.storage.params8``): ``k_scale`` ... ``v_zero`` uint8 codes, then ``levels`` (or None),
-            ``k_block`` and ``v_block`` ``(H_kv, M, 3)`` as items 12 to 14; decoded in registers with
-            ``scale_table``.
+            v_codes, v_scale, v_zero, tok_off, chunk_off)`` with int32 offsets ``(B+1,)``; ``bits`` is one width for
+            keys and values or a pair ``(key_bits, value_bits)`` with ``value_bits <= key_bits``. 8-bit scales and
+            zeros (``hf_cocktail.storage.params8``): ``k_scale`` ... ``v_zero`` uint8 codes, then ``k_block`` and
+            ``v_block`` ``(H_kv, M, 3)`` as items 12 and 13; decoded in registers with ``scale_table``.
         scaling: softmax scale (usually ``D ** -0.5``).
         max_tokens: per segment, the most tokens one sequence owns; min_full_start: ``min(full_start)``. Computed
             from the tensors when not given (a device sync).
@@ -576,11 +93,11 @@ def split_precision_attention(
     segs = list(segments) + [None] * (2 - len(segments))
     maxes = list(max_tokens) if max_tokens is not None else [None] * len(segments)
     maxes += [None] * (2 - len(maxes))
-    (a_args, bits_a, g_a, lv_a, p8_a, len_a), (b_args, bits_b, g_b, lv_b, p8_b, len_b) = (
-        _segment_args(s, i, m, fk) for i, (s, m) in enumerate(zip(segs, maxes))
+    (a_args, bits_a, g_a, p8_a, len_a), (b_args, bits_b, g_b, p8_b, len_b) = (
+        segment_args(s, i, m, fk) for i, (s, m) in enumerate(zip(segs, maxes))
     )
-    fks, fvs = _full_scales(full_scales, fk)
-    table = _scale_table(scale_table, query.device) if p8_a or p8_b else fk
+    fks, fvs = full_scales_args(full_scales, fk)
+    table = scale_table_arg(scale_table, query.device) if p8_a or p8_b else fk
     len_full = R - (int(full_start.min()) if min_full_start is None else min_full_start)
     P = B * H_kv * n_qb
     if tokens_per_split is None:
@@ -603,7 +120,7 @@ def split_precision_attention(
     part_l = torch.empty_like(part_m)
     out = torch.empty((B, H_q, Lq, D), dtype=query.dtype, device=dev)
     with torch.cuda.device(dev) if query.is_cuda else contextlib.nullcontext():
-        _split_attn_kernel[(P, S_total)](
+        split_attn_kernel[(P, S_total)](
             query,
             query.stride(0),
             query.stride(1),
@@ -641,16 +158,14 @@ def split_precision_attention(
             BITS_A=bits_a[0],
             VBITS_A=bits_a[1],
             G_A=g_a,
-            LV_A=lv_a,
             BITS_B=bits_b[0],
             VBITS_B=bits_b[1],
             G_B=g_b,
-            LV_B=lv_b,
             P8_A=p8_a,
             P8_B=p8_b,
             F8=full_scales is not None,
         )
-        _merge_kernel[(P,)](
+        merge_kernel[(P,)](
             part_o,
             part_m,
             part_l,

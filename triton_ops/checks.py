@@ -7,27 +7,11 @@ import os
 import torch
 
 SUPPORTED_BITS = (2, 3, 4)  # packed code widths; INT3 as a 2-bit plane then a 1-bit plane (the reference's layout)
-LEVEL_TABLE_BITS = (2, 3)  # bit widths the quantizers also write for a table of levels (``levels=``, a codebook)
 
 
 def check_bits(bits: int) -> None:
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
-
-
-def boundaries(levels, bits: int, device: torch.device) -> torch.Tensor | None:
-    """fp32 ``(2**bits - 1,)`` on ``device``: the midpoints of a level table (``levels``: float32 ``(2**bits,)``, bits
-    in :data:`LEVEL_TABLE_BITS`), computed as ``hf_cocktail.storage.quant.level_tensors`` does; ``None`` for ``None``
-    (uniform levels)."""
-    if levels is None:
-        return None
-    if bits not in LEVEL_TABLE_BITS:
-        raise ValueError(f"levels apply to bits {LEVEL_TABLE_BITS}, got bits={bits!r}")
-    if not (isinstance(levels, torch.Tensor) and levels.dtype == torch.float32 and levels.shape == (1 << bits,)):
-        got = f"{levels.dtype} {tuple(levels.shape)}" if isinstance(levels, torch.Tensor) else type(levels).__name__
-        raise ValueError(f"levels must be a float32 tensor of shape ({1 << bits},), got {got}")
-    levels = levels.to(device)
-    return ((levels[1:] + levels[:-1]) * 0.5).contiguous()
 
 
 def channel_multiple(bits: int) -> int:

@@ -3,9 +3,7 @@
 
 Shapes: H_kv heads, N tokens, D head dim, C chunk size (key group along tokens), G value group size (channels),
 M = ceil(N / C) chunks, Dp = D * bits // 8 packed bytes per token (bits 4, 3 or 2; INT3 as a 2-bit plane then a
-1-bit plane, the reference's layout). With a table of levels (``levels=``, a codebook's, at 2 and 3 bits), ``u = (x
-- zero) * (1 / scale)`` gets the code that counts the fp32 boundaries not above it (:func:`.checks.boundaries`, the
-midpoints of the levels; a NaN ``u`` counts them all, as ``torch.bucketize``) instead of ``floor(u + 0.5)``.
+1-bit plane, the reference's layout).
 
 Bit-exactness with the reference: min/max and all arithmetic in fp32, divisions correctly rounded
 (``div_rn``, Triton's ``/`` is approximate on GPU), no FMA contraction (``enable_fp_fusion=False``), and scales /
@@ -20,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import boundaries, check_bits, check_device, check_finite, check_head_dim
+from .checks import check_bits, check_device, check_finite, check_head_dim
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 _TILE = 4096  # elements of one (tokens x channels) tile held in registers
@@ -42,18 +40,12 @@ def _round_to(x, SD: tl.constexpr):
 
 
 @triton.jit
-def _quantize(x, zero, scale, bounds_ptr, BITS: tl.constexpr, NB: tl.constexpr):
+def _quantize(x, zero, scale, BITS: tl.constexpr):
     """int32 codes of ``u = (x - zero) * (1/scale)`` (``u = 0`` where ``scale == 0``): ``clamp(floor(u + 0.5), 0,
-    2**BITS - 1)``, or with ``NB > 0`` boundaries (fp32 ``bounds_ptr[0:NB]``) the number of them not above ``u``."""
+    2**BITS - 1)``."""
     inv = tl.where(scale > 0, tl.math.div_rn(1.0, tl.where(scale > 0, scale, 1.0)), 0.0)
     u = (x - zero) * inv
-    if NB == 0:
-        q = tl.minimum(tl.maximum(tl.floor(u + 0.5), 0.0), (1 << BITS) - 1).to(tl.int32)
-    else:
-        q = 1 - (u < tl.load(bounds_ptr)).to(tl.int32)  # not (u < b): NaN counts, as in the reference
-        for j in tl.static_range(1, NB):
-            q += 1 - (u < tl.load(bounds_ptr + j)).to(tl.int32)
-    return q
+    return tl.minimum(tl.maximum(tl.floor(u + 0.5), 0.0), (1 << BITS) - 1).to(tl.int32)
 
 
 @triton.jit
@@ -91,7 +83,6 @@ def _quant_keys_kernel(
     codes_ptr,
     scale_ptr,
     zero_ptr,
-    bounds_ptr,
     N,
     C,
     s_kh,
@@ -101,7 +92,6 @@ def _quant_keys_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BITS: tl.constexpr,
-    NB: tl.constexpr,
     SD: tl.constexpr,
 ):
     """One program per (head, chunk): per-channel min/max over the chunk's valid tokens, then quantize and pack."""
@@ -135,7 +125,7 @@ def _quant_keys_kernel(
         x = tl.load(
             k_base + t[:, None].to(tl.int64) * s_kn + d[None, :], mask=tmask[:, None] & dmask[None, :], other=0.0
         ).to(tl.float32)
-        q = _quantize(x, zero[None, :], scale[None, :], bounds_ptr, BITS, NB)
+        q = _quantize(x, zero[None, :], scale[None, :], BITS)
         _store_packed(c_base + t.to(tl.int64) * DP, q, tmask, BLOCK_T, BLOCK_D, D, BITS)
 
 
@@ -145,7 +135,6 @@ def _quant_values_kernel(
     codes_ptr,
     scale_ptr,
     zero_ptr,
-    bounds_ptr,
     N,
     s_vh,
     s_vn,
@@ -154,7 +143,6 @@ def _quant_values_kernel(
     NG_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BITS: tl.constexpr,
-    NB: tl.constexpr,
     SD: tl.constexpr,
 ):
     """One program per (head, block of tokens): per-token min/max over groups of G channels."""
@@ -178,7 +166,7 @@ def _quant_values_kernel(
     sz_off = (h.to(tl.int64) * N + t64[:, None]) * NG + g[None, :]
     tl.store(scale_ptr + sz_off, scale, mask=gmask)
     tl.store(zero_ptr + sz_off, zero, mask=gmask)
-    q = tl.reshape(_quantize(x, zero[:, :, None], scale[:, :, None], bounds_ptr, BITS, NB), [BLOCK_N, NG_P * G])
+    q = tl.reshape(_quantize(x, zero[:, :, None], scale[:, :, None], BITS), [BLOCK_N, NG_P * G])
     _store_packed(codes_ptr + (h.to(tl.int64) * N + t64) * DP, q, tmask, BLOCK_N, NG_P * G, D, BITS)
 
 
@@ -208,21 +196,11 @@ def _device_ctx(x: torch.Tensor):
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
-def _bounds_args(levels, bits: int, dummy: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The kernels' ``(bounds_ptr, NB)``: the level table's boundaries and their count, or ``(dummy, 0)`` (unread)."""
-    b = boundaries(levels, bits, dummy.device)
-    return (dummy, 0) if b is None else (b, b.numel())
-
-
-def quantize_pack_keys(
-    k: torch.Tensor, bits: int, chunk_size: int, scale_dtype: torch.dtype | None = None, levels=None
-):
+def quantize_pack_keys(k: torch.Tensor, bits: int, chunk_size: int, scale_dtype: torch.dtype | None = None):
     """Triton version of :func:`hf_cocktail.storage.quant.quantize_pack_keys` (same arguments, bit-identical results).
 
     Args:
         k: ``(H_kv, N, D)`` chunk-ordered keys (chunks of ``chunk_size`` = C tokens, the last may be partial).
-        levels: ``None`` (uniform levels) or, for bits 2 / 3, a codebook's float32 ``(2**bits,)`` level table
-            (``hf_cocktail.storage.quant.level_tensors(codebook, ...)[0]``: the reference's ``codebook=``).
 
     Returns:
         ``codes uint8 (H_kv, N, D*bits//8)``, ``scale (H_kv, M, D)``, ``zero (H_kv, M, D)`` with ``M = ceil(N/C)``.
@@ -243,14 +221,12 @@ def quantize_pack_keys(
         k = k.contiguous()
     block_d = triton.next_power_of_2(D)
     block_t = min(triton.next_power_of_2(chunk_size), max(1, _TILE // block_d))
-    bounds, nb = _bounds_args(levels, bits, scale)
     with _device_ctx(k):
         _quant_keys_kernel[(H, M)](
             k,
             codes,
             scale,
             zero,
-            bounds,
             N,
             chunk_size,
             k.stride(0),
@@ -260,7 +236,6 @@ def quantize_pack_keys(
             BLOCK_D=block_d,
             BLOCK_T=block_t,
             BITS=bits,
-            NB=nb,
             SD=_TL_DTYPES[scale_dtype],
             enable_fp_fusion=False,
         )
@@ -268,13 +243,11 @@ def quantize_pack_keys(
     return codes, scale, zero
 
 
-def quantize_pack_values(
-    v: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype | None = None, levels=None
-):
+def quantize_pack_values(v: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype | None = None):
     """Triton version of :func:`hf_cocktail.storage.quant.quantize_pack_values` (same arguments, bit-identical results).
 
     Args:
-        v: ``(H_kv, N, D)``; ``group_size`` (G) must divide D. ``levels``: as for :func:`quantize_pack_keys`.
+        v: ``(H_kv, N, D)``; ``group_size`` (G) must divide D.
 
     Returns:
         ``codes uint8 (H_kv, N, D*bits//8)``, ``scale (H_kv, N, D//G)``, ``zero (H_kv, N, D//G)``.
@@ -297,14 +270,12 @@ def quantize_pack_values(
         v = v.contiguous()
     ng_p = triton.next_power_of_2(NG)
     block_n = max(1, _TILE // (ng_p * group_size))
-    bounds, nb = _bounds_args(levels, bits, scale)
     with _device_ctx(v):
         _quant_values_kernel[(H, triton.cdiv(N, block_n))](
             v,
             codes,
             scale,
             zero,
-            bounds,
             N,
             v.stride(0),
             v.stride(1),
@@ -313,7 +284,6 @@ def quantize_pack_values(
             NG_P=ng_p,
             BLOCK_N=block_n,
             BITS=bits,
-            NB=nb,
             SD=_TL_DTYPES[scale_dtype],
             enable_fp_fusion=False,
         )

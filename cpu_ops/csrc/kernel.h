@@ -1,274 +1,15 @@
 // The computation of cpu_ops' fused split-precision decode attention. split_attention.cpp includes this file twice,
 // into namespace `base` (the compiler's baseline target) and into namespace `avx2` (under #pragma GCC target
 // "avx2,fma,f16c"), and picks one at run time; so there is no include guard. The types (Problem, Segment, WorkItem,
-// DType), kBlock and the SHUFFLE8 macro come from that file.
+// DType), kBlock and the SHUFFLE8 macro come from that file. The vector helpers are in kernel_simd.h, the unpacking
+// of packed segments into tiles in kernel_unpack.h (included here, in this order).
 //
 // Notation: rows = n_rep * L_q query rows of one kv head (row r = rep * L_q + i), D head dim (a multiple of 8),
 // G value group size, NG = D / G. Per work item the tokens go in blocks of at most kBlock tokens (a block never
 // crosses a key chunk); a block's keys and values are unpacked into two small (kBlock, D) fp32 tiles that stay in L1.
 
-// 8-lane vectors (GCC / Clang vector extensions): AVX registers in the avx2 build, pairs of SSE registers otherwise.
-// They are declared here, under the target pragma: a vector type declared outside it would not get an AVX mode.
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef uint16_t v8u16 __attribute__((vector_size(16)));
-typedef uint8_t v8u8 __attribute__((vector_size(8)));
-
-static inline v8f load8(const float* p) {
-  v8f v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-static inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
-static inline v8f bcast(float x) { return v8f{} + x; }
-static inline v8f as_float(v8i x) { return (v8f)x; }  // bit casts
-static inline v8i as_int(v8f x) { return (v8i)x; }
-static inline float hsum(v8f v) {
-  float s = 0.0f;
-  for (int i = 0; i < 8; ++i) s += v[i];
-  return s;
-}
-
-// Lane-wise (a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7), like x86's vhaddps.
-static inline v8f hadd(v8f a, v8f b) {
-  return SHUFFLE8(a, b, 0, 2, 8, 10, 4, 6, 12, 14) + SHUFFLE8(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
-}
-
-// Lane j of the result is the sum of the 8 lanes of a[j] (8 dot products finished at once).
-static inline v8f sum_lanes8(const v8f* a) {
-  const v8f x = hadd(hadd(a[0], a[1]), hadd(a[2], a[3])), y = hadd(hadd(a[4], a[5]), hadd(a[6], a[7]));
-  return SHUFFLE8(x, y, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE8(x, y, 4, 5, 6, 7, 12, 13, 14, 15);
-}
-
-// 2**x for x <= 0, lane-wise (Cephes exp2f polynomial, rel. error < 2e-7); 0 for x < -126, including -inf; NaN
-// stays NaN (a NaN score poisons the row, as in the reference).
-static inline v8f exp2_neg(v8f x) {
-  const v8i keep = ~(x < bcast(-126.0f));  // lanes of -1 (keep) / 0
-  x = as_float((as_int(x) & keep) | (as_int(bcast(-126.0f)) & ~keep));
-  const v8i i = __builtin_convertvector(x - 0.5f, v8i);  // round to nearest (x <= 0): f in [-0.5, 0.5]
-  const v8f f = x - __builtin_convertvector(i, v8f);
-  v8f p = bcast(1.535336188319500e-4f);
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  const v8f y = (p * f + 1.0f) * as_float((i + 127) << 23);  // times 2**i
-  return as_float(as_int(y) & keep);
-}
-
-// 8 bytes, zero-extended to 8 int32 lanes.
-static inline v8i load_bytes8(const uint8_t* p) {
-#ifdef CPU_OPS_AVX2  // GCC turns the generic conversion into byte-by-byte inserts
-  return (v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-#else
-  v8u8 bytes;
-  std::memcpy(&bytes, p, 8);
-  return __builtin_convertvector(bytes, v8i);
-#endif
-}
-
-// n elements (a multiple of 8 or not) of a float32 / bfloat16 / float16 array from element offset off -> fp32.
-static inline void to_float(const void* src, DType dt, int64_t off, int64_t n, float* dst) {
-  if (dt == DType::F32) {
-    std::memcpy(dst, static_cast<const float*>(src) + off, n * sizeof(float));
-    return;
-  }
-  const uint16_t* s = static_cast<const uint16_t*>(src) + off;
-  int64_t i = 0;
-  if (dt == DType::BF16) {
-    for (; i + 8 <= n; i += 8) {
-      v8u16 h;
-      std::memcpy(&h, s + i, sizeof(h));
-      const v8i u = __builtin_convertvector(h, v8i) << 16;
-      store8(dst + i, as_float(u));
-    }
-    for (; i < n; ++i) {
-      const uint32_t u = static_cast<uint32_t>(s[i]) << 16;
-      std::memcpy(dst + i, &u, 4);
-    }
-    return;
-  }
-#ifdef CPU_OPS_AVX2  // defined by split_attention.cpp for the avx2 build
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
-#endif
-  for (; i < n; ++i) dst[i] = c10::detail::fp16_ieee_to_fp32_value(s[i]);
-}
-
-// y = x . M (transpose false: y[e] = sum_d x[d] M[d, e]) or x . M^T (y[e] = sum_d x[d] M[e, d]); M (D, D) fp32.
-static void times_matrix(const float* x, const float* M, int D, bool transpose, float* y) {
-  if (!transpose) {
-    for (int e = 0; e < D; e += 8) store8(y + e, v8f{});
-    for (int d = 0; d < D; ++d) {
-      const v8f w = bcast(x[d]);
-      const float* row = M + static_cast<int64_t>(d) * D;
-      for (int e = 0; e < D; e += 8) store8(y + e, load8(y + e) + w * load8(row + e));
-    }
-    return;
-  }
-  for (int e = 0; e < D; ++e) {
-    const float* row = M + static_cast<int64_t>(e) * D;
-    v8f acc{};
-    for (int d = 0; d < D; d += 8) acc += load8(x + d) * load8(row + d);
-    y[e] = hsum(acc);
-  }
-}
-
-// D int8 codes of one token of an 8-bit full part -> fp32 code * scale (hf_cocktail.quant.dequantize_tokens8).
-static inline void int8_to_float(const int8_t* src, float scale, int D, float* dst) {
-  typedef int8_t v8s8 __attribute__((vector_size(8)));
-  for (int d = 0; d < D; d += 8) {
-    v8s8 c;
-    std::memcpy(&c, src + d, sizeof(c));
-    store8(dst + d, __builtin_convertvector(__builtin_convertvector(c, v8i), v8f) * scale);
-  }
-}
-
-// n scales and zeros of a packed segment from element offset off -> fp32: numbers of the segment's dtype, or 8-bit
-// codes decoded with their block blk (s_max, z_lo, z_step): s_max * table[code] and z_lo + code * z_step
-// (hf_cocktail.params8.decode_params8).
-static inline void load_params(const Segment& g, const void* scale, const void* zero, const void* block, int64_t off,
-                               int64_t blk, int64_t n, float* s, float* z) {
-  if (!g.k_block) {
-    to_float(scale, g.s_dtype, off, n, s);
-    to_float(zero, g.s_dtype, off, n, z);
-    return;
-  }
-  float b[3];
-  to_float(block, g.b_dtype, 3 * blk, 3, b);
-  const uint8_t *sc = static_cast<const uint8_t*>(scale) + off, *zc = static_cast<const uint8_t*>(zero) + off;
-  for (int64_t i = 0; i < n; ++i) {
-    s[i] = b[0] * g.table[sc[i]];
-    const float step = static_cast<float>(zc[i]) * b[2];
-    z[i] = b[1] + step;
-  }
-}
-
-// Channel order of a packed segment's tiles. Whole groups of 8 code bytes are unpacked one byte per lane and one
-// plane (bit offset j * BITS) at a time, so tile position 8 * (PER * k + j) + i holds channel PER * (8 * k + i) + j
-// (PER = 8 / BITS codes per byte); bytes after the last whole group of 8 are unpacked in channel order. Returns
-// perm: perm[pos] is the channel at tile position pos. q.k and P.V do not depend on the order, so a packed item
-// computes in this order and puts its output back in channel order at the end.
-template <int BITS>
-static std::vector<int> tile_order(int D) {
-  if constexpr (BITS == 3) return tile_order<2>(D);  // INT3: its 2-bit plane sets the order (unpack_token3)
-  constexpr int PER = 8 / BITS;
-  const int planar = ((D * BITS / 8) & ~7) * PER;  // channels of the whole groups of 8 bytes
-  std::vector<int> perm(D);
-  for (int pos = 0; pos < D; ++pos)
-    perm[pos] = pos < planar ? PER * (8 * (pos / (8 * PER)) + pos % 8) + pos / 8 % PER : pos;
-  return perm;
-}
-
-// 8 codes -> their levels in code units: the codes themselves (uniform levels, table null), or table[code] for a
-// codebook (hf_cocktail.quant.LLOYD_LEVELS; table: 8 floats, the levels padded with zeros).
-static inline v8f code_levels(v8i c, const float* table) {
-  if (!table) return __builtin_convertvector(c, v8f);
-#ifdef CPU_OPS_AVX2
-  return (v8f)_mm256_permutevar8x32_ps(_mm256_loadu_ps(table), (__m256i)c);
-#else
-  v8f x;
-  for (int i = 0; i < 8; ++i) x[i] = table[c[i]];
-  return x;
-#endif
-}
-
-// The codes of one token (D channels, PER per byte, low bits first) -> fp32 levels (code_levels) in tile order
-// (tile_order). With `scale`, values are dequantized on the way: level * scale[group] + zero[group], vgroup[v] being
-// the value group of tile lanes 8 * v ... 8 * v + 7.
-template <int BITS>
-static inline void unpack_token(const uint8_t* codes, int D, float* dst, const float* table, const float* scale = nullptr,
-                                const float* zero = nullptr, const int* vgroup = nullptr);
-
-// INT3 tokens (defined below)
-static inline void unpack_token3(const uint8_t* codes, int D, float* dst, const float* table, const float* scale,
-                                 const float* zero, const int* vgroup);
-
-template <int BITS>
-static inline void unpack_token(const uint8_t* codes, int D, float* dst, const float* table, const float* scale,
-                                const float* zero, const int* vgroup) {
-  if constexpr (BITS == 3) return unpack_token3(codes, D, dst, table, scale, zero, vgroup);
-  constexpr int PER = BITS == 3 ? 1 : 8 / BITS, MASK = (1 << BITS) - 1;
-  typedef typename std::conditional<BITS == 2, uint16_t, uint32_t>::type Word;  // the BITS bytes of 8 channels
-  const int Dp = D * BITS / 8, whole = Dp & ~7;
-  int v = 0;  // 8-lane vector of the tile
-  auto put = [&](v8i c) {
-    const v8f x = code_levels(c & MASK, table);
-    store8(dst + 8 * v, scale ? x * scale[vgroup[v]] + zero[vgroup[v]] : x);
-    ++v;
-  };
-  for (int b = 0; b < whole; b += 8) {  // 8 bytes, one per lane: PER vectors, one per bit plane
-    const v8i x = load_bytes8(codes + b);
-    for (int j = 0; j < PER; ++j) put(x >> (j * BITS));
-  }
-  for (int b = whole; b < Dp; b += BITS) {  // the rest in channel order: the bytes of 8 channels to all lanes
-    Word word;
-    std::memcpy(&word, codes + b, sizeof(Word));  // little end first, as the bytes hold the channels
-    put((v8i{} + static_cast<int32_t>(word)) >> (v8i{0, 1, 2, 3, 4, 5, 6, 7} * BITS));
-  }
-}
-
-// INT3 (hf_cocktail.quant's layout): the low two bits of every channel packed as INT2 (D / 4 bytes), then the high
-// bit of every channel, 8 per byte (channel d in byte D / 4 + d / 8 at bit d % 8). The low plane is unpacked in
-// INT2's tile order; in a whole group k of 8 low bytes (32 channels), lane i of vector j holds channel
-// 32k + 4i + j, whose high bit is bit 4i + j of the little-endian 32-bit word at high-plane byte 4k. Channels
-// after the whole groups are in channel order: lane i of the m-th 8 holds channel 8m + i, high bit i of byte m.
-static inline void unpack_token3(const uint8_t* codes, int D, float* dst, const float* table,
-                                 const float* scale = nullptr, const float* zero = nullptr,
-                                 const int* vgroup = nullptr) {
-  const int Dl = D / 4, whole = Dl & ~7;
-  const uint8_t* hi = codes + Dl;
-  int v = 0;
-  auto put = [&](v8i c) {
-    const v8f x = code_levels(c, table);
-    store8(dst + 8 * v, scale ? x * scale[vgroup[v]] + zero[vgroup[v]] : x);
-    ++v;
-  };
-  const v8i lane4 = v8i{0, 4, 8, 12, 16, 20, 24, 28}, lane1 = v8i{0, 1, 2, 3, 4, 5, 6, 7};
-  for (int b = 0; b < whole; b += 8) {
-    const v8i x = load_bytes8(codes + b);
-    uint32_t word;
-    std::memcpy(&word, hi + b / 2, sizeof(word));
-    const v8i w = v8i{} + static_cast<int32_t>(word);
-    for (int j = 0; j < 4; ++j) put(((x >> (2 * j)) & 3) | ((((w >> (lane4 + j)) & 1)) << 2));
-  }
-  for (int b = whole; b < Dl; b += 2) {  // 8 channels: 2 low bytes, 1 high byte
-    uint16_t low;
-    std::memcpy(&low, codes + b, sizeof(low));
-    const v8i h = v8i{} + static_cast<int32_t>(hi[b / 2]);
-    put((((v8i{} + static_cast<int32_t>(low)) >> (lane1 * 2)) & 3) | (((h >> lane1) & 1) << 2));
-  }
-}
-
-// Keys of n tokens of a packed segment into the key tile as levels (code units), in the keys' tile order.
-template <int BITS>
-static void unpack_key_block(const uint8_t* kc, int n, int D, const float* table, float* kt) {
-  const int Dp = D * BITS / 8;
-  for (int t = 0; t < n; ++t)
-    unpack_token<BITS>(kc + static_cast<int64_t>(t) * Dp, D, kt + static_cast<int64_t>(t) * D, table);
-}
-
-// Values of n tokens of a packed segment into the value tile, dequantized, in the values' tile order; vs / vz:
-// (n, NG) value scales / zeros. vgroup: the group of each 8 tile lanes, or null when lanes of one vector straddle
-// groups; then lane_g (the group of each tile position) gives per-lane scales. table: the codebook (code_levels).
-template <int BITS>
-static void unpack_value_block(const uint8_t* vc, int n, int D, int NG, const float* vs, const float* vz,
-                               const int* vgroup, const int* lane_g, const float* table, float* vt, float* lane_s,
-                               float* lane_z) {
-  const int Dp = D * BITS / 8;
-  for (int t = 0; t < n; ++t) {
-    const float *ts = vs + t * NG, *tz = vz + t * NG;
-    float* vrow = vt + static_cast<int64_t>(t) * D;
-    if (vgroup) {
-      unpack_token<BITS>(vc + static_cast<int64_t>(t) * Dp, D, vrow, table, ts, tz, vgroup);
-    } else {
-      unpack_token<BITS>(vc + static_cast<int64_t>(t) * Dp, D, vrow, table);
-      for (int p = 0; p < D; ++p) lane_s[p] = ts[lane_g[p]], lane_z[p] = tz[lane_g[p]];
-      for (int p = 0; p < D; p += 8) store8(vrow + p, load8(vrow + p) * load8(lane_s + p) + load8(lane_z + p));
-    }
-  }
-}
+#include "kernel_simd.h"
+#include "kernel_unpack.h"
 
 // s[r * kBlock + t] = bias[r] + q[r, :] . k[t, :] for t < n8 (n8 a multiple of 8; q: rows x D, k: n8 x D).
 static inline void block_scores(const float* q, const float* bias, const float* k, int rows, int n8, int D, float* s) {
@@ -403,8 +144,6 @@ static void run_item(const Problem& P, const WorkItem& w, float* m, float* l, fl
   }
   std::vector<float> qp(static_cast<size_t>(rows) * D), qs(qp.size()), kscale(D), kzero(D), ks_tile(D),
       vsc(static_cast<size_t>(kBlock) * NG), vze(vsc.size()), lane_s(D), lane_z(D);
-  float table[8] = {};  // the codebook's levels, padded to 8 lanes (code_levels); unused for uniform levels
-  if (g.levels) std::copy(g.levels, g.levels + (1 << g.bits), table);
   for (int r = 0; r < rows; ++r)  // the queries in tile order
     for (int p = 0; p < D; ++p) qp[r * D + p] = q[static_cast<int64_t>(r) * D + kperm[p]];
   const uint8_t* kc = g.k_codes + static_cast<int64_t>(w.h) * g.N * kDp;
@@ -417,7 +156,7 @@ static void run_item(const Problem& P, const WorkItem& w, float* m, float* l, fl
   for (int64_t a = w.lo; a < w.hi;) {
     const int64_t c = c0 + (a - t0) / g.C;  // the chunk of token a; the block ends at the chunk's end
     const int n = static_cast<int>(std::min<int64_t>({kBlock, w.hi - a, t0 + (c - c0 + 1) * g.C - a}));
-    if (c != chunk) {  // keys: q . k_t = sum_d (q_d * s_cd) * level_td + sum_d q_d * z_cd, scales once per chunk
+    if (c != chunk) {  // keys: q . k_t = sum_d (q_d * s_cd) * code_td + sum_d q_d * z_cd, scales once per chunk
       chunk = c;
       const int64_t blk = static_cast<int64_t>(w.h) * g.M + c;
       load_params(g, g.k_scale, g.k_zero, g.k_block, blk * D, blk, D, kscale.data(), kzero.data());
@@ -431,14 +170,13 @@ static void run_item(const Problem& P, const WorkItem& w, float* m, float* l, fl
         bias[r] = hsum(bz);
       }
     }
-    // values: level * vs + vz per token and group of G channels, dequantized into the tile (shared by all rows)
+    // values: code * vs + vz per token and group of G channels, dequantized into the tile (shared by all rows)
     const int64_t voff = (static_cast<int64_t>(w.h) * g.N + a) * NG;  // (the values' blocks: one per chunk too)
     load_params(g, g.v_scale, g.v_zero, g.v_block, voff, static_cast<int64_t>(w.h) * g.M + c,
                 static_cast<int64_t>(n) * NG, vsc.data(), vze.data());
-    const float* levels = g.levels ? table : nullptr;
-    unpack_keys(kc + a * kDp, n, D, levels, kt.data());
+    unpack_keys(kc + a * kDp, n, D, kt.data());
     unpack_values(vc + a * vDp, n, D, NG, vsc.data(), vze.data(), uniform ? vgroup.data() : nullptr, lane_g.data(),
-                  levels, vt.data(), lane_s.data(), lane_z.data());
+                  vt.data(), lane_s.data(), lane_z.data());
     block_scores(qs.data(), bias.data(), kt.data(), rows, clear_tail(n), D, s.data());
     finish_block(n);
     a += n;

@@ -6,8 +6,7 @@
 //
 // The arithmetic is the reference's, operation by operation in fp32: scale = (max - min) / qmax and zero = min,
 // each rounded to the scale dtype (c10::Half / c10::BFloat16: round to nearest even, as torch's .to()); then with
-// s32, z32 those values in fp32, inv = s32 > 0 ? 1 / s32 : 0 and code = clamp(floor((x - z32) * inv + 0.5), 0, qmax),
-// or with a codebook the number of its boundaries not above (x - z32) * inv (level_code_of).
+// s32, z32 those values in fp32, inv = s32 > 0 ? 1 / s32 : 0 and code = clamp(floor((x - z32) * inv + 0.5), 0, qmax).
 // So this file is compiled without floating-point contraction (no fused multiply-add; see the pragmas below) and
 // without -ffast-math (never reordered); the baseline target has no FMA instruction anyway.
 //
@@ -124,39 +123,17 @@ inline void pack(const uint8_t* __restrict q, int64_t D, uint8_t* __restrict out
   }
 }
 
-// A codebook's code (hf_cocktail.quant: codebook "lloyd"): the number of the qmax ascending boundaries b (midpoints
-// of the levels) that are not above u = (x - z) * inv, counted as !(u < b[j]) so that a NaN u gets qmax, as
-// torch.bucketize(u, b, right=True) gives.
-template <int BITS>
-inline uint8_t level_code_of(float x, float z, float inv, const float* __restrict b) {
-  constexpr int kQmax = (1 << BITS) - 1;
-  const float d = x - z;
-  const float u = d * inv;
-  int c = 0;
-  for (int j = 0; j < kQmax; ++j) c += !(u < b[j]);
-  return static_cast<uint8_t>(c);
-}
-
-// Codes of n inputs whose zero / inverse scale are per input (keys: per channel) or one for all (values: a group);
-// bounds: a codebook's boundaries, or null for uniform levels. (Pointers are restrict and n a parameter: a uint8_t
-// store may alias anything, which would otherwise keep the compiler from vectorizing.)
+// Codes of n inputs whose zero / inverse scale are per input (keys: per channel) or one for all (values: a group).
+// (Pointers are restrict and n a parameter: a uint8_t store may alias anything, which would otherwise keep the
+// compiler from vectorizing.)
 template <int BITS>
 inline void encode(const float* __restrict x, const float* __restrict z, const float* __restrict inv, int64_t n,
-                   const float* __restrict bounds, uint8_t* __restrict q) {
-  if (bounds) {
-    for (int64_t i = 0; i < n; ++i) q[i] = level_code_of<BITS>(x[i], z[i], inv[i], bounds);
-  } else {
-    for (int64_t i = 0; i < n; ++i) q[i] = code_of<BITS>(x[i], z[i], inv[i]);
-  }
+                   uint8_t* __restrict q) {
+  for (int64_t i = 0; i < n; ++i) q[i] = code_of<BITS>(x[i], z[i], inv[i]);
 }
 template <int BITS>
-inline void encode(const float* __restrict x, float z, float inv, int64_t n, const float* __restrict bounds,
-                   uint8_t* __restrict q) {
-  if (bounds) {
-    for (int64_t i = 0; i < n; ++i) q[i] = level_code_of<BITS>(x[i], z, inv, bounds);
-  } else {
-    for (int64_t i = 0; i < n; ++i) q[i] = code_of<BITS>(x[i], z, inv);
-  }
+inline void encode(const float* __restrict x, float z, float inv, int64_t n, uint8_t* __restrict q) {
+  for (int64_t i = 0; i < n; ++i) q[i] = code_of<BITS>(x[i], z, inv);
 }
 
 // Min, max and a finiteness sentinel (sum of x * 0: 0 for finite inputs, NaN as soon as one is NaN or inf) of n
@@ -197,8 +174,7 @@ inline void group_stats(const float* x, int64_t n, float& mn, float& mx, float& 
 }
 
 template <typename T, typename S, int BITS>
-int64_t keys_impl(const T* k, int64_t H, int64_t N, int64_t D, int64_t C, const float* bounds, uint8_t* codes, S* scale,
-                  S* zero) {
+int64_t keys_impl(const T* k, int64_t H, int64_t N, int64_t D, int64_t C, uint8_t* codes, S* scale, S* zero) {
   const int64_t M = (N + C - 1) / C, Dp = D * BITS / 8;
   std::atomic<int64_t> status{0};
   at::parallel_for(0, H * M, std::max<int64_t>(1, kGrainElements / (C * D)), [&](int64_t begin, int64_t end) {
@@ -233,7 +209,7 @@ int64_t keys_impl(const T* k, int64_t H, int64_t N, int64_t D, int64_t C, const 
       }
       uint8_t* out = codes + (h * N + t0) * Dp;
       for (int64_t r = 0; r < rows; ++r) {
-        encode<BITS>(x + r * D, z.data(), inv.data(), D, bounds, q.data());
+        encode<BITS>(x + r * D, z.data(), inv.data(), D, q.data());
         pack<BITS>(q.data(), D, out + r * Dp);
       }
     }
@@ -242,8 +218,7 @@ int64_t keys_impl(const T* k, int64_t H, int64_t N, int64_t D, int64_t C, const 
 }
 
 template <typename T, typename S, int BITS>
-int64_t values_impl(const T* v, int64_t rows_total, int64_t D, int64_t G, const float* bounds, uint8_t* codes,
-                    S* scale, S* zero) {
+int64_t values_impl(const T* v, int64_t rows_total, int64_t D, int64_t G, uint8_t* codes, S* scale, S* zero) {
   const int64_t NG = D / G, Dp = D * BITS / 8;
   std::atomic<int64_t> status{0};
   at::parallel_for(0, rows_total, std::max<int64_t>(1, kGrainElements / D), [&](int64_t begin, int64_t end) {
@@ -263,7 +238,7 @@ int64_t values_impl(const T* v, int64_t rows_total, int64_t D, int64_t G, const 
         } else if (!scale_zero<S, BITS>(mn, mx, s_out + g, z_out + g, z, inv)) {
           bad |= kOverflow;
         } else {
-          encode<BITS>(xg, z, inv, G, bounds, q.data() + g * G);
+          encode<BITS>(xg, z, inv, G, q.data() + g * G);
         }
       }
       if (bad) {
@@ -295,24 +270,13 @@ void check_args(const at::Tensor& x, int64_t bits, int64_t group, const at::Tens
                       ", ", groups_dim1, ", ", groups_dim2, ")");
 }
 
-// A codebook's boundaries (fp32, 2**bits - 1 of them, bits 2 or 3), or null for an empty tensor (uniform levels).
-const float* boundaries(const at::Tensor& bounds, int64_t bits) {
-  if (bounds.numel() == 0) return nullptr;
-  TORCH_CHECK_VALUE(bits <= 3 && bounds.scalar_type() == at::kFloat && bounds.is_contiguous() &&
-                        bounds.numel() == (1 << bits) - 1,
-                    "cpu_ops quantizer: bounds must be a contiguous float32 tensor of 2**bits - 1 boundaries for "
-                    "bits 2 or 3, got ", bounds.numel(), " for bits=", bits);
-  return bounds.const_data_ptr<float>();
-}
-
 }  // namespace
 
 int64_t quantize_keys(const at::Tensor& k, int64_t bits, int64_t chunk_size, const at::Tensor& codes,
-                      const at::Tensor& scale, const at::Tensor& zero, const at::Tensor& bounds) {
+                      const at::Tensor& scale, const at::Tensor& zero) {
   TORCH_CHECK_VALUE(chunk_size >= 1, "cpu_ops quantizer: chunk_size must be >= 1, got ", chunk_size);
   const int64_t H = k.dim() == 3 ? k.size(0) : 0, N = k.dim() == 3 ? k.size(1) : 0, D = k.dim() == 3 ? k.size(2) : 0;
   check_args(k, bits, chunk_size, codes, scale, zero, (N + chunk_size - 1) / chunk_size, D);
-  const float* b = boundaries(bounds, bits);
   if (H * N * D == 0) return 0;
   return with_float_type(k.scalar_type(), "keys", [&](auto tin) {
     using T = typename decltype(tin)::type;
@@ -323,21 +287,20 @@ int64_t quantize_keys(const at::Tensor& k, int64_t bits, int64_t chunk_size, con
       S* s = static_cast<S*>(scale.mutable_data_ptr());
       S* z = static_cast<S*>(zero.mutable_data_ptr());
       switch (bits) {
-        case 4: return keys_impl<T, S, 4>(src, H, N, D, chunk_size, b, c, s, z);
-        case 3: return keys_impl<T, S, 3>(src, H, N, D, chunk_size, b, c, s, z);
-        default: return keys_impl<T, S, 2>(src, H, N, D, chunk_size, b, c, s, z);
+        case 4: return keys_impl<T, S, 4>(src, H, N, D, chunk_size, c, s, z);
+        case 3: return keys_impl<T, S, 3>(src, H, N, D, chunk_size, c, s, z);
+        default: return keys_impl<T, S, 2>(src, H, N, D, chunk_size, c, s, z);
       }
     });
   });
 }
 
 int64_t quantize_values(const at::Tensor& v, int64_t bits, int64_t group_size, const at::Tensor& codes,
-                        const at::Tensor& scale, const at::Tensor& zero, const at::Tensor& bounds) {
+                        const at::Tensor& scale, const at::Tensor& zero) {
   TORCH_CHECK_VALUE(group_size >= 1 && v.dim() == 3 && v.size(2) % group_size == 0,
                     "cpu_ops quantizer: group_size must divide the head dim, got ", group_size);
   const int64_t H = v.size(0), N = v.size(1), D = v.size(2);
   check_args(v, bits, group_size, codes, scale, zero, N, D / group_size);
-  const float* b = boundaries(bounds, bits);
   if (H * N * D == 0) return 0;
   return with_float_type(v.scalar_type(), "values", [&](auto tin) {
     using T = typename decltype(tin)::type;
@@ -348,9 +311,9 @@ int64_t quantize_values(const at::Tensor& v, int64_t bits, int64_t group_size, c
       S* s = static_cast<S*>(scale.mutable_data_ptr());
       S* z = static_cast<S*>(zero.mutable_data_ptr());
       switch (bits) {
-        case 4: return values_impl<T, S, 4>(src, H * N, D, group_size, b, c, s, z);
-        case 3: return values_impl<T, S, 3>(src, H * N, D, group_size, b, c, s, z);
-        default: return values_impl<T, S, 2>(src, H * N, D, group_size, b, c, s, z);
+        case 4: return values_impl<T, S, 4>(src, H * N, D, group_size, c, s, z);
+        case 3: return values_impl<T, S, 3>(src, H * N, D, group_size, c, s, z);
+        default: return values_impl<T, S, 2>(src, H * N, D, group_size, c, s, z);
       }
     });
   });

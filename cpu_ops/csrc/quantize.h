@@ -13,14 +13,13 @@ namespace cpu_ops_quant {
 constexpr int64_t kNonFinite = 1;
 constexpr int64_t kOverflow = 2;
 
-// k (H, N, D) contiguous -> codes uint8 (H, N, D * bits / 8), scale / zero (H, ceil(N / chunk_size), D); bounds: a
-// codebook's fp32 boundaries (2**bits - 1, bits 2 or 3), or an empty tensor for uniform levels.
+// k (H, N, D) contiguous -> codes uint8 (H, N, D * bits / 8), scale / zero (H, ceil(N / chunk_size), D).
 int64_t quantize_keys(const at::Tensor& k, int64_t bits, int64_t chunk_size, const at::Tensor& codes,
-                      const at::Tensor& scale, const at::Tensor& zero, const at::Tensor& bounds);
+                      const at::Tensor& scale, const at::Tensor& zero);
 
-// v (H, N, D) contiguous -> codes uint8 (H, N, D * bits / 8), scale / zero (H, N, D / group_size); bounds as above.
+// v (H, N, D) contiguous -> codes uint8 (H, N, D * bits / 8), scale / zero (H, N, D / group_size).
 int64_t quantize_values(const at::Tensor& v, int64_t bits, int64_t group_size, const at::Tensor& codes,
-                        const at::Tensor& scale, const at::Tensor& zero, const at::Tensor& bounds);
+                        const at::Tensor& scale, const at::Tensor& zero);
 
 // 8-bit scales and zeros -> numbers (hf_cocktail.params8.decode_params8): scale_codes / zero_codes uint8 (H, R, K),
 // block (H, M, 3) float32 / bfloat16 / float16, block_of_row int64 (R,) or empty (M == R), table float32 (256,);

@@ -4,9 +4,9 @@
 //
 // Q.K and P.V are computed straight from the packed codes, block by block (one pass per segment, online softmax in
 // base 2); no dequantized copy of the cache is formed, only a (32 tokens x D) tile per block that stays in L1:
-//   keys (per channel within a chunk C): q . k_t = sum_d (q_d * s_cd) * level_td + sum_d q_d * z_cd, so the scales
-//     multiply the query once per chunk and the key tile holds the bare levels (the codes, or a codebook's levels);
-//   values (per token, groups of G): the tile holds level * vs + vz (one FMA per 8 channels and token, shared by all
+//   keys (per channel within a chunk C): q . k_t = sum_d (q_d * s_cd) * code_td + sum_d q_d * z_cd, so the scales
+//     multiply the query once per chunk and the key tile holds the bare codes;
+//   values (per token, groups of G): the tile holds code * vs + vz (one FMA per 8 channels and token, shared by all
 //     n_rep * L_q query rows), then P.V.
 // Work items are token ranges of one (sequence, kv head, source); they run on ATen's (OpenMP) thread pool and their
 // partial (max, sum, output) are merged by log-sum-exp, like flash decoding. The Python launcher
@@ -63,7 +63,6 @@ struct Segment {  // one packed segment; shapes as in cpu_ops.split_precision_at
   const void *k_scale, *k_zero, *v_scale, *v_zero;
   DType s_dtype;
   const int32_t *tok_off, *chunk_off;
-  const float* levels;  // the codebook's 2**bits levels (code units), or null for uniform levels
   // 8-bit scales and zeros (hf_cocktail.params8): k_scale ... v_zero hold uint8 codes, decoded in the inner loop as
   // scale = s_max * table[code], zero = z_lo + code * z_step from the chunk's block (H_kv, M, 3) of b_dtype numbers
   const void *k_block, *v_block;  // null: the scales and zeros are numbers of s_dtype
@@ -146,9 +145,9 @@ void check_offsets(const at::Tensor& off, int B, int64_t limit, const char* what
 }  // namespace
 
 // query (B, H_q, L_q, D) and full_keys / full_values (B, H_kv, R, D), unit last strides; full_start int32 (B,);
-// seg_tensors: per segment k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, tok_off, chunk_off, levels, k_block,
-// v_block (contiguous; levels fp32 (2**bits,) for a codebook, empty for uniform levels; k_block, v_block (H_kv, M, 3)
-// with 8-bit scales and zeros (then k_scale ... v_zero are their uint8 codes), else empty);
+// seg_tensors: per segment k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, tok_off, chunk_off, k_block, v_block
+// (contiguous; k_block, v_block (H_kv, M, 3) with 8-bit scales and zeros (then k_scale ... v_zero are their uint8
+// codes), else empty);
 // seg_ints: per segment key bits, value bits, chunk_size, group_size; baseline: run the baseline build even where AVX2 is there;
 // full_key_scales, full_value_scales: (B, H_kv, R, 1) for an int8 full part (full_keys / full_values its codes), else
 // empty; rot_q, rot_o: (H_kv, D, D) fp32 or empty (rotated storage); scale_table: (256,) fp32 or empty.
@@ -207,7 +206,7 @@ at::Tensor split_attention(const at::Tensor& query, const at::Tensor& full_keys,
                       "], got ", P.f_start[b]);
   P.n_seg = static_cast<int>(seg_ints.size() / 4);
   for (int i = 0; i < P.n_seg; ++i) {
-    const at::Tensor* t = seg_tensors.data() + 11 * i;
+    const at::Tensor* t = seg_tensors.data() + 10 * i;
     Segment& g = P.seg[i];
     g.bits = static_cast<int>(seg_ints[4 * i]);
     g.vbits = static_cast<int>(seg_ints[4 * i + 1]);
@@ -216,20 +215,16 @@ at::Tensor split_attention(const at::Tensor& query, const at::Tensor& full_keys,
     g.N = t[0].size(1), g.M = t[1].size(1);
     g.k_codes = t[0].data_ptr<uint8_t>(), g.v_codes = t[3].data_ptr<uint8_t>();
     g.k_scale = t[1].data_ptr(), g.k_zero = t[2].data_ptr(), g.v_scale = t[4].data_ptr(), g.v_zero = t[5].data_ptr();
-    g.k_block = t[9].numel() ? t[9].data_ptr() : nullptr;
-    g.v_block = t[10].numel() ? t[10].data_ptr() : nullptr;
+    g.k_block = t[8].numel() ? t[8].data_ptr() : nullptr;
+    g.v_block = t[9].numel() ? t[9].data_ptr() : nullptr;
     if (g.k_block) {
       TORCH_CHECK_VALUE(scale_table.numel() == 256, "segments[", i, "]: 8-bit scales and zeros need scale_table");
-      g.b_dtype = dtype_of(t[9]);
+      g.b_dtype = dtype_of(t[8]);
       g.table = scale_table.data_ptr<float>();
     } else {
       g.s_dtype = dtype_of(t[1]);
     }
     g.tok_off = t[6].data_ptr<int32_t>(), g.chunk_off = t[7].data_ptr<int32_t>();
-    TORCH_CHECK_VALUE(t[8].numel() == 0 || (t[8].numel() == (1 << g.bits) && g.bits <= 3 && g.vbits == g.bits),
-                      "segments[", i, "]: levels must hold 2**bits levels for bits 2 or 3 (keys and values of one "
-                      "width), got ", t[8].numel(), " levels for bits (", g.bits, ", ", g.vbits, ")");
-    g.levels = t[8].numel() ? t[8].data_ptr<float>() : nullptr;
     check_offsets(t[6], P.B, g.N, "tok_off", i);
     check_offsets(t[7], P.B, g.M, "chunk_off", i);
     for (int b = 0; b < P.B; ++b) {

@@ -22,7 +22,7 @@ MODIFIERS = {
     "hadv": "values rotated",
     "s8": "8-bit scales",
     "f8": "8-bit full part",
-    "lloyd": "Lloyd codebook",
+    "lloyd": "Lloyd codebook (removed)",  # codebook="lloyd": ids of results measured before its removal
     "nosink": "no sink tokens",
     "nb1": "FP16 neighbours",
     "a02": "alpha 0.2",

@@ -229,7 +229,6 @@ class CocktailLayer(CacheLayerMixin):
             quantize_k,
             quantize_v,
             rotation,
-            cfg.codebook,
             code_widths(16, self.cache.layer_bits_pair(self.layer_idx), cfg.value_bits)[1],
             cfg.scale_bits,
             16 if self.all_full else cfg.full_part_bits,

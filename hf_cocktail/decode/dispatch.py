@@ -94,8 +94,7 @@ def _warn_once(key: str, message: str) -> None:
 def quantizers(backend: str, device: torch.device) -> tuple[Callable, Callable]:
     """``(quantize_pack_keys, quantize_pack_values)`` of the backend (same signatures as :mod:`.quant`, same
     codes, scales and zeros): the Triton kernels, the fused CPU quantizers of ``cpu_ops`` (``"auto"`` on CPU where
-    the extension builds, as for attention) or the PyTorch reference. A codebook reaches the kernels as its table of
-    levels (``levels=``)."""
+    the extension builds, as for attention) or the PyTorch reference."""
     chosen = resolve_backend(backend, device)
     if chosen == "triton":
         import triton_ops
@@ -122,19 +121,17 @@ def attach_fused_writer(store: LayerStore, backend: str) -> None:
 
 
 def _by_bits(fast: Callable, reference: Callable, chosen: str) -> Callable:
-    """``fast`` for the bit widths and codebooks its kernel package quantizes, ``reference`` for the others (same
-    signature; one warning)."""
+    """``fast`` for the bit widths its kernel package quantizes, ``reference`` for the others (same signature; one
+    warning)."""
 
-    def quantize(x: torch.Tensor, bits: int, *args, codebook: str = "uniform"):
-        if _kernel_reads(chosen, "quantize", bits, codebook):
-            tables = quant.level_tensors(codebook, bits, x.device)
-            return fast(x, bits, *args) if tables is None else fast(x, bits, *args, levels=tables[0])
+    def quantize(x: torch.Tensor, bits: int, *args):
+        if _kernel_reads(chosen, "quantize", bits):
+            return fast(x, bits, *args)
         _warn_once(
-            f"{chosen}-quantize-{bits}-{codebook}",
-            f"the {chosen} quantizer does not write {bits}-bit codes with codebook={codebook!r} yet: "
-            "using the PyTorch implementation",
+            f"{chosen}-quantize-{bits}",
+            f"the {chosen} quantizer does not write {bits}-bit codes yet: using the PyTorch implementation",
         )
-        return reference(x, bits, *args, codebook=codebook)
+        return reference(x, bits, *args)
 
     return quantize
 
@@ -189,40 +186,36 @@ def _cpu_attention(query: torch.Tensor, store: LayerStore, scaling: float) -> to
 
 
 @functools.cache  # asked at every decode step: the import and lookup once per (backend, op)
-def _kernel_formats(chosen: str, op: str = "attention") -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The packed bit widths the chosen kernel package reads (``op="attention"``) or writes (``"quantize"``), and
-    those it also handles with a table of levels (a codebook's, from
-    :func:`hf_cocktail.storage.quant.level_tensors`)."""
+def _kernel_formats(chosen: str, op: str = "attention") -> tuple[int, ...]:
+    """The packed bit widths the chosen kernel package reads (``op="attention"``) or writes (``"quantize"``)."""
     if chosen == "triton":
         from triton_ops import checks as module
     else:
         import cpu_ops
 
         module = getattr(cpu_ops, op)
-    return module.SUPPORTED_BITS, getattr(module, "LEVEL_TABLE_BITS", ())
+    return module.SUPPORTED_BITS
 
 
-def _kernel_reads(chosen: str, op: str, bits: int, codebook: str) -> bool:
-    """Whether the chosen kernel package handles ``bits``-bit codes with ``codebook`` for ``op``."""
-    supported_bits, level_bits = _kernel_formats(chosen, op)
-    return bits in supported_bits and (codebook == "uniform" or bits in level_bits)
+def _kernel_reads(chosen: str, op: str, bits: int) -> bool:
+    """Whether the chosen kernel package handles ``bits``-bit codes for ``op``."""
+    return bits in _kernel_formats(chosen, op)
 
 
 def split_precision_attention(query: torch.Tensor, store: LayerStore, scaling: float, backend: str) -> torch.Tensor:
     """Decode attention of ``query (B, H_q, L_q, D)`` over ``store`` with the chosen backend; ``(B, H_q, L_q, D)``.
-    A store holding a bit width or codebook the chosen kernel does not read takes the PyTorch path (one warning)."""
+    A store holding a bit width the chosen kernel does not read takes the PyTorch path (one warning)."""
     chosen = resolve_backend(backend, query.device)
     if chosen != "torch":
         missing = [
-            (s.code_bits, s.codebook)
+            s.code_bits
             for s in store.segments
-            if not _kernel_reads(chosen, "attention", s.bits, s.codebook)
-            or (s.value_width != s.bits and not _kernel_reads(chosen, "attention", s.value_width, s.codebook))
+            if not _kernel_reads(chosen, "attention", s.bits) or not _kernel_reads(chosen, "attention", s.value_width)
         ]
         if missing:
             _warn_once(
                 f"{chosen}-read-{missing}",
-                f"the {chosen} kernel does not read these (bits, codebook) segments yet: {missing}; "
+                f"the {chosen} kernel does not read these segments' bit widths yet: {missing}; "
                 "using the PyTorch implementation",
             )
             chosen = "torch"

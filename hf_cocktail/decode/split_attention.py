@@ -41,7 +41,6 @@ def _dequantize_block(seg: PackedSegment, which: str, *, a: int, e: int, first_t
             *seg.value_params(a, e),
             seg.value_width,
             seg.group_size,
-            codebook=seg.codebook,
         )
     return quant.dequantize_keys(
         seg.k_codes[:, a:e],
@@ -49,7 +48,6 @@ def _dequantize_block(seg: PackedSegment, which: str, *, a: int, e: int, first_t
         seg.bits,
         seg.chunk_size,
         first_token=first_token,
-        codebook=seg.codebook,
     )
 
 

@@ -12,7 +12,7 @@ import torch
 from hf_cocktail.presets.files import ConfigFiles
 from hf_cocktail.presets.moot import check_moot
 from hf_cocktail.storage.layer_bits import check_layer_bits, mean_code_bits
-from hf_cocktail.storage.quant import CODEBOOKS, FULL_PART_BITS, SCALE_BITS, SUPPORTED_BITS
+from hf_cocktail.storage.quant import FULL_PART_BITS, SCALE_BITS, SUPPORTED_BITS
 from hf_cocktail.storage.rotation import ROTATIONS
 
 FORMAT_VERSION = 1
@@ -23,7 +23,7 @@ _LOW_BITS = (2, 3)
 _SCALE_DTYPES = ("float16", "bfloat16", "float32", "model")
 _SCORERS = ("encoder", "bm25", "attention")
 _CHOICES: dict[str, tuple] = dict(backend=_BACKENDS, scorer=_SCORERS, scale_dtype=_SCALE_DTYPES)  # one of these
-_CHOICES.update(rotation=ROTATIONS, codebook=CODEBOOKS, scale_bits=SCALE_BITS, full_part_bits=FULL_PART_BITS)
+_CHOICES.update(rotation=ROTATIONS, scale_bits=SCALE_BITS, full_part_bits=FULL_PART_BITS)
 _COUNTS = {"chunk_size": 1, "encoder_batch_size": 1, "sink_tokens": 0, "recent_tokens": 0, "neighbors": 0}
 
 
@@ -82,20 +82,17 @@ class CocktailConfig(ConfigFiles):
         recent_tokens: the last ``recent_tokens`` context tokens always stay at full precision.
         full_precision_layers: indices of layers kept entirely at full precision (e.g. ``(0,)``).
         neighbors: chunks within ``neighbors`` positions of an FP16 chunk are promoted to FP16 too (alpha/beta
-            mode), so that a fact straddling a chunk boundary is not half INT2. 0 (default) is the paper.
+            mode), so that a fact straddling a chunk boundary is not half INT2. 0 (default) is the paper. Not adopted:
+            on SmolLM2 ``neighbors=1`` bought no gain beyond noise for 14% more KV bytes (CHANGELOG.md).
         rotation: rotated storage (:mod:`hf_cocktail.storage.rotation`): ``None`` (the paper), ``"hadamard"`` (keys and
             values), ``"hadamard_keys"`` or ``"hadamard_values"``. A fixed orthonormal per-head transform (Hadamard
             with seeded random signs; a seeded random orthogonal matrix for head dims that are not a power of two) is
             applied to the stored keys/values; attention rotates the query once and the output back once, never the
             cache. Same bytes, far less quantization error.
         rotation_seed: seed of the rotation's random signs.
-        codebook: the levels INT2 and INT3 codes stand for (:mod:`hf_cocktail.storage.quant`): ``"uniform"`` (the paper:
-            evenly spaced between the group's min and max) or ``"lloyd"`` (anchored Lloyd-Max: the min and max kept,
-            the levels between them placed for Gaussian data, denser near the middle). Same bytes; meant for rotated
-            storage, whose values are near Gaussian. INT4 stays uniform. (Not adopted: ``eval/README.md``.)
         value_bits: the most code bits a packed chunk's values get (``None``, the paper: values take their chunk's
             precision, as keys do): with 3, an INT4 chunk stores 4-bit keys and 3-bit values. Keys decide which tokens
-            attention reads and lose far more to low bits. One of 2, 3, 4; needs ``codebook="uniform"``.
+            attention reads and lose far more to low bits. One of 2, 3, 4.
         scale_bits: storage of the packed chunks' scales and zeros: 16 (the paper: ``scale_dtype`` numbers) or 8
             (8-bit codes on three numbers per chunk and head, :func:`hf_cocktail.storage.params8.encode_params8`; key
             parameters then cost 16/C bits per element instead of 32/C, value parameters 16/G instead of 32/G).
@@ -103,7 +100,7 @@ class CocktailConfig(ConfigFiles):
             4 with ``value_bits <= key_bits``: the most code bits packed keys and values keep in that layer (a chunk
             planned at ``b`` bits stores ``min(b, key_bits)``-bit keys there; FP16 chunks stay FP16;
             :mod:`hf_cocktail.storage.layer_bits`). Calibrated per model (``python -m eval.layers``): the layers that
-            tolerate low bits give their bytes to those that do not. Needs ``codebook="uniform"``.
+            tolerate low bits give their bytes to those that do not.
         salient_tokens: the fraction (0 to 1) of each layer's packed context tokens kept at full precision: those
             with the most attention from the tokens after the context (the question) in that layer's prefill
             (:mod:`hf_cocktail.planning.salient`). 0 (default) is the paper. Needs ``attn_implementation="cocktail"``
@@ -138,7 +135,6 @@ class CocktailConfig(ConfigFiles):
     neighbors: int = 0
     rotation: str | None = None
     rotation_seed: int = 0
-    codebook: str = "uniform"
     value_bits: int | None = None
     scale_bits: int = 16
     layer_bits: tuple | None = None
@@ -205,16 +201,11 @@ class CocktailConfig(ConfigFiles):
             f"value_bits must be one of None, {', '.join(map(str, SUPPORTED_BITS))}, got {self.value_bits!r}",
         )
         _check(
-            self.value_bits is None or self.codebook == "uniform",
-            f"value_bits applies with codebook='uniform' (keys and values of a chunk share a codebook's width), got "
-            f"codebook={self.codebook!r}, value_bits={self.value_bits!r}",
-        )
-        _check(
             _is_real(self.salient_tokens) and 0.0 <= self.salient_tokens <= 1.0,
             f"salient_tokens must be a number in [0, 1] (a fraction of the packed context tokens), got "
             f"{self.salient_tokens!r}",
         )
-        object.__setattr__(self, "layer_bits", check_layer_bits(self.layer_bits, self.codebook))  # lists -> tuples
+        object.__setattr__(self, "layer_bits", check_layer_bits(self.layer_bits))  # lists -> tuples
         check_moot(self)  # a field another makes ineffective (hf_cocktail.presets.moot)
         object.__setattr__(self, "_validated", True)  # from now on, assignments are validated (__setattr__)
 
@@ -285,6 +276,7 @@ class CocktailConfig(ConfigFiles):
                 f"(it reads versions 1..{FORMAT_VERSION}); upgrade hf-cocktail: pip install -U hf-cocktail"
             )
         d.update(overrides)
+        _drop_removed(d)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -294,6 +286,32 @@ class CocktailConfig(ConfigFiles):
     def to_json_string(self) -> str:
         """The exact text ``save_pretrained`` writes to ``cocktail_config.json``."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+
+# Fields removed from CocktailConfig: {name: (the value that kept the behaviour left, why the rest went)}. A saved
+# config holding the kept value still loads (the key is dropped); any other value is refused (CHANGELOG.md).
+REMOVED_FIELDS: dict[str, tuple[Any, str]] = {
+    "codebook": (
+        "uniform",
+        "the anchored Lloyd-Max levels measured no better than uniform levels on LongBench (every paired interval "
+        "contains 0) and ~4x worse on the needle prompts with INT3, and no preset used them",
+    ),
+}
+
+
+def _drop_removed(d: dict[str, Any]) -> None:
+    """Drop the keys of :data:`REMOVED_FIELDS` from a saved config ``d`` (in place) where they hold the behaviour
+    that is left; any other value is a ValueError saying the feature was removed and why."""
+    for name, (kept, why) in REMOVED_FIELDS.items():
+        if name not in d:
+            continue
+        value = d.pop(name)
+        if value != kept or type(value) is not type(kept):
+            raise ValueError(
+                f"{name}={value!r} is no longer supported: the {name!r} field was removed in this version of "
+                f"hf-cocktail (CHANGELOG.md, Removed), because {why}; loading without the key gives {kept!r}, the "
+                f"only behaviour left: delete {name!r} from the saved config"
+            )
 
 
 RECOMMENDED: dict[str, Any] = {"rotation": "hadamard", "uniform_bits": 4, "value_bits": 3, "group_size": 64}

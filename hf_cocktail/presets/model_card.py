@@ -131,7 +131,7 @@ def _method(config: Any) -> str:
 
 
 def _storage(config: Any) -> str:
-    """How the packed chunks are stored: groups, rotation, codebook, the values' code width, the scales' bits."""
+    """How the packed chunks are stored: groups, rotation, the values' code width, the scales' bits."""
     stored = (
         f" Values are quantized per token in groups of {config.group_size} channels, keys per channel within each "
         "chunk."
@@ -139,8 +139,6 @@ def _storage(config: Any) -> str:
     rotation = getattr(config, "rotation", None)
     if rotation:
         stored += f" Keys and values are stored rotated (`{rotation}`, an orthonormal per-head transform)."
-    if getattr(config, "codebook", "uniform") == "lloyd":
-        stored += " INT2/INT3 codes stand for anchored Lloyd-Max levels (`codebook='lloyd'`; INT4 stays uniform)."
     value_bits = getattr(config, "value_bits", None)
     if value_bits is not None:
         stored += f" Values get at most {value_bits} bits (`value_bits={value_bits}`; keys keep their chunk's bits)."

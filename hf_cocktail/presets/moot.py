@@ -62,12 +62,6 @@ MOOT: tuple[Moot, ...] = (
     Moot("rotation", "uniform_bits", _all_full_stored_full, _NOTHING_QUANTIZED),
     Moot("scale_dtype", "uniform_bits", _all_full_stored_full, _NOTHING_QUANTIZED),
     Moot(
-        "codebook",
-        "uniform_bits",
-        lambda c: c.uniform_bits in (4, 16),
-        "the codebook maps INT2 / INT3 codes, and no chunk is INT2 or INT3 (INT4 stays uniform)",
-    ),
-    Moot(
         "value_bits",
         "uniform_bits",
         lambda c: c.uniform_bits in (2, 3),

@@ -31,7 +31,7 @@ def _pair_ok(p: Any) -> bool:
     )
 
 
-def check_layer_bits(layer_bits: Any, codebook: str) -> Pairs | None:
+def check_layer_bits(layer_bits: Any) -> Pairs | None:
     """Validate ``layer_bits`` (``None`` or one ``(key_bits, value_bits)`` pair per layer) and return it as a tuple of
     int pairs (JSON gives lists)."""
     if layer_bits is None:
@@ -42,11 +42,6 @@ def check_layer_bits(layer_bits: Any, codebook: str) -> Pairs | None:
     bad = [(i, p) for i, p in enumerate(layer_bits) if not _pair_ok(p)]
     if bad:
         raise ValueError(f"layer_bits must hold {allowed}; entries (index, value) {bad[:4]} are not")
-    if codebook != "uniform":
-        raise ValueError(
-            f"layer_bits applies with codebook='uniform' (a layer may store values at fewer bits than keys), got "
-            f"codebook={codebook!r}"
-        )
     return tuple((int(k), int(v)) for k, v in layer_bits)
 
 

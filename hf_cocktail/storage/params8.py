@@ -98,9 +98,7 @@ def decode_params8(
     return scale, zero
 
 
-def quantize_pack_keys8(
-    k: torch.Tensor, bits: int, chunk_size: int, scale_dtype: torch.dtype | None = None, codebook: str = "uniform"
-):
+def quantize_pack_keys8(k: torch.Tensor, bits: int, chunk_size: int, scale_dtype: torch.dtype | None = None):
     """:func:`hf_cocktail.storage.quant.quantize_pack_keys` with 8-bit scales and zeros, one block per chunk and head
     (module docstring).
 
@@ -108,7 +106,7 @@ def quantize_pack_keys8(
         ``codes uint8 (H_kv, N, D*bits//8)``, ``scale_codes uint8 (H_kv, M, D)``, ``zero_codes uint8 (H_kv, M, D)``,
         ``block (H_kv, M, 3)`` in ``scale_dtype``.
     """
-    H, N, D, scale_dtype = check_segment(k, bits, codebook, scale_dtype)
+    H, N, D, scale_dtype = check_segment(k, bits, scale_dtype)
     if N == 0:
         empty = k.new_zeros((H, 0, D), dtype=torch.uint8)
         return empty[..., : D * bits // 8], empty, empty, k.new_zeros((H, 0, 3), dtype=scale_dtype)
@@ -116,7 +114,7 @@ def quantize_pack_keys8(
     x = whole_chunks(k.float(), chunk_size)  # (H, M, C, D)
     sc, zc, block = encode_params8(x.amin(2), x.amax(2), bits, scale_dtype)
     scale, zero = decode_params8(sc, zc, block)
-    codes = group_codes(x, scale.unsqueeze(2), zero.unsqueeze(2), bits, codebook)
+    codes = group_codes(x, scale.unsqueeze(2), zero.unsqueeze(2), bits)
     return pack_codes(codes.reshape(H, -1, D)[:, :N], bits), sc, zc, block
 
 
@@ -125,7 +123,6 @@ def quantize_pack_values8(
     bits: int,
     group_size: int,
     scale_dtype: torch.dtype | None = None,
-    codebook: str = "uniform",
     *,
     chunk_size: int,
 ):
@@ -137,7 +134,7 @@ def quantize_pack_values8(
         ``codes uint8 (H_kv, N, D*bits//8)``, ``scale_codes uint8 (H_kv, N, D//G)``, ``zero_codes uint8 (H_kv, N,
         D//G)``, ``block (H_kv, M, 3)`` in ``scale_dtype``.
     """
-    H, N, D, scale_dtype = check_segment(v, bits, codebook, scale_dtype, group_size)
+    H, N, D, scale_dtype = check_segment(v, bits, scale_dtype, group_size)
     if N == 0:
         empty = v.new_zeros((H, 0, D), dtype=torch.uint8)
         return (
@@ -153,5 +150,5 @@ def quantize_pack_values8(
     sc, zc = (t.reshape(H, -1, D // group_size)[:, :N] for t in (sc, zc))
     rows = torch.arange(N, device=v.device) // chunk_size
     scale, zero = decode_params8(sc, zc, block, rows)
-    codes = group_codes(x, scale.unsqueeze(3), zero.unsqueeze(3), bits, codebook)
+    codes = group_codes(x, scale.unsqueeze(3), zero.unsqueeze(3), bits)
     return pack_codes(codes.reshape(H, N, D), bits), sc, zc, block

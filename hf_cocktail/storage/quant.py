@@ -15,13 +15,6 @@ Storage format of one precision segment (INT4 or INT2) of one layer, tokens of o
 * asymmetric min-max: ``scale = (max - min) / (2**bits - 1)`` and ``zero = min``, both rounded to the storage dtype
   first; then ``code = clamp(floor((x - zero) * (1 / scale) + 0.5), 0, 2**bits - 1)`` in fp32 (a group whose
   ``scale`` is 0 gets code 0). Dequantization is ``code * scale + zero`` in fp32.
-* codebook ``"lloyd"`` (INT2 and INT3; INT4 stays uniform): the same scale and zero, but code ``c`` stands for the
-  level ``L[c]`` of :data:`LLOYD_LEVELS` (code units, ``L[0] = 0`` and ``L[-1] = 2**bits - 1``, so the group's min
-  and max stay exact) instead of ``c``. With ``u = (x - zero) * (1 / scale)`` in fp32, ``code`` is the number of
-  boundaries ``b[j] = (L[j] + L[j + 1]) * 0.5`` (fp32) with ``b[j] <= u`` (``torch.bucketize(u, b, right=True)``: a
-  NaN ``u``, from a scale whose inverse overflows, gets the top code); dequantization is ``L[code] * scale + zero``
-  in fp32. Same bytes as uniform. The kernels take the fp32 table ``L`` (:func:`level_tensors`) as ``levels=``.
-
 * 8-bit scales and zeros (``CocktailConfig(scale_bits=8)``): :mod:`hf_cocktail.storage.params8`.
 * the 8-bit full part (``CocktailConfig(full_part_bits=8)``, :mod:`hf_cocktail.storage.full_part`): every token and head
   symmetric absmax over its ``D`` channels: ``scale = absmax / 127`` rounded to the storage dtype, then
@@ -29,13 +22,10 @@ Storage format of one precision segment (INT4 or INT2) of one layer, tokens of o
   gets code 0); dequantization is ``code * scale`` in fp32 (:func:`quantize_tokens8`).
 
 The Triton kernels in ``triton_ops`` and the fused CPU kernels in ``cpu_ops`` implement the same functions with the
-same signatures (a codebook passed as its level table, ``levels=``) and are tested against these, integers bit for
-bit.
+same signatures and are tested against these, integers bit for bit.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 
@@ -44,20 +34,8 @@ LOW_BITS = (2, 3)  # the choices for Cocktail's lowest precision (CocktailConfig
 PACKED_BITS = (4, 2)  # the packed segments of a layer with the default low precision, in storage order
 FULL_BITS = 16  # a chunk kept at full precision
 CHUNK_BITS = (FULL_BITS, 4, 3, 2)  # every precision a context chunk can get
-CODEBOOKS = ("uniform", "lloyd")  # the code -> level maps (CocktailConfig.codebook)
 FULL_PART_BITS = (16, 8)  # the full part: the model's precision, or 8-bit codes per token and head
 SCALE_BITS = (16, 8)  # storage of scales and zeros: scale_dtype numbers, or 8-bit codes per block (params8)
-
-# Anchored Lloyd-Max levels in code units: Lloyd's algorithm (min squared error) on min-max-normalized groups of
-# Gaussian samples (32 and 64 per group), with the two end levels held at the group's min and max (a plain Lloyd-Max
-# codebook that clips the extremes lost ~10x more than uniform levels: attention needs the extremes). Keys and values
-# of SmolLM2 after the Hadamard rotation give the same levels within 0.05 (fitted on held-out prompts); the table is
-# made symmetric and rounded to 2 decimals. At 4 bits the fitted levels gained nothing measurable: INT4 stays uniform.
-# Measured in the cache (eval/README.md): no better than uniform levels on LongBench, worse on needles with INT3.
-LLOYD_LEVELS: dict[int, tuple[float, ...]] = {
-    2: (0.0, 1.08, 1.92, 3.0),
-    3: (0.0, 1.29, 2.25, 3.09, 3.91, 4.75, 5.71, 7.0),
-}
 
 
 def check_bits(bits: int) -> None:
@@ -68,31 +46,6 @@ def check_bits(bits: int) -> None:
 def channel_multiple(bits: int) -> int:
     """The head dim must be a multiple of this to pack ``bits``-bit codes into whole bytes."""
     return 8 if bits == 3 else 8 // bits
-
-
-def check_codebook(codebook: str) -> None:
-    if codebook not in CODEBOOKS:
-        raise ValueError(f"codebook must be one of {CODEBOOKS}, got {codebook!r}")
-
-
-def codebook_levels(codebook: str, bits: int) -> tuple[float, ...] | None:
-    """The levels (code units) that ``codebook`` gives ``bits``-bit codes, or ``None`` where they are uniform."""
-    check_codebook(codebook)
-    check_bits(bits)
-    return LLOYD_LEVELS.get(bits) if codebook == "lloyd" else None
-
-
-@functools.cache
-def _level_tensors(levels: tuple[float, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    table = torch.tensor(levels, dtype=torch.float32, device=device)
-    return table, (table[1:] + table[:-1]) * 0.5
-
-
-def level_tensors(codebook: str, bits: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(levels, boundaries)``: fp32 ``(2**bits,)`` and ``(2**bits - 1,)`` on ``device`` (cached), or ``None`` for
-    uniform levels. The fast kernels take these tensors, so every implementation uses the same fp32 numbers."""
-    levels = codebook_levels(codebook, bits)
-    return None if levels is None else _level_tensors(levels, torch.device(device))
 
 
 def check_head_dim(D: int, bits: int, group_size: int | None = None) -> None:
@@ -147,7 +100,7 @@ def check_params_finite(params: list[torch.Tensor], scale_dtype: torch.dtype, x:
         )
 
 
-def _quantize_groups(x: torch.Tensor, dim: int, bits: int, scale_dtype: torch.dtype, codebook: str = "uniform"):
+def _quantize_groups(x: torch.Tensor, dim: int, bits: int, scale_dtype: torch.dtype):
     """Min-max quantize ``x`` (fp32) with groups reduced over ``dim``. Returns (codes uint8, scale, zero)."""
     qmax = (1 << bits) - 1
     mn = x.amin(dim=dim, keepdim=True)
@@ -155,25 +108,15 @@ def _quantize_groups(x: torch.Tensor, dim: int, bits: int, scale_dtype: torch.dt
     scale = ((mx - mn) / qmax).to(scale_dtype)
     zero = mn.to(scale_dtype)
     check_params_finite([scale, zero], scale_dtype, x)
-    return group_codes(x, scale, zero, bits, codebook), scale.squeeze(dim), zero.squeeze(dim)
+    return group_codes(x, scale, zero, bits), scale.squeeze(dim), zero.squeeze(dim)
 
 
-def group_codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, codebook: str) -> torch.Tensor:
+def group_codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
     """Codes of ``x`` (fp32) against ``scale``/``zero`` (broadcast over each group): uint8, ``x``'s shape."""
     qmax = (1 << bits) - 1
     s32, z32 = scale.float(), zero.float()
     inv = torch.where(s32 > 0, 1.0 / s32, torch.zeros_like(s32))
-    u = (x - z32) * inv
-    tables = level_tensors(codebook, bits, x.device)
-    if tables is None:
-        return torch.floor(u + 0.5).clamp_(0, qmax).to(torch.uint8)
-    return torch.bucketize(u, tables[1], right=True).to(torch.uint8)  # the number of boundaries <= u
-
-
-def _code_values(codes: torch.Tensor, bits: int, codebook: str) -> torch.Tensor:
-    """Unpacked codes -> their levels in code units, fp32 (``codes`` itself for uniform levels)."""
-    tables = level_tensors(codebook, bits, codes.device)
-    return codes.float() if tables is None else tables[0][codes.long()]
+    return torch.floor((x - z32) * inv + 0.5).clamp_(0, qmax).to(torch.uint8)
 
 
 def check_finite(x: torch.Tensor, what: str) -> None:
@@ -185,20 +128,17 @@ def check_finite(x: torch.Tensor, what: str) -> None:
 
 
 def check_segment(
-    x: torch.Tensor, bits: int, codebook: str, scale_dtype: torch.dtype | None, group_size: int | None = None
+    x: torch.Tensor, bits: int, scale_dtype: torch.dtype | None, group_size: int | None = None
 ) -> tuple[int, int, int, torch.dtype]:
     """The checks every quantizer of a ``(H_kv, N, D)`` segment runs first; returns ``(H, N, D, scale_dtype)`` with
     ``scale_dtype`` defaulting to ``x.dtype``."""
     check_bits(bits)
-    check_codebook(codebook)
     H, N, D = x.shape
     check_head_dim(D, bits, group_size)
     return H, N, D, scale_dtype or x.dtype
 
 
-def quantize_pack_keys(
-    k: torch.Tensor, bits: int, chunk_size: int, scale_dtype: torch.dtype | None = None, codebook: str = "uniform"
-):
+def quantize_pack_keys(k: torch.Tensor, bits: int, chunk_size: int, scale_dtype: torch.dtype | None = None):
     """Quantize a key segment per channel within each chunk and pack it.
 
     Args:
@@ -206,12 +146,11 @@ def quantize_pack_keys(
         bits: 4, 3 or 2.
         chunk_size: C, the group size along tokens.
         scale_dtype: dtype of scales/zeros (default: ``k.dtype``).
-        codebook: ``"uniform"`` or ``"lloyd"`` (:data:`CODEBOOKS`; the module docstring).
 
     Returns:
         ``codes uint8 (H_kv, N, D*bits//8)``, ``scale (H_kv, M, D)``, ``zero (H_kv, M, D)`` with ``M = ceil(N/C)``.
     """
-    H, N, D, scale_dtype = check_segment(k, bits, codebook, scale_dtype)
+    H, N, D, scale_dtype = check_segment(k, bits, scale_dtype)
     if N == 0:
         return (
             k.new_zeros((H, 0, D * bits // 8), dtype=torch.uint8),
@@ -220,7 +159,7 @@ def quantize_pack_keys(
         )
     check_finite(k, "keys")
     x = whole_chunks(k.float(), chunk_size)
-    codes, scale, zero = _quantize_groups(x, 2, bits, scale_dtype, codebook)
+    codes, scale, zero = _quantize_groups(x, 2, bits, scale_dtype)
     return pack_codes(codes.reshape(H, -1, D)[:, :N], bits), scale, zero
 
 
@@ -235,23 +174,21 @@ def whole_chunks(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
     return x.reshape(H, M, chunk_size, *x.shape[2:])
 
 
-def quantize_pack_values(
-    v: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype | None = None, codebook: str = "uniform"
-):
+def quantize_pack_values(v: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype | None = None):
     """Quantize a value segment per token in groups of ``group_size`` channels and pack it.
 
     Args:
-        v: ``(H_kv, N, D)``; ``group_size`` (G) must divide D. ``bits``, ``scale_dtype``, ``codebook``: as for
+        v: ``(H_kv, N, D)``; ``group_size`` (G) must divide D. ``bits``, ``scale_dtype``: as for
             :func:`quantize_pack_keys`.
 
     Returns:
         ``codes uint8 (H_kv, N, D*bits//8)``, ``scale (H_kv, N, D//G)``, ``zero (H_kv, N, D//G)``.
     """
-    H, N, D, scale_dtype = check_segment(v, bits, codebook, scale_dtype, group_size)
+    H, N, D, scale_dtype = check_segment(v, bits, scale_dtype, group_size)
     if N:
         check_finite(v, "values")
     x = v.float().reshape(H, N, D // group_size, group_size)
-    codes, scale, zero = _quantize_groups(x, 3, bits, scale_dtype, codebook)
+    codes, scale, zero = _quantize_groups(x, 3, bits, scale_dtype)
     return pack_codes(codes.reshape(H, N, D), bits), scale, zero
 
 
@@ -263,11 +200,10 @@ def dequantize_keys(
     chunk_size: int,
     out_dtype: torch.dtype = torch.float32,
     first_token: int = 0,
-    codebook: str = "uniform",
 ) -> torch.Tensor:
     """``codes (H_kv, N, Dp)``, ``scale/zero (H_kv, M, D)`` -> keys ``(H_kv, N, D)``. ``first_token``: index of the
     first code's token counted from the start of chunk 0 of ``scale`` (for a block that starts mid-sequence)."""
-    c = _code_values(unpack_codes(codes, bits), bits, codebook)
+    c = unpack_codes(codes, bits).float()
     N = c.shape[1]
     idx = (torch.arange(N, device=c.device) + first_token) // chunk_size
     s = scale.float().index_select(1, idx)
@@ -282,10 +218,9 @@ def dequantize_values(
     bits: int,
     group_size: int,
     out_dtype: torch.dtype = torch.float32,
-    codebook: str = "uniform",
 ) -> torch.Tensor:
     """``codes (H_kv, N, Dp)``, ``scale/zero (H_kv, N, D//G)`` -> values ``(H_kv, N, D)``."""
-    c = _code_values(unpack_codes(codes, bits), bits, codebook)
+    c = unpack_codes(codes, bits).float()
     H, N, D = c.shape
     c = c.reshape(H, N, D // group_size, group_size)
     out = c * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)

@@ -31,15 +31,11 @@ def _offsets(lengths: list[int]) -> list[int]:
     return [0, *itertools.accumulate(lengths)]
 
 
-def check_value_bits(bits: int, value_bits: int, codebook: str) -> None:
-    """Values may take fewer code bits than keys (never more); a codebook other than uniform needs one width."""
+def check_value_bits(bits: int, value_bits: int) -> None:
+    """Values may take fewer code bits than keys (never more)."""
     if value_bits not in quant.SUPPORTED_BITS or value_bits > bits:
         allowed = tuple(b for b in quant.SUPPORTED_BITS if b <= bits)
         raise ValueError(f"value_bits must be one of {allowed} for {bits}-bit keys, got {value_bits!r}")
-    if value_bits != bits and codebook != "uniform":
-        raise ValueError(
-            f"codebook={codebook!r} needs keys and values at one width, got {bits}-bit keys and {value_bits}-bit values"
-        )
 
 
 @dataclass
@@ -55,7 +51,6 @@ class PackedSegment:
     v_zero: torch.Tensor  # (H_kv, N, D//G)
     tok_off: list[int]  # (B+1,)
     chunk_off: list[int]  # (B+1,)
-    codebook: str = "uniform"  # the code -> level map of these codes (quant.CODEBOOKS); "uniform" where it is
     value_bits: int | None = None  # the values' code width (None: ``bits``, as the keys'); never above ``bits``
     k_block: torch.Tensor | None = (
         None  # (H_kv, M, 3) scale_dtype, with 8-bit scales and zeros (params8.encode_params8)
@@ -67,7 +62,7 @@ class PackedSegment:
     def __post_init__(self) -> None:
         if self.value_bits is None:
             self.value_bits = self.bits
-        check_value_bits(self.bits, self.value_bits, self.codebook)
+        check_value_bits(self.bits, self.value_bits)
         if (self.k_block is None) != (self.v_block is None):
             raise ValueError(
                 "k_block and v_block come together (8-bit scales and zeros for keys and values) or not at all"
@@ -84,7 +79,6 @@ class PackedSegment:
         scale_dtype: torch.dtype,
         quantize_keys=None,
         quantize_values=None,
-        codebook: str = "uniform",
         value_bits: int | None = None,
         scale_bits: int = 16,
     ) -> PackedSegment:
@@ -92,27 +86,21 @@ class PackedSegment:
         values at ``value_bits`` (default ``bits``; at most ``bits``).
 
         ``quantize_keys`` / ``quantize_values`` default to the PyTorch reference in :mod:`hf_cocktail.storage.quant`;
-        :func:`hf_cocktail.decode.dispatch.quantizers` gives the Triton / fused CPU ones with the same signature (they
-        get ``codebook=`` only when it is not uniform). ``codebook`` is recorded as ``"uniform"`` where it leaves
-        ``bits`` uniform (INT4). ``scale_bits=8`` stores 8-bit scales and zeros (:func:`params8.encode_params8`),
+        :func:`hf_cocktail.decode.dispatch.quantizers` gives the Triton / fused CPU ones with the same signature.
+        ``scale_bits=8`` stores 8-bit scales and zeros (:func:`params8.encode_params8`),
         always quantized by the PyTorch reference.
         """
-        if quant.codebook_levels(codebook, bits) is None:
-            codebook = "uniform"
         value_bits = bits if value_bits is None else value_bits
-        check_value_bits(bits, value_bits, codebook)
+        check_value_bits(bits, value_bits)
         if scale_bits not in quant.SCALE_BITS:
             raise ValueError(f"scale_bits must be one of {quant.SCALE_BITS}, got {scale_bits!r}")
-        extra: dict[str, str] = {} if codebook == "uniform" else {"codebook": codebook}
         qk: Callable = quantize_keys or quant.quantize_pack_keys
         qv: Callable = quantize_values or quant.quantize_pack_values
         if scale_bits == 8:
-            qk = functools.partial(params8.quantize_pack_keys8, codebook=codebook)
-            qv = functools.partial(params8.quantize_pack_values8, chunk_size=chunk_size, codebook=codebook)
-            extra = {}
+            qk = params8.quantize_pack_keys8
+            qv = functools.partial(params8.quantize_pack_values8, chunk_size=chunk_size)
         parts = [
-            (qk(k, bits, chunk_size, scale_dtype, **extra), qv(v, value_bits, group_size, scale_dtype, **extra))
-            for k, v in zip(ks, vs)
+            (qk(k, bits, chunk_size, scale_dtype), qv(v, value_bits, group_size, scale_dtype)) for k, v in zip(ks, vs)
         ]
         cat = lambda i, j: torch.cat([p[i][j] for p in parts], dim=1)  # noqa: E731
         blocks = (cat(0, 3), cat(1, 3)) if scale_bits == 8 else (None, None)
@@ -128,7 +116,6 @@ class PackedSegment:
             cat(1, 2),
             _offsets([k.shape[1] for k in ks]),
             _offsets([-(-k.shape[1] // chunk_size) for k in ks]),
-            codebook,
             value_bits,
             *blocks,
         )
@@ -185,7 +172,6 @@ class PackedSegment:
             self.bits,
             self.chunk_size,
             out_dtype,
-            codebook=self.codebook,
         )
         v = quant.dequantize_values(
             self.v_codes[:, t0:t1],
@@ -193,7 +179,6 @@ class PackedSegment:
             self.value_width,
             self.group_size,
             out_dtype,
-            codebook=self.codebook,
         )
         return k, v
 
@@ -220,23 +205,13 @@ class PackedSegment:
         """The segment as the kernel packages (``triton_ops``, ``cpu_ops``) take it: ``(bits, chunk_size,
         group_size, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, tok_off, chunk_off)`` with ``bits`` as
         :attr:`code_bits` (an int, or ``(key_bits, value_bits)``) and the offsets as int32 tensors ``(B+1,)`` on the
-        segment's device; a non-uniform codebook adds its fp32 levels ``(2**bits,)``
-        (:func:`hf_cocktail.storage.quant.level_tensors`) as a 12th item. ``decode``: see :meth:`key_params`."""
-        args = (self.code_bits, self.chunk_size, self.group_size, *self.tensors(decode), *self.device_offsets())
-        if self.codebook == "uniform":  # every decode step of every layer: no table lookup for the common case
-            return args
-        return (*args, self._levels())
-
-    def _levels(self) -> torch.Tensor:
-        """The fp32 levels ``(2**bits,)`` of this segment's non-uniform codebook, on its device."""
-        tables = quant.level_tensors(self.codebook, self.bits, self.k_codes.device)
-        assert tables is not None  # from_sequences records "uniform" where the codebook has no levels for ``bits``
-        return tables[0]
+        segment's device. ``decode``: see :meth:`key_params`."""
+        return (self.code_bits, self.chunk_size, self.group_size, *self.tensors(decode), *self.device_offsets())
 
     def coded_kernel_args(self) -> tuple:
         """:meth:`kernel_args` for a kernel that reads 8-bit scales and zeros itself (``cpu_ops``): with
-        ``scale_bits=8`` the uint8 scale and zero codes in place of the numbers, then the levels (or None) and
-        ``k_block``, ``v_block`` as items 12 to 14; otherwise :meth:`kernel_args`. Nothing is decoded here; the
+        ``scale_bits=8`` the uint8 scale and zero codes in place of the numbers, then ``k_block``, ``v_block`` as
+        items 12 and 13; otherwise :meth:`kernel_args`. Nothing is decoded here; the
         tuple is built once (a segment's tensors do not change after prefill)."""
         if self._coded_args is None or self._coded_args[3].device != self.k_codes.device:
             self._coded_args = self._coded_kernel_args()
@@ -246,14 +221,12 @@ class PackedSegment:
         if self.k_block is None or not self.k_scale.numel() or not self.v_scale.numel():
             return self.kernel_args()
         codes = (self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero)
-        levels = None if self.codebook == "uniform" else self._levels()
         return (
             self.code_bits,
             self.chunk_size,
             self.group_size,
             *codes,
             *self.device_offsets(),
-            levels,
             self.k_block,
             self.v_block,
         )
@@ -278,7 +251,6 @@ class PackedSegment:
             cat(self.v_zero, tok),
             _offsets([s.stop - s.start for s in tok]),
             _offsets([s.stop - s.start for s in chk]),
-            self.codebook,
             self.value_bits,
             None if self.k_block is None else cat(self.k_block, chk),
             None if self.v_block is None else cat(self.v_block, chk),
@@ -333,14 +305,13 @@ class LayerStore:
         quantize_keys: Callable | None = None,
         quantize_values: Callable | None = None,
         rotation: Rotation | None = None,
-        codebook: str = "uniform",
         max_value_bits: int | None = None,
         scale_bits: int = 16,
         full_part_bits: int = 16,
     ) -> LayerStore:
         """Store a prefill: ``k, v (B, H_kv, L, D)``; ``positions[b]`` maps ``"full"`` and each packed bit width to
         the prompt positions of sequence ``b`` that go there (chunk order kept). With ``rotation`` everything is
-        stored rotated (see :mod:`.rotation`); ``codebook`` maps the packed codes to levels (:mod:`.quant`);
+        stored rotated (see :mod:`.rotation`);
         ``max_value_bits`` caps the values' code width (``None``: values get their chunk's bits, as keys do);
         ``scale_bits=8`` stores 8-bit scales and zeros; ``full_part_bits=8`` the full part as 8-bit codes."""
         if rotation is not None:
@@ -364,7 +335,6 @@ class LayerStore:
                 scale_dtype,
                 quantize_keys,
                 quantize_values,
-                codebook,
                 bits if max_value_bits is None else min(bits, max_value_bits),
                 scale_bits,
             )

@@ -1,0 +1,135 @@
+// Unpacking of cpu_ops' packed segments into the kernel's fp32 tiles: scales and zeros (numbers or 8-bit codes), the
+// tiles' channel order, and the codes of INT4 / INT3 / INT2 tokens (keys as bare codes, values dequantized).
+// Included by kernel.h (inside split_attention.cpp's `base` and `avx2` namespaces, under that build's target), so
+// there is no include guard; the types (Problem, Segment, DType), kBlock and SHUFFLE8 come from split_attention.cpp.
+// Needs kernel_simd.h first.
+
+// n scales and zeros of a packed segment from element offset off -> fp32: numbers of the segment's dtype, or 8-bit
+// codes decoded with their block blk (s_max, z_lo, z_step): s_max * table[code] and z_lo + code * z_step
+// (hf_cocktail.params8.decode_params8).
+static inline void load_params(const Segment& g, const void* scale, const void* zero, const void* block, int64_t off,
+                               int64_t blk, int64_t n, float* s, float* z) {
+  if (!g.k_block) {
+    to_float(scale, g.s_dtype, off, n, s);
+    to_float(zero, g.s_dtype, off, n, z);
+    return;
+  }
+  float b[3];
+  to_float(block, g.b_dtype, 3 * blk, 3, b);
+  const uint8_t *sc = static_cast<const uint8_t*>(scale) + off, *zc = static_cast<const uint8_t*>(zero) + off;
+  for (int64_t i = 0; i < n; ++i) {
+    s[i] = b[0] * g.table[sc[i]];
+    const float step = static_cast<float>(zc[i]) * b[2];
+    z[i] = b[1] + step;
+  }
+}
+
+// Channel order of a packed segment's tiles. Whole groups of 8 code bytes are unpacked one byte per lane and one
+// plane (bit offset j * BITS) at a time, so tile position 8 * (PER * k + j) + i holds channel PER * (8 * k + i) + j
+// (PER = 8 / BITS codes per byte); bytes after the last whole group of 8 are unpacked in channel order. Returns
+// perm: perm[pos] is the channel at tile position pos. q.k and P.V do not depend on the order, so a packed item
+// computes in this order and puts its output back in channel order at the end.
+template <int BITS>
+static std::vector<int> tile_order(int D) {
+  if constexpr (BITS == 3) return tile_order<2>(D);  // INT3: its 2-bit plane sets the order (unpack_token3)
+  constexpr int PER = 8 / BITS;
+  const int planar = ((D * BITS / 8) & ~7) * PER;  // channels of the whole groups of 8 bytes
+  std::vector<int> perm(D);
+  for (int pos = 0; pos < D; ++pos)
+    perm[pos] = pos < planar ? PER * (8 * (pos / (8 * PER)) + pos % 8) + pos / 8 % PER : pos;
+  return perm;
+}
+
+// The codes of one token (D channels, PER per byte, low bits first) -> fp32 codes in tile order (tile_order). With
+// `scale`, values are dequantized on the way: code * scale[group] + zero[group], vgroup[v] being the value group of
+// tile lanes 8 * v ... 8 * v + 7.
+template <int BITS>
+static inline void unpack_token(const uint8_t* codes, int D, float* dst, const float* scale = nullptr,
+                                const float* zero = nullptr, const int* vgroup = nullptr);
+
+// INT3 tokens (defined below)
+static inline void unpack_token3(const uint8_t* codes, int D, float* dst, const float* scale, const float* zero,
+                                 const int* vgroup);
+
+template <int BITS>
+static inline void unpack_token(const uint8_t* codes, int D, float* dst, const float* scale, const float* zero,
+                                const int* vgroup) {
+  if constexpr (BITS == 3) return unpack_token3(codes, D, dst, scale, zero, vgroup);
+  constexpr int PER = BITS == 3 ? 1 : 8 / BITS, MASK = (1 << BITS) - 1;
+  typedef typename std::conditional<BITS == 2, uint16_t, uint32_t>::type Word;  // the BITS bytes of 8 channels
+  const int Dp = D * BITS / 8, whole = Dp & ~7;
+  int v = 0;  // 8-lane vector of the tile
+  auto put = [&](v8i c) {
+    const v8f x = __builtin_convertvector(c & MASK, v8f);
+    store8(dst + 8 * v, scale ? x * scale[vgroup[v]] + zero[vgroup[v]] : x);
+    ++v;
+  };
+  for (int b = 0; b < whole; b += 8) {  // 8 bytes, one per lane: PER vectors, one per bit plane
+    const v8i x = load_bytes8(codes + b);
+    for (int j = 0; j < PER; ++j) put(x >> (j * BITS));
+  }
+  for (int b = whole; b < Dp; b += BITS) {  // the rest in channel order: the bytes of 8 channels to all lanes
+    Word word;
+    std::memcpy(&word, codes + b, sizeof(Word));  // little end first, as the bytes hold the channels
+    put((v8i{} + static_cast<int32_t>(word)) >> (v8i{0, 1, 2, 3, 4, 5, 6, 7} * BITS));
+  }
+}
+
+// INT3 (hf_cocktail.quant's layout): the low two bits of every channel packed as INT2 (D / 4 bytes), then the high
+// bit of every channel, 8 per byte (channel d in byte D / 4 + d / 8 at bit d % 8). The low plane is unpacked in
+// INT2's tile order; in a whole group k of 8 low bytes (32 channels), lane i of vector j holds channel
+// 32k + 4i + j, whose high bit is bit 4i + j of the little-endian 32-bit word at high-plane byte 4k. Channels
+// after the whole groups are in channel order: lane i of the m-th 8 holds channel 8m + i, high bit i of byte m.
+static inline void unpack_token3(const uint8_t* codes, int D, float* dst, const float* scale = nullptr,
+                                 const float* zero = nullptr, const int* vgroup = nullptr) {
+  const int Dl = D / 4, whole = Dl & ~7;
+  const uint8_t* hi = codes + Dl;
+  int v = 0;
+  auto put = [&](v8i c) {
+    const v8f x = __builtin_convertvector(c, v8f);
+    store8(dst + 8 * v, scale ? x * scale[vgroup[v]] + zero[vgroup[v]] : x);
+    ++v;
+  };
+  const v8i lane4 = v8i{0, 4, 8, 12, 16, 20, 24, 28}, lane1 = v8i{0, 1, 2, 3, 4, 5, 6, 7};
+  for (int b = 0; b < whole; b += 8) {
+    const v8i x = load_bytes8(codes + b);
+    uint32_t word;
+    std::memcpy(&word, hi + b / 2, sizeof(word));
+    const v8i w = v8i{} + static_cast<int32_t>(word);
+    for (int j = 0; j < 4; ++j) put(((x >> (2 * j)) & 3) | ((((w >> (lane4 + j)) & 1)) << 2));
+  }
+  for (int b = whole; b < Dl; b += 2) {  // 8 channels: 2 low bytes, 1 high byte
+    uint16_t low;
+    std::memcpy(&low, codes + b, sizeof(low));
+    const v8i h = v8i{} + static_cast<int32_t>(hi[b / 2]);
+    put((((v8i{} + static_cast<int32_t>(low)) >> (lane1 * 2)) & 3) | (((h >> lane1) & 1) << 2));
+  }
+}
+
+// Keys of n tokens of a packed segment into the key tile as codes (fp32), in the keys' tile order.
+template <int BITS>
+static void unpack_key_block(const uint8_t* kc, int n, int D, float* kt) {
+  const int Dp = D * BITS / 8;
+  for (int t = 0; t < n; ++t) unpack_token<BITS>(kc + static_cast<int64_t>(t) * Dp, D, kt + static_cast<int64_t>(t) * D);
+}
+
+// Values of n tokens of a packed segment into the value tile, dequantized, in the values' tile order; vs / vz:
+// (n, NG) value scales / zeros. vgroup: the group of each 8 tile lanes, or null when lanes of one vector straddle
+// groups; then lane_g (the group of each tile position) gives per-lane scales.
+template <int BITS>
+static void unpack_value_block(const uint8_t* vc, int n, int D, int NG, const float* vs, const float* vz,
+                               const int* vgroup, const int* lane_g, float* vt, float* lane_s, float* lane_z) {
+  const int Dp = D * BITS / 8;
+  for (int t = 0; t < n; ++t) {
+    const float *ts = vs + t * NG, *tz = vz + t * NG;
+    float* vrow = vt + static_cast<int64_t>(t) * D;
+    if (vgroup) {
+      unpack_token<BITS>(vc + static_cast<int64_t>(t) * Dp, D, vrow, ts, tz, vgroup);
+    } else {
+      unpack_token<BITS>(vc + static_cast<int64_t>(t) * Dp, D, vrow);
+      for (int p = 0; p < D; ++p) lane_s[p] = ts[lane_g[p]], lane_z[p] = tz[lane_g[p]];
+      for (int p = 0; p < D; p += 8) store8(vrow + p, load8(vrow + p) * load8(lane_s + p) + load8(lane_z + p));
+    }
+  }
+}
+

@@ -1,0 +1,107 @@
+"""Argument checks of the split-precision attention launcher (:mod:`triton_ops.attention`): the packed segments'
+tuples, the 8-bit full part's scales, the 8-bit scales' table. Messages name the argument, what it must be and what
+it got.
+
+Shapes: B batch, H_kv key/value heads, R length of the full-precision part, N tokens of a segment, M its chunks,
+D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checks import check_bits
+
+
+def full_scales_args(full_scales, fk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 full part's scales ``(B, H_kv, R, 1)`` (checked), or ``fk`` twice as an unused stand-in."""
+    if full_scales is None:
+        if fk.dtype == torch.int8:
+            raise ValueError("full_keys are int8 codes (an 8-bit full part): pass their full_scales")
+        return fk, fk
+    if fk.dtype != torch.int8:
+        raise ValueError(f"full_scales come with int8 full_keys / full_values (an 8-bit full part), got {fk.dtype}")
+    want = (*fk.shape[:3], 1)
+    for name, t in zip(("full_scales[0]", "full_scales[1]"), full_scales):
+        if not (
+            isinstance(t, torch.Tensor) and t.is_floating_point() and tuple(t.shape) == want and t.device == fk.device
+        ):
+            got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a float tensor of shape {want} on {fk.device}, got {got}")
+    ks, vs = full_scales
+    if ks.stride() != vs.stride():
+        raise ValueError(f"full_scales[1] must have the strides of full_scales[0] {ks.stride()}, got {vs.stride()}")
+    return ks, vs
+
+
+def scale_table_arg(table, device: torch.device) -> torch.Tensor:
+    ok = isinstance(table, torch.Tensor) and table.dtype == torch.float32 and tuple(table.shape) == (256,)
+    if not (ok and table.device == device):
+        raise ValueError(
+            f"scale_table must be a float32 (256,) tensor on {device} (8-bit scales and zeros), got {table!r:.80}"
+        )
+    return table.contiguous()
+
+
+def code_widths(bits, i: int) -> tuple[int, int]:
+    """A segment's ``bits`` item -> ``(key_bits, value_bits)``: an int is both, a pair has ``value_bits <=
+    key_bits``."""
+    pair = tuple(bits) if isinstance(bits, (list, tuple)) and len(bits) == 2 else (bits, bits)
+    for b in pair:
+        check_bits(b)
+    if pair[1] > pair[0]:
+        raise ValueError(f"segments[{i}] value bits must be <= key bits, got bits {bits!r}")
+    return pair
+
+
+def _check_codes(k_codes, v_codes, bits: tuple[int, int], i: int, H_kv: int, D: int) -> None:
+    """Codes as wide as their declared bits: uint8 ``(H_kv, N, D * bits // 8)``, keys and values of one ``N`` (the
+    kernel reads by these widths, so a mismatch would read past the buffers)."""
+    n = k_codes.shape[1] if isinstance(k_codes, torch.Tensor) and k_codes.dim() == 3 else -1
+    for name, codes, b in (("k_codes", k_codes, bits[0]), ("v_codes", v_codes, bits[1])):
+        ok = isinstance(codes, torch.Tensor) and codes.dtype == torch.uint8 and codes.dim() == 3
+        if not (ok and tuple(codes.shape) == (H_kv, n, D * b // 8)):
+            got = f"{codes.dtype} {tuple(codes.shape)}" if isinstance(codes, torch.Tensor) else type(codes).__name__
+            raise ValueError(
+                f"segments[{i}].{name} must be uint8 of shape (H_kv={H_kv}, N, D*bits//8={D * b // 8}) for {b}-bit "
+                f"codes (keys and values of one N), got {got}"
+            )
+
+
+def _check_blocks(seg: tuple, i: int, H_kv: int, M: int, device: torch.device) -> list[torch.Tensor]:
+    """The block numbers ``(H_kv, M, 3)`` of a segment with 8-bit scales and zeros (items 12 and 13)."""
+    if len(seg) != 13:
+        raise ValueError(
+            f"segments[{i}] has uint8 scale and zero codes (8-bit scales and zeros) and needs k_block and v_block as "
+            f"items 12 and 13, got {len(seg)} items"
+        )
+    for name, blk in (("k_block", seg[11]), ("v_block", seg[12])):
+        ok = isinstance(blk, torch.Tensor) and blk.is_floating_point() and blk.device == device
+        if not (ok and tuple(blk.shape) == (H_kv, M, 3)):
+            got = f"{blk.dtype} {tuple(blk.shape)} on {blk.device}" if isinstance(blk, torch.Tensor) else blk
+            raise ValueError(
+                f"segments[{i}].{name} must be a float tensor (H_kv={H_kv}, M={M}, 3) on {device}, got {got}"
+            )
+    return [seg[11].contiguous(), seg[12].contiguous()]
+
+
+def segment_args(seg: tuple | None, i: int, max_tokens: int | None, dummy: torch.Tensor):
+    """Kernel arguments of packed segment ``i`` (or of an empty stand-in), its key / value bits and group size,
+    whether its scales and zeros are 8-bit codes, its longest sequence."""
+    if seg is None:
+        z = dummy
+        return [z, z, z, z, z, z, z, z, z, z, 0, 0, 1], (2, 2), 1, False, 0
+    if len(seg) not in (11, 13):
+        raise ValueError(
+            f"segments[{i}] must have 11 items, or 13 with the blocks of 8-bit scales and zeros, got {len(seg)}"
+        )
+    bits, chunk_size, group_size, *tensors, tok, chk = seg[:11]
+    bits = code_widths(bits, i)
+    _check_codes(tensors[0], tensors[3], bits, i, dummy.shape[1], dummy.shape[3])
+    p8 = isinstance(tensors[1], torch.Tensor) and tensors[1].dtype == torch.uint8
+    tensors = [t.contiguous() for t in tensors]
+    blocks = _check_blocks(seg, i, dummy.shape[1], tensors[1].shape[1], dummy.device) if p8 else [dummy, dummy]
+    if max_tokens is None:
+        max_tokens = int((tok[1:] - tok[:-1]).max()) if tok.numel() > 1 else 0
+    args = [*tensors, tok, chk, *blocks, tensors[0].shape[1], tensors[1].shape[1], chunk_size]
+    return args, bits, group_size, p8, max_tokens
