@@ -31,8 +31,13 @@ static inline void block_scores(const float* q, const float* bias, const float* 
 static inline void softmax_step(float* s, int rows, int n8, int D, float* m, float* l, float* acc) {
   for (int r = 0; r < rows; ++r) {
     float* sr = s + r * kBlock;
+    v8f mv = bcast(-INFINITY);  // lane-wise max (a NaN score is never greater: skipped here, as below)
+    for (int t = 0; t < n8; t += 8) {
+      const v8f x = load8(sr + t);
+      mv = x > mv ? x : mv;
+    }
     float mb = -INFINITY;
-    for (int t = 0; t < n8; ++t) mb = sr[t] > mb ? sr[t] : mb;
+    for (int i = 0; i < 8; ++i) mb = mv[i] > mb ? mv[i] : mb;
     const float m_new = mb > m[r] ? mb : m[r];
     if (m_new == -INFINITY) {  // every token so far masked: nothing to add
       std::memset(sr, 0, n8 * sizeof(float));
@@ -71,8 +76,11 @@ static inline void pv_slice(const float* p, const float* v, int rows, int n, int
   }
 }
 
+// Slices of 64 channels first: 8 independent accumulator chains keep both FMA ports busy (4 chains wait on the
+// FMA latency).
 static inline void block_pv(const float* p, const float* v, int rows, int n, int D, float* acc) {
   int d0 = 0;
+  for (; d0 + 64 <= D; d0 += 64) pv_slice<8>(p, v, rows, n, D, d0, acc);
   for (; d0 + 32 <= D; d0 += 32) pv_slice<4>(p, v, rows, n, D, d0, acc);
   for (; d0 < D; d0 += 8) pv_slice<1>(p, v, rows, n, D, d0, acc);
 }

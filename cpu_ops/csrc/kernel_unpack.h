@@ -40,28 +40,32 @@ static std::vector<int> tile_order(int D) {
   return perm;
 }
 
-// The codes of one token (D channels, PER per byte, low bits first) -> fp32 codes in tile order (tile_order). With
-// `scale`, values are dequantized on the way: code * scale[group] + zero[group], vgroup[v] being the value group of
-// tile lanes 8 * v ... 8 * v + 7.
-template <int BITS>
+// The codes of one token (D channels, PER per byte, low bits first) -> fp32 codes in tile order (tile_order). SCALED
+// (a compile-time choice: no branch per vector): values are dequantized on the way, code * scale[group] +
+// zero[group], vgroup[v] being the value group of tile lanes 8 * v ... 8 * v + 7.
+template <int BITS, bool SCALED = false>
 static inline void unpack_token(const uint8_t* codes, int D, float* dst, const float* scale = nullptr,
                                 const float* zero = nullptr, const int* vgroup = nullptr);
 
 // INT3 tokens (defined below)
+template <bool SCALED>
 static inline void unpack_token3(const uint8_t* codes, int D, float* dst, const float* scale, const float* zero,
                                  const int* vgroup);
 
-template <int BITS>
+template <int BITS, bool SCALED>
 static inline void unpack_token(const uint8_t* codes, int D, float* dst, const float* scale, const float* zero,
                                 const int* vgroup) {
-  if constexpr (BITS == 3) return unpack_token3(codes, D, dst, scale, zero, vgroup);
+  if constexpr (BITS == 3) return unpack_token3<SCALED>(codes, D, dst, scale, zero, vgroup);
   constexpr int PER = BITS == 3 ? 1 : 8 / BITS, MASK = (1 << BITS) - 1;
   typedef typename std::conditional<BITS == 2, uint16_t, uint32_t>::type Word;  // the BITS bytes of 8 channels
   const int Dp = D * BITS / 8, whole = Dp & ~7;
   int v = 0;  // 8-lane vector of the tile
   auto put = [&](v8i c) {
     const v8f x = __builtin_convertvector(c & MASK, v8f);
-    store8(dst + 8 * v, scale ? x * scale[vgroup[v]] + zero[vgroup[v]] : x);
+    if constexpr (SCALED)
+      store8(dst + 8 * v, x * scale[vgroup[v]] + zero[vgroup[v]]);
+    else
+      store8(dst + 8 * v, x);
     ++v;
   };
   for (int b = 0; b < whole; b += 8) {  // 8 bytes, one per lane: PER vectors, one per bit plane
@@ -80,14 +84,18 @@ static inline void unpack_token(const uint8_t* codes, int D, float* dst, const f
 // INT2's tile order; in a whole group k of 8 low bytes (32 channels), lane i of vector j holds channel
 // 32k + 4i + j, whose high bit is bit 4i + j of the little-endian 32-bit word at high-plane byte 4k. Channels
 // after the whole groups are in channel order: lane i of the m-th 8 holds channel 8m + i, high bit i of byte m.
-static inline void unpack_token3(const uint8_t* codes, int D, float* dst, const float* scale = nullptr,
-                                 const float* zero = nullptr, const int* vgroup = nullptr) {
+template <bool SCALED>
+static inline void unpack_token3(const uint8_t* codes, int D, float* dst, const float* scale, const float* zero,
+                                 const int* vgroup) {
   const int Dl = D / 4, whole = Dl & ~7;
   const uint8_t* hi = codes + Dl;
   int v = 0;
   auto put = [&](v8i c) {
     const v8f x = __builtin_convertvector(c, v8f);
-    store8(dst + 8 * v, scale ? x * scale[vgroup[v]] + zero[vgroup[v]] : x);
+    if constexpr (SCALED)
+      store8(dst + 8 * v, x * scale[vgroup[v]] + zero[vgroup[v]]);
+    else
+      store8(dst + 8 * v, x);
     ++v;
   };
   const v8i lane4 = v8i{0, 4, 8, 12, 16, 20, 24, 28}, lane1 = v8i{0, 1, 2, 3, 4, 5, 6, 7};
@@ -124,7 +132,7 @@ static void unpack_value_block(const uint8_t* vc, int n, int D, int NG, const fl
     const float *ts = vs + t * NG, *tz = vz + t * NG;
     float* vrow = vt + static_cast<int64_t>(t) * D;
     if (vgroup) {
-      unpack_token<BITS>(vc + static_cast<int64_t>(t) * Dp, D, vrow, ts, tz, vgroup);
+      unpack_token<BITS, true>(vc + static_cast<int64_t>(t) * Dp, D, vrow, ts, tz, vgroup);
     } else {
       unpack_token<BITS>(vc + static_cast<int64_t>(t) * Dp, D, vrow);
       for (int p = 0; p < D; ++p) lane_s[p] = ts[lane_g[p]], lane_z[p] = tz[lane_g[p]];
