@@ -56,6 +56,8 @@ MOOT = [
     ("neighbors", ANY, "target_bits", ANY),
     ("keep_context_copy", ANY, "scorer", {"attention"}),
 ]
+
+
 def moot_by(field, value, other, other_value) -> bool:
     return any(
         (f, c) == (field, other) and (vs is ANY or value in vs) and (cs is ANY or other_value in cs)

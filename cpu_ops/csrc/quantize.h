@@ -1,7 +1,7 @@
-// The fused CPU quantizers (quantize.cpp), registered by split_attention.cpp's module. Shapes and the storage format
-// are those of hf_cocktail.quant (see cpu_ops/quantize.py, the launchers that check the arguments and allocate the
-// outputs). The return value is a status: 0 done, bit 1 an input is NaN or inf, bit 2 a scale or zero overflows its
-// dtype (outputs are then incomplete; the launcher raises).
+// The fused CPU quantizers (quantize.cpp) and the 8-bit scales' decoder (params8.cpp), registered by
+// split_attention.cpp's module. Shapes and the storage format are those of hf_cocktail.quant (see cpu_ops/quantize.py,
+// the launchers that check the arguments and allocate the outputs). The quantizers return a status: 0 done, bit 1 an
+// input is NaN or inf, bit 2 a scale or zero overflows its dtype (outputs are then incomplete; the launcher raises).
 #pragma once
 
 #include <ATen/core/Tensor.h>
