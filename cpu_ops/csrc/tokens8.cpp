@@ -8,6 +8,7 @@
 // ? 1 / s32 : 0, code = clamp(nearbyint(x * inv), -127, 127) (round half to even, as torch.round). Compiled without
 // floating-point contraction (the pragma below). Unchecked, as the reference's append: a NaN input gives a NaN scale
 // (its codes are then 0), which the attention output shows.
+#include "float_types.h"
 #include "quantize.h"
 
 #include <ATen/core/Tensor.h>
@@ -63,23 +64,13 @@ void append_one(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
                               sp + b * scales.stride(0) + h * scales.stride(1) + (pos + t) * scales.stride(2));
 }
 
-template <typename X>
-void append_scales_of(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t pos) {
-  switch (scales.scalar_type()) {
-    case at::kFloat: return append_one<X, float>(x, codes, scales, pos);
-    case at::kBFloat16: return append_one<X, c10::BFloat16>(x, codes, scales, pos);
-    case at::kHalf: return append_one<X, c10::Half>(x, codes, scales, pos);
-    default: TORCH_CHECK_VALUE(false, "append_tokens8: scales must be float32, bfloat16 or float16");
-  }
-}
-
 void append_tensor(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t pos) {
-  switch (x.scalar_type()) {
-    case at::kFloat: return append_scales_of<float>(x, codes, scales, pos);
-    case at::kBFloat16: return append_scales_of<c10::BFloat16>(x, codes, scales, pos);
-    case at::kHalf: return append_scales_of<c10::Half>(x, codes, scales, pos);
-    default: TORCH_CHECK_VALUE(false, "append_tokens8: keys / values must be float32, bfloat16 or float16");
-  }
+  with_float_type(x.scalar_type(), "append_tokens8's k / v", [&](auto x_tag) {
+    return with_float_type(scales.scalar_type(), "append_tokens8's scales", [&](auto s_tag) {
+      append_one<typename decltype(x_tag)::type, typename decltype(s_tag)::type>(x, codes, scales, pos);
+      return int64_t{0};
+    });
+  });
 }
 
 // The checks of cpu_ops.append_tokens8 (here, not in Python: the call runs once per layer and decode step).
