@@ -103,8 +103,11 @@ static inline void unpack_token3(const uint8_t* codes, int D, float* dst, const 
     const v8i x = load_bytes8(codes + b);
     uint32_t word;
     std::memcpy(&word, hi + b / 2, sizeof(word));
-    const v8i w = v8i{} + static_cast<int32_t>(word);
-    for (int j = 0; j < 4; ++j) put(((x >> (2 * j)) & 3) | ((((w >> (lane4 + j)) & 1)) << 2));
+    const v8i w = (v8i{} + static_cast<int32_t>(word)) >> lane4;  // lane i: bits 4i .. 4i + 3 at the bottom
+    put((x & 3) | ((w << 2) & 4));  // plane j: the low bits >> 2j, the high bit j of the lane's nibble, at bit 2
+    put(((x >> 2) & 3) | ((w << 1) & 4));
+    put(((x >> 4) & 3) | (w & 4));
+    put(((x >> 6) & 3) | ((w >> 1) & 4));
   }
   for (int b = whole; b < Dl; b += 2) {  // 8 channels: 2 low bytes, 1 high byte
     uint16_t low;
