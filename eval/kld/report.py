@@ -255,8 +255,8 @@ def plot(path: str, rows: list[dict]) -> bool:
     if plt is None or not sources:
         return False
     methods = list(dict.fromkeys(r["method"] for r in rows if (r["kld_answer"] or 0) > 0))
-    ncol = 1 + len(methods) // 30  # one legend beside the panels, never over the points
-    legend_w = ncol * (0.6 + 0.05 * max((len(plot_name(m)) for m in methods), default=0))  # inches at 7 pt
+    ncol = max(1, -(-len(methods) // 30))  # one legend beside the panels, never over the points, 30 rows a column
+    legend_w = ncol * (0.4 + 0.045 * max((len(plot_name(m)) for m in methods), default=0))  # inches at 7 pt
     fig, axes = plt.subplots(1, len(sources), figsize=(6.5 * len(sources) + legend_w, 6.5), squeeze=False)
     cmap, markers = plt.get_cmap("tab20"), "osD^vP*Xph<>"
     style = {m: (cmap(i % 20), markers[i % len(markers)]) for i, m in enumerate(methods)}
