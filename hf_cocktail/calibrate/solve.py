@@ -2,7 +2,7 @@
 
 Each option's cost is measured alone against the base setting (every layer at the base pair): ``delta[l][(k, v)]``
 is the mean KL divergence with layer ``l`` at ``(k, v)`` minus the base's (keys' and values' deltas add up: their
-sum over layers matched the all-layer setting on SmolLM2, eval/README.md). The total is minimised exactly by dynamic
+sum over layers matched the all-layer setting on SmolLM2, docs/experiments.md). The total is minimised exactly by dynamic
 programming over the layers and the summed code bits.
 """
 
