@@ -32,7 +32,7 @@ from ..essays import essay_prefix
 from ..kv_bytes import cache_kv_bytes, fp16_kv_bytes
 from ..models import load_model_and_tokenizer, set_threads
 from ..reporting import METHOD_COLUMNS, METHOD_RULE, method_cells
-from .harness import measure, parse_args, ratio, run, save
+from .harness import measure, parse_args, ratio, run, save, with_fp16_baseline
 from .no_reorder import no_reorder_ablation
 from .rounds import alternating_rounds, branch_runner, cast_prefill, shared_prefill, summarize_rounds
 
@@ -44,9 +44,7 @@ def latency_table(results: list[dict]) -> str:
         f"| context | {METHOD_COLUMNS} | prefill s | prefill ratio | decode ms/token | decode ratio |",
         f"|---|{METHOD_RULE}|---|---|---|---|",
     ]
-    base = {r["context_tokens"]: r for r in results if r["method"] == "fp16"}
-    for r in results:
-        b = base.get(r["context_tokens"], r)
+    for r, b in with_fp16_baseline(results):
         lines.append(
             f"| {r['context_tokens']} | {method_cells(r['method'])} | {r['prefill_s']:.2f} | "
             f"{ratio(r['prefill_s'], b['prefill_s']):.2f} | {r['decode_ms_per_token']:.1f} | "

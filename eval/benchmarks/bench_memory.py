@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ..cli import run_cli
 from ..reporting import METHOD_COLUMNS, METHOD_RULE, method_cells
-from .harness import parse_args, ratio, run, save
+from .harness import parse_args, ratio, run, save, with_fp16_baseline
 
 MODULE = "eval.benchmarks.bench_memory"
 MB = 1024 * 1024
@@ -30,9 +30,7 @@ def memory_table(results: list[dict]) -> str:
         "peak decode MB | peak decode ratio |",
         f"|---|{METHOD_RULE}|---|---|---|---|---|---|",
     ]
-    base = {r["context_tokens"]: r for r in results if r["method"] == "fp16"}
-    for r in results:
-        b = base.get(r["context_tokens"], r)
+    for r, b in with_fp16_baseline(results):
         lines.append(
             f"| {r['context_tokens']} | {method_cells(r['method'])} | {r['kv_bytes'] / MB:.1f} | "
             f"{ratio(r['kv_bytes'], b['kv_bytes']):.3f} | {r['kv_bytes_in_memory'] / MB:.1f} | "
