@@ -28,6 +28,7 @@ from hf_cocktail.calibrate.texts import read_texts
 from hf_cocktail.planning.scoring import offline_encoder_path
 
 from .cli import parse_float_list
+from .reporting import method_heading, pyplot, save_figure
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -68,7 +69,9 @@ def summary(results: dict[str, dict]) -> str:
         int4 = next(c for c in cands if c["name"] == "uniform INT4")
 
         def cell(c):
-            return "none fits | | " if c is None else f"{c['name']} | {c['quantized_ratio']:.3f}x | {c['kld']:.4f}"
+            if c is None:
+                return "none fits | | "
+            return f"{method_heading(c['name'])} | {c['quantized_ratio']:.3f}x | {c['kld']:.4f}"
 
         lines.append(
             f"| {target} | {cell(caps)} | {cell(search)} | {int4['quantized_ratio']:.3f}x, {int4['kld']:.4f} |"
@@ -76,18 +79,22 @@ def summary(results: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+KINDS = {  # a candidate's kind: its marker and what the legend calls it
+    "caps": ("o", "per-layer caps"),
+    "search": ("x", "chunk search on caps"),
+    "baseline": ("s", "uniform INT4, recommended()"),
+}
+
+
 def plot(results: dict[str, dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    marks = {"caps": "o", "search": "x", "baseline": "s"}
     for target, res in results.items():
-        for kind, m in marks.items():
+        for kind, (mark, name) in KINDS.items():
             cs = [c for c in res["candidates"] if c["kind"] == kind]
-            ax.scatter([c["quantized_ratio"] for c in cs], [c["kld"] for c in cs], marker=m, label=f"{kind} @ {target}")
+            if cs:
+                xs, ys = [c["quantized_ratio"] for c in cs], [c["kld"] for c in cs]
+                ax.scatter(xs, ys, marker=mark, label=f"{name}, target {target}")
     if not ax.collections:
         plt.close(fig)
         return
@@ -95,9 +102,7 @@ def plot(results: dict[str, dict], path: str) -> None:
     ax.set_ylabel("mean KL divergence from FP16 (held-out)")
     ax.set_yscale("log")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:

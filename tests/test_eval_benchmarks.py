@@ -205,7 +205,7 @@ def test_throughput_table_and_plot(tmp_path):
                 }
             )
     text = bench_throughput.table(rows)
-    assert "| 512 | cocktail | 20.0 | 25 |" in text
+    assert "| 512 | paper Cocktail (FP16/INT4/INT2 by relevance) | `cocktail` | 20.0 | 25 |" in text
     bench_throughput.plot(rows, str(tmp_path / "t.png"))
     assert (tmp_path / "t.png").stat().st_size > 1000
 

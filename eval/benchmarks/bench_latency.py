@@ -31,7 +31,8 @@ from ..cli import run_cli
 from ..essays import essay_prefix
 from ..kv_bytes import cache_kv_bytes, fp16_kv_bytes
 from ..models import load_model_and_tokenizer, set_threads
-from .harness import measure, parse_args, ratio, run, save
+from ..reporting import METHOD_COLUMNS, METHOD_RULE, method_cells
+from .harness import measure, parse_args, ratio, run, save, with_fp16_baseline
 from .no_reorder import no_reorder_ablation
 from .rounds import alternating_rounds, branch_runner, cast_prefill, shared_prefill, summarize_rounds
 
@@ -40,14 +41,12 @@ MODULE = "eval.benchmarks.bench_latency"
 
 def latency_table(results: list[dict]) -> str:
     lines = [
-        "| context | method | prefill s | prefill ratio | decode ms/token | decode ratio |",
-        "|---|---|---|---|---|---|",
+        f"| context | {METHOD_COLUMNS} | prefill s | prefill ratio | decode ms/token | decode ratio |",
+        f"|---|{METHOD_RULE}|---|---|---|---|",
     ]
-    base = {r["context_tokens"]: r for r in results if r["method"] == "fp16"}
-    for r in results:
-        b = base.get(r["context_tokens"], r)
+    for r, b in with_fp16_baseline(results):
         lines.append(
-            f"| {r['context_tokens']} | {r['method']} | {r['prefill_s']:.2f} | "
+            f"| {r['context_tokens']} | {method_cells(r['method'])} | {r['prefill_s']:.2f} | "
             f"{ratio(r['prefill_s'], b['prefill_s']):.2f} | {r['decode_ms_per_token']:.1f} | "
             f"{ratio(r['decode_ms_per_token'], b['decode_ms_per_token']):.2f} |"
         )
@@ -72,13 +71,13 @@ def ablation_table(abl: list[dict]) -> str:
 
 def rounds_table(results: list[dict]) -> str:
     lines = [
-        "| context | method | dtype | decode ms/token (median) | min | ratio vs fp16 (median of rounds) | "
+        f"| context | {METHOD_COLUMNS} | dtype | decode ms/token (median) | min | ratio vs fp16 (median of rounds) | "
         "ratio range | setup s | kv_ratio |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"|---|{METHOD_RULE}|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
-            f"| {r['context_tokens']} | {r['method']} | {r['dtype']} | {r['decode_ms_per_token']:.1f} | "
+            f"| {r['context_tokens']} | {method_cells(r['method'])} | {r['dtype']} | {r['decode_ms_per_token']:.1f} | "
             f"{r['decode_ms_per_token_min']:.1f} | {r['decode_ratio']:.2f} | "
             f"{r['decode_ratio_min']:.2f}-{r['decode_ratio_max']:.2f} | {r['setup_s']:.2f} | "
             f"{r['kv_ratio']:.3f} |"

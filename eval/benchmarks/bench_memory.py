@@ -12,7 +12,8 @@ DynamicCache measured in the same run.
 from __future__ import annotations
 
 from ..cli import run_cli
-from .harness import parse_args, ratio, run, save
+from ..reporting import METHOD_COLUMNS, METHOD_RULE, method_cells
+from .harness import parse_args, ratio, run, save, with_fp16_baseline
 
 MODULE = "eval.benchmarks.bench_memory"
 MB = 1024 * 1024
@@ -25,15 +26,13 @@ NOTE = (
 
 def memory_table(results: list[dict]) -> str:
     lines = [
-        "| context | method | KV MB (fp16 deploy) | KV ratio | KV MB held here | peak prefill MB | "
+        f"| context | {METHOD_COLUMNS} | KV MB (fp16 deploy) | KV ratio | KV MB held here | peak prefill MB | "
         "peak decode MB | peak decode ratio |",
-        "|---|---|---|---|---|---|---|---|",
+        f"|---|{METHOD_RULE}|---|---|---|---|---|---|",
     ]
-    base = {r["context_tokens"]: r for r in results if r["method"] == "fp16"}
-    for r in results:
-        b = base.get(r["context_tokens"], r)
+    for r, b in with_fp16_baseline(results):
         lines.append(
-            f"| {r['context_tokens']} | {r['method']} | {r['kv_bytes'] / MB:.1f} | "
+            f"| {r['context_tokens']} | {method_cells(r['method'])} | {r['kv_bytes'] / MB:.1f} | "
             f"{ratio(r['kv_bytes'], b['kv_bytes']):.3f} | {r['kv_bytes_in_memory'] / MB:.1f} | "
             f"{r['peak_prefill_bytes'] / MB:.0f} | {r['peak_decode_bytes'] / MB:.0f} | "
             f"{ratio(r['peak_decode_bytes'], b['peak_decode_bytes']):.2f} |"

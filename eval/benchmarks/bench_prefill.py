@@ -46,6 +46,7 @@ from ..cli import UsageError, parse_int_list, run_cli
 from ..essays import essay_prefix
 from ..methods.kinds import CocktailMethod
 from ..models import DTYPES, load_model_and_tokenizer, model_input_device, set_threads
+from ..reporting import METHOD_COLUMNS, METHOD_RULE, method_cells
 from ..run_info import command_line
 from .harness import write_run_json
 from .instrument import patching
@@ -180,15 +181,15 @@ def summarize(rows: list[dict], methods: list[str]) -> list[dict]:
 
 def table(summary: list[dict]) -> str:
     head = (
-        "| context | method | prefill s | ratio vs fp16 (range) | overhead parts s (share of its prefill) | "
+        f"| context | {METHOD_COLUMNS} | prefill s | ratio vs fp16 (range) | overhead parts s (share of its prefill) | "
         + " | ".join(PARTS)
         + " |"
     )
-    lines = [head, "|" + "---|" * (4 + len(PARTS))]
+    lines = [head, f"|---|{METHOD_RULE}|" + "---|" * (3 + len(PARTS))]
     for s in summary:
         p = s["parts_s"]
         lines.append(
-            f"| {s['prompt_tokens']} | {s['method']} | {s['prefill_s']:.2f} | {s['ratio_vs_fp16']:.3f} "
+            f"| {s['prompt_tokens']} | {method_cells(s['method'])} | {s['prefill_s']:.2f} | {s['ratio_vs_fp16']:.3f} "
             f"({s['ratio_min']:.3f}-{s['ratio_max']:.3f}) | {s['search_quant_s']:.2f} "
             f"({100 * s['search_quant_fraction']:.1f}%) | " + " | ".join(f"{p[k]:.3f}" for k in PARTS) + " |"
         )

@@ -37,6 +37,7 @@ from ..essays import essay_prefix
 from ..kv_bytes import cache_kv_bytes, fp16_kv_bytes
 from ..methods.kinds import CocktailMethod
 from ..models import DTYPES, load_model_and_tokenizer, set_threads
+from ..reporting import METHOD_COLUMNS, METHOD_RULE, method_cells, plot_name, pyplot, save_figure
 from ..run_info import command_line
 from .harness import measure, write_run_json
 from .rounds import alternating_rounds, branch_runner, resolve_methods, shared_prefill
@@ -101,13 +102,13 @@ def per_sequence_bytes(method, model, tok, shared, generated: int) -> dict:
 
 def table(results: list[dict]) -> str:
     lines = [
-        "| budget MiB | method | per-seq KV MiB | batch | kv MiB used (held here) | tokens/s (median) | "
+        f"| budget MiB | {METHOD_COLUMNS} | per-seq KV MiB | batch | kv MiB used (held here) | tokens/s (median) | "
         "ratio vs fp16 (range) | ms/step |",
-        "|---|---|---|---|---|---|---|---|",
+        f"|---|{METHOD_RULE}|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
-            f"| {r['budget_mib']} | {r['method']} | {r['per_sequence_bytes'] / MIB:.1f} | {r['batch']} | "
+            f"| {r['budget_mib']} | {method_cells(r['method'])} | {r['per_sequence_bytes'] / MIB:.1f} | {r['batch']} | "
             f"{r['batch_kv_bytes'] / MIB:.0f} ({r['batch_kv_bytes_held'] / MIB:.0f}) | "
             f"{r['tokens_per_s']:.2f} | {r['ratio_vs_fp16']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
             f" | {r['ms_per_step']:.0f} |"
@@ -116,29 +117,22 @@ def table(results: list[dict]) -> str:
 
 
 def plot(results: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = pyplot().subplots(figsize=(7, 4.5))
     for m in dict.fromkeys(r["method"] for r in results):
         rows = sorted((r for r in results if r["method"] == m), key=lambda r: r["budget_mib"])
         ax.plot(
             [r["budget_mib"] for r in rows],
             [r["tokens_per_s"] for r in rows],
             marker="o",
-            label=f"{m} (batch {', '.join(str(r['batch']) for r in rows)})",
+            label=f"{plot_name(m)} (batch {', '.join(str(r['batch']) for r in rows)})",
             linewidth=2.5 if m in ("fp16", "cocktail", "recommended") else 1.2,
         )
     ax.set_xlabel("KV budget (MiB of FP16-deployed KV bytes)")
     ax.set_ylabel("generated tokens / s (measured)")
     ax.set_title("Throughput at a fixed KV budget: largest batch of 4K-token prompts")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    ax.legend(fontsize=7)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:

@@ -136,6 +136,12 @@ def ratio(a, b) -> float:
     return a / b if b else float("nan")
 
 
+def with_fp16_baseline(results: list[dict]) -> list[tuple[dict, dict]]:
+    """Each result row with the ``fp16`` row of its context (the row itself where that context has none)."""
+    base = {r["context_tokens"]: r for r in results if r["method"] == "fp16"}
+    return [(r, base.get(r["context_tokens"], r)) for r in results]
+
+
 def write_run_json(path: str, module: str, payload: dict) -> None:
     """``payload`` as JSON at ``path`` (folders created), after the run's command, commit and hardware."""
     os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)

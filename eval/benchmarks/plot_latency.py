@@ -12,6 +12,8 @@ import json
 import sys
 from collections import defaultdict
 
+from ..reporting import plot_name, pyplot, save_figure
+
 
 def load_rows(paths: list[str]) -> dict[tuple[str, str], list[dict]]:
     """``(model label, dtype) -> result rows`` of every ``bench_latency`` JSON in ``paths``."""
@@ -26,13 +28,8 @@ def load_rows(paths: list[str]) -> dict[tuple[str, str], list[dict]]:
 
 
 def plot(groups: dict[tuple[str, str], list[dict]], out: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     keys = sorted(groups)
-    fig, axes = plt.subplots(len(keys), 2, figsize=(11, 3.6 * len(keys)), squeeze=False)
+    fig, axes = pyplot().subplots(len(keys), 2, figsize=(11, 3.6 * len(keys)), squeeze=False)
     for (model, dtype), (ax_ms, ax_ratio) in zip(keys, axes):
         by_method: dict[str, list[dict]] = defaultdict(list)
         for row in groups[(model, dtype)]:
@@ -40,7 +37,7 @@ def plot(groups: dict[tuple[str, str], list[dict]], out: str) -> None:
         for method, rows in by_method.items():
             rows.sort(key=lambda r: r["context_tokens"])
             ctx = [r["context_tokens"] for r in rows]
-            ax_ms.plot(ctx, [r["decode_ms_per_token"] for r in rows], marker="o", label=method)
+            ax_ms.plot(ctx, [r["decode_ms_per_token"] for r in rows], marker="o", label=plot_name(method))
             ax_ratio.errorbar(
                 ctx,
                 [r["decode_ratio"] for r in rows],
@@ -50,7 +47,7 @@ def plot(groups: dict[tuple[str, str], list[dict]], out: str) -> None:
                 ],
                 marker="o",
                 capsize=3,
-                label=method,
+                label=plot_name(method),
             )
         ax_ms.set(title=f"{model}, {dtype}: decode ms/token (median of rounds)", xlabel="context tokens")
         ax_ratio.set(title="ratio to DynamicCache (same run; bars: range of rounds)", xlabel="context tokens")
@@ -58,9 +55,8 @@ def plot(groups: dict[tuple[str, str], list[dict]], out: str) -> None:
         for ax in (ax_ms, ax_ratio):
             ax.set_ylim(bottom=0)
             ax.grid(alpha=0.3)
-        ax_ms.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
+        ax_ms.legend(fontsize=7)
+    save_figure(fig, out, dpi=110)
 
 
 def main(argv=None) -> int:

@@ -42,6 +42,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from ..cli import UsageError, parse_int_list, run_cli
 from ..methods.registry import register_preset
 from ..models import DTYPES, load_model_and_tokenizer, set_threads
+from ..reporting import METHOD_COLUMNS, METHOD_RULE, method_cells
 from ..run_info import command_line
 from .harness import PRESET_HELP, write_run_json
 from .instrument import patching
@@ -206,16 +207,16 @@ def profile_runner(runner, model, steps: int, pad_token_id) -> dict:
 def table(results: list[dict]) -> str:
     cats = ORDER
     head = (
-        "| dtype | method | unprofiled ms/step | ratio vs fp16 | profiled ms/step | "
+        f"| dtype | {METHOD_COLUMNS} | unprofiled ms/step | ratio vs fp16 | profiled ms/step | "
         + " | ".join(cats)
         + " | Python/dispatch (not in ATen) |"
     )
-    lines = [head, "|" + "---|" * (5 + len(cats) + 1)]
+    lines = [head, f"|---|{METHOD_RULE}|" + "---|" * (3 + len(cats) + 1)]
     for r in results:
         b = r["breakdown"]
         cells = [f"{b['categories'][c]['ms_per_step']:.1f}" for c in cats]
         lines.append(
-            f"| {r['dtype']} | {r['method']} | {r['unprofiled_ms_per_step']:.1f} | "
+            f"| {r['dtype']} | {method_cells(r['method'])} | {r['unprofiled_ms_per_step']:.1f} | "
             f"{r.get('unprofiled_ratio', float('nan')):.2f} | {b['total_ms_per_step']:.1f} | "
             + " | ".join(cells)
             + f" | {b['python_ms_per_step']:.1f} |"
@@ -224,13 +225,13 @@ def table(results: list[dict]) -> str:
         "",
         "Per layer per step (µs; the same run, layer categories only):",
         "",
-        "| dtype | method | " + " | ".join(cats[:7]) + " |",
-        "|" + "---|" * (2 + 7),
+        f"| dtype | {METHOD_COLUMNS} | " + " | ".join(cats[:7]) + " |",
+        f"|---|{METHOD_RULE}|" + "---|" * 7,
     ]
     for r in results:
         b = r["breakdown"]
         per_layer.append(
-            f"| {r['dtype']} | {r['method']} | "
+            f"| {r['dtype']} | {method_cells(r['method'])} | "
             + " | ".join(f"{b['categories'][c]['us_per_layer']:.0f}" for c in cats[:7])
             + " |"
         )

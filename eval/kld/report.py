@@ -8,10 +8,20 @@ resample."""
 
 from __future__ import annotations
 
-import csv
 import os
 from collections import defaultdict
 
+from ..reporting import (
+    METHOD_COLUMNS,
+    METHOD_RULE,
+    csv_values,
+    method_cells,
+    plot_name,
+    plotted_sources,
+    pyplot,
+    save_figure,
+    write_csv,
+)
 from ..stats import bootstrap_mean
 
 SEGMENTS = ("answer", "tail")
@@ -158,14 +168,15 @@ def paired_markdown(rows: list[dict]) -> list[str]:
             "",
             f"### Paired with `{ref}`{name}, answer segment",
             "",
-            "| source | method | examples | KLD difference [95% CI] | lower / higher | KLD ratio |",
-            "|---|---|---|---|---|---|",
+            f"| source | {METHOD_COLUMNS} | examples | KLD difference [95% CI] | lower / higher | KLD ratio |",
+            f"|---|{METHOD_RULE}|---|---|---|---|",
         ]
         for r in (r for r in rows if r["reference"] == ref):
             ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
             lines.append(
-                f"| {r['source']} | {r['method']} | {r['examples']} | {r['diff']:+.4f} [{r['diff_lo']:+.4f}, "
-                f"{r['diff_hi']:+.4f}] | {r['lower']} / {r['higher']} | {ratio} |"
+                f"| {r['source']} | {method_cells(r['method'])} | {r['examples']} | "
+                f"{r['diff']:+.4f} [{r['diff_lo']:+.4f}, {r['diff_hi']:+.4f}] | "
+                f"{r['lower']} / {r['higher']} | {ratio} |"
             )
     lines += [
         "",
@@ -180,26 +191,24 @@ def _fmt(x, spec: str) -> str:
     return "" if x is None else format(x, spec)
 
 
-def write_csv(path: str, rows: list[dict]) -> None:
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f)
-        w.writerow(CSV_COLUMNS)
-        for r in rows:
-            w.writerow(
-                [
-                    r["source"],
-                    r["method"],
-                    r["examples"],
-                    f"{r['kv_ratio']:.4f}",
-                    *[_fmt(r[f"kld_answer{x}"], ".6g") for x in ("", "_lo", "_hi")],
-                    _fmt(r["top1_answer"], ".4f"),
-                    r["positions_answer"],
-                    *[_fmt(r[f"kld_tail{x}"], ".6g") for x in ("", "_lo", "_hi")],
-                    _fmt(r["top1_tail"], ".4f"),
-                    r["positions_tail"],
-                    _fmt(r.get("kv_ratio_global"), ".4f"),
-                ]
-            )
+def write_summary_csv(path: str, rows: list[dict]) -> None:
+    write_csv(path, CSV_COLUMNS, (_csv_line(r) for r in rows))
+
+
+def _csv_line(r: dict) -> list:
+    return [
+        r["source"],
+        r["method"],
+        r["examples"],
+        f"{r['kv_ratio']:.4f}",
+        *[_fmt(r[f"kld_answer{x}"], ".6g") for x in ("", "_lo", "_hi")],
+        _fmt(r["top1_answer"], ".4f"),
+        r["positions_answer"],
+        *[_fmt(r[f"kld_tail{x}"], ".6g") for x in ("", "_lo", "_hi")],
+        _fmt(r["top1_tail"], ".4f"),
+        r["positions_tail"],
+        _fmt(r.get("kv_ratio_global"), ".4f"),
+    ]
 
 
 def _kld_cell(r: dict, seg: str) -> str:
@@ -222,14 +231,15 @@ def markdown(rows: list[dict], header: str = "") -> str:
             "",
             f"### {source} (up to {max(r['examples'] for r in mine)} examples)",
             "",
-            f"| method | examples | kv_ratio |{glob_head} KLD answer [95% CI] | top-1 answer | KLD tail [95% CI] | "
-            "top-1 tail |",
-            f"|---|---|---|{glob_sep}---|---|---|---|",
+            f"| {METHOD_COLUMNS} | examples | kv_ratio |{glob_head} KLD answer [95% CI] | top-1 answer | "
+            "KLD tail [95% CI] | top-1 tail |",
+            f"|{METHOD_RULE}|---|---|{glob_sep}---|---|---|---|",
         ]
         for r in mine:
             glob = f" {_fmt(r.get('kv_ratio_global'), '.3f') or '-'} |" if show_global else ""
             lines.append(
-                f"| {r['method']} | {r['examples']} | {r['kv_ratio']:.3f} |{glob} {_kld_cell(r, 'answer')} | "
+                f"| {method_cells(r['method'])} | {r['examples']} | {r['kv_ratio']:.3f} |{glob} "
+                f"{_kld_cell(r, 'answer')} | "
                 f"{_fmt(r['top1_answer'], '.3f') or '-'} | {_kld_cell(r, 'tail')} | "
                 f"{_fmt(r['top1_tail'], '.3f') or '-'} |"
             )
@@ -241,20 +251,14 @@ def plot(path: str, rows: list[dict]) -> bool:
     """KLD vs KV bytes ratio (log-scale y), one panel per source, answer segment with its interval (filled) and tail
     segment (hollow), one colour and marker per method; methods with KLD 0 (fp16) cannot be drawn on a log scale
     and are left out. False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt, sources = pyplot(required=False), plotted_sources(rows)
+    if plt is None or not sources:
         return False
-    sources = [s for s in dict.fromkeys(r["source"] for r in rows) if s != "all"]
-    if not sources:
-        return False
-    ncol = 1 + len({r["method"] for r in rows}) // 30  # one legend beside the panels, never over the points
-    fig, axes = plt.subplots(1, len(sources), figsize=(6.5 * len(sources) + 2.6 * ncol, 6.5), squeeze=False)
-    cmap, markers = plt.get_cmap("tab20"), "osD^vP*Xph<>"
     methods = list(dict.fromkeys(r["method"] for r in rows if (r["kld_answer"] or 0) > 0))
+    ncol = max(1, -(-len(methods) // 30))  # one legend beside the panels, never over the points, 30 rows a column
+    legend_w = ncol * (0.4 + 0.045 * max((len(plot_name(m)) for m in methods), default=0))  # inches at 7 pt
+    fig, axes = plt.subplots(1, len(sources), figsize=(6.5 * len(sources) + legend_w, 6.5), squeeze=False)
+    cmap, markers = plt.get_cmap("tab20"), "osD^vP*Xph<>"
     style = {m: (cmap(i % 20), markers[i % len(markers)]) for i, m in enumerate(methods)}
     for ax, source in zip(axes[0], sources):
         mine = [r for r in rows if r["source"] == source and (r["kld_answer"] or 0) > 0]
@@ -280,11 +284,11 @@ def plot(path: str, rows: list[dict]) -> bool:
             f"{source}: up to {n} examples\n(filled: answer segment with 95% CI; hollow: tail segment)", fontsize=10
         )
         ax.grid(True, which="both", alpha=0.3)
-    handles = [plt.Line2D([], [], marker=style[m][1], color=style[m][0], linestyle="none", label=m) for m in methods]
+    handles = [
+        plt.Line2D([], [], marker=style[m][1], color=style[m][0], linestyle="none", label=plot_name(m)) for m in methods
+    ]
     fig.legend(handles=handles, loc="center right", fontsize=7, ncol=ncol, title="method", title_fontsize=7)
-    fig.tight_layout(rect=(0, 0, 1 - 2.6 * ncol / fig.get_figwidth(), 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, rect=(0, 0, 1 - legend_w / fig.get_figwidth(), 1))
     return True
 
 
@@ -307,12 +311,8 @@ HEADLINE = (
 def plot_headline(path: str, rows: list[dict]) -> bool:
     """KLD vs KV bytes of the :data:`HEADLINE` methods present, each point labelled with its name; the search's
     mixes and their shuffled twins joined by lines. False without matplotlib or without such methods."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot(required=False)
+    if plt is None:
         return False
     pick = [r for r in rows if r["method"] in HEADLINE and r["source"] != "all" and (r["kld_answer"] or 0) > 0]
     sources = list(dict.fromkeys(r["source"] for r in pick))
@@ -331,20 +331,18 @@ def plot_headline(path: str, rows: list[dict]) -> bool:
             colour = "tab:gray" if shuffled else "tab:red" if m == "int4v3_had_g64" else "tab:blue"
             ax.errorbar([r["kv_ratio"]], [y], yerr=None if shuffled else err, fmt="o", color=colour, markersize=5)
             if not shuffled:
-                ax.annotate(m, (r["kv_ratio"], y), textcoords="offset points", xytext=(5, -3), fontsize=7)
+                ax.annotate(plot_name(m), (r["kv_ratio"], y), textcoords="offset points", xytext=(5, -3), fontsize=7)
         ax.set_yscale("log")
         ax.set_xlabel("KV bytes / FP16 DynamicCache")
         ax.set_ylabel("mean KL(P_fp16 || P_method), nats (answer segment, 95% CI)")
         n = max(r["examples"] for r in mine.values())
         ax.set_title(
-            f"{source}: up to {n} examples\nred: recommended; green line: int4first* (the search); "
-            "grey: their shuffled twins",
+            f"{source}: up to {n} examples\nred: recommended; green line: INT4 first (the search); "
+            "grey: their shuffled twins (random chunks)",
             fontsize=10,
         )
         ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 
@@ -352,13 +350,9 @@ def write_reports(out_dir: str, records: list[dict], methods: list[str], header:
     """Write ``summary.csv``, ``paired.csv``, ``summary.md``, ``kld_vs_bytes.png`` and ``kld_headline.png``; returns
     the markdown."""
     rows = summarize(records, methods)
-    write_csv(os.path.join(out_dir, "summary.csv"), rows)
+    write_summary_csv(os.path.join(out_dir, "summary.csv"), rows)
     pairs = [p for ref in PAIRED_REFS if ref in methods for p in paired(records, methods, ref)]
-    with open(os.path.join(out_dir, "paired.csv"), "w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f)
-        w.writerow(PAIRED_COLUMNS)
-        for r in pairs:
-            w.writerow([r[c] if not isinstance(r[c], float) else f"{r[c]:.6g}" for c in PAIRED_COLUMNS])
+    write_csv(os.path.join(out_dir, "paired.csv"), PAIRED_COLUMNS, (csv_values(r, PAIRED_COLUMNS) for r in pairs))
     md = markdown(rows, header) + "\n".join(paired_markdown(pairs)) + ("\n" if pairs else "")
     with open(os.path.join(out_dir, "summary.md"), "w", encoding="utf-8") as f:
         f.write(md)

@@ -6,6 +6,7 @@ import csv
 import os
 
 from ..records import write_json
+from ..reporting import METHOD_COLUMNS, METHOD_RULE, method_cells, method_heading, plot_name, pyplot, save_figure
 from .scoring import Summary
 
 CSV_COLUMNS = ["task", "method", "score", "kv_ratio", "prefill_s", "decode_ms_per_token", "n"]
@@ -48,7 +49,7 @@ def write_csv(path: str, summary: Summary) -> None:
 
 
 def _score_table(tasks: list[str], present: list[str], summary: Summary) -> list[str]:
-    lines = ["| task | n | " + " | ".join(present) + " |", "|---|---|" + "---|" * len(present)]
+    lines = ["| task | n | " + " | ".join(map(method_heading, present)) + " |", "|---|---|" + "---|" * len(present)]
     for task in tasks:
         rows = {m: summary.row(task, m) for m in present}
         if not any(rows.values()):
@@ -64,14 +65,15 @@ def _score_table(tasks: list[str], present: list[str], summary: Summary) -> list
 def _method_table(present: list[str], summary: Summary) -> list[str]:
     avg = {a["method"]: a for a in summary.average}
     lines = [
-        "| method | avg score | kv_ratio | prefill_s | decode ms/token | examples | tasks |",
-        "|---|---|---|---|---|---|---|",
+        f"| {METHOD_COLUMNS} | avg score | kv_ratio | prefill_s | decode ms/token | examples | tasks |",
+        f"|{METHOD_RULE}|---|---|---|---|---|---|",
     ]
     for m in present:
         a = avg[m]
         dec = "-" if a["decode_ms_per_token"] is None else f"{a['decode_ms_per_token']:.0f}"
         lines.append(
-            f"| {m} | {a['score']:.2f} | {a['kv_ratio']:.3f} | {a['prefill_s']:.2f} | {dec} | {a['n']} | {a['tasks']} |"
+            f"| {method_cells(m)} | {a['score']:.2f} | {a['kv_ratio']:.3f} | {a['prefill_s']:.2f} | {dec} | "
+            f"{a['n']} | {a['tasks']} |"
         )
     return lines
 
@@ -81,12 +83,12 @@ def _paired_table(paired: list[dict]) -> list[str]:
         "Paired with fp16 on the same examples: difference of the LongBench average (points), 95% "
         "bootstrap interval (examples resampled within tasks), examples scoring higher / the same / lower.",
         "",
-        "| method | avg - fp16 | 95% interval | higher / same / lower |",
-        "|---|---|---|---|",
+        f"| {METHOD_COLUMNS} | avg - fp16 | 95% interval | higher / same / lower |",
+        f"|{METHOD_RULE}|---|---|---|",
     ]
     for p in paired:
         lines.append(
-            f"| {p['method']} | {p['diff']:+.2f} | [{p['ci95'][0]:+.2f}, {p['ci95'][1]:+.2f}] | "
+            f"| {method_cells(p['method'])} | {p['diff']:+.2f} | [{p['ci95'][0]:+.2f}, {p['ci95'][1]:+.2f}] | "
             f"{p['better']} / {p['same']} / {p['worse']} |"
         )
     return lines
@@ -115,28 +117,18 @@ def markdown(tasks: list[str], methods: list[str], summary: Summary) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_score_vs_kv(path: str, summary: Summary) -> None:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 5))
+    fig, ax = pyplot().subplots(figsize=(7, 5))
     for a in summary.average:
         ax.scatter(a["kv_ratio"], a["score"], s=60, zorder=3)
-        ax.annotate(a["method"], (a["kv_ratio"], a["score"]), textcoords="offset points", xytext=(5, 5))
+        ax.annotate(
+            plot_name(a["method"]), (a["kv_ratio"], a["score"]), textcoords="offset points", xytext=(5, 5), fontsize=7
+        )
     ax.set_xlabel("KV bytes / FP16 KV bytes (mean over tasks)")
     ax.set_ylabel("LongBench average score")
     ax.set_title("Score vs KV-cache size")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _mix_method(tasks: list[str], methods: list[str], summary: Summary) -> str | None:
@@ -162,7 +154,7 @@ def plot_precision_mix(path: str, tasks: list[str], methods: list[str], summary:
         tot = max(1, sum(c.values()))
         for k in fr:
             fr[k].append(c.get(k, 0) / tot)
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(7, 0.6 * len(ts) + 1.2), 4.5))
     bottom = [0.0] * len(ts)
     for k, color in (("fp16", "#2b8cbe"), ("int4", "#7bccc4"), ("int3", "#bae4bc"), ("int2", "#f0f9e8")):
@@ -171,9 +163,7 @@ def plot_precision_mix(path: str, tasks: list[str], methods: list[str], summary:
         ax.bar(ts, fr[k], bottom=bottom, label=k.upper(), color=color, edgecolor="black", linewidth=0.5)
         bottom = [b + v for b, v in zip(bottom, fr[k])]
     ax.set_ylabel("fraction of context chunks")
-    ax.set_title(f"Precision mix per task ({m})")
+    ax.set_title(f"Precision mix per task ({plot_name(m)})")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     plt.setp(ax.get_xticklabels(), rotation=45, ha="right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -1,6 +1,7 @@
 """Readable labels for the evaluation's method ids (``layers3r2_had_s8_sal1_f8`` -> "per-layer widths at 3.0 bits
-(round 2), rotated, 8-bit scales, 1% salient tokens, 8-bit full part"). The id stays the key of every record and
-file; reports and generated docs show :func:`label` beside it."""
+(round 2), rotated, 8-bit scales, 1% salient tokens, 8-bit full part"), the benchmarks' ``NAME:BACKEND`` names and
+the candidates of ``hf_cocktail.calibrate`` (``caps2.4_f8_sal1``). The id stays the key of every record and file;
+reports (:mod:`eval.reporting`) and generated docs show :func:`label` beside it."""
 
 from __future__ import annotations
 
@@ -30,7 +31,11 @@ MODIFIERS = {
     "l3": "INT3 low tier",
     "l3v3": "INT3 low tier, 3-bit values",
     "v3": "3-bit values",
+    "encoder": "encoder scores",
+    "bm25": "BM25 scores",
+    "attention": "attention scores",
 }
+BACKENDS = {"torch": "PyTorch", "auto": "automatic", "cpu": "fused CPU"}  # eval/benchmarks/rounds.py
 _BASES = [
     (r"int(\d)v(\d)", lambda m: f"uniform INT{m[1]}, {m[2]}-bit values"),
     (r"int(\d)", lambda m: f"uniform INT{m[1]}"),
@@ -39,6 +44,8 @@ _BASES = [
     (r"layers([\d.]+)(?:r(\d))?", lambda m: f"per-layer widths at {m[1]} bits" + (f" (round {m[2]})" if m[2] else "")),
     (r"kivi(\d)", lambda m: f"KIVI-like {m[1]}-bit"),
     (r"(hqq|quanto)(\d)", lambda m: f"QuantizedCache {m[1]} {m[2]}-bit"),
+    (r"caps([\d.]+)", lambda m: f"per-layer caps at {m[1]} bits"),  # hf_cocktail.calibrate's candidates
+    (r"search", lambda m: "chunk search"),
 ]
 _SIZED = [
     (r"g(\d+)", lambda m: f"values in groups of {m[1]}"),
@@ -46,6 +53,10 @@ _SIZED = [
     (r"sal(\d+)", lambda m: f"{m[1]}% salient tokens"),
     (r"seed(\d+)", lambda m: f"rotation seed {m[1]}"),
     (r"r(\d+)", lambda m: f"FP residual {m[1]}"),
+    (r"l(\d)", lambda m: f"INT{m[1]} low tier"),
+    (r"caps([\d.]+)", lambda m: f"per-layer caps at {m[1]} bits"),
+    (r"t([\d.]+)", lambda m: f"target {m[1]} bits"),
+    (r"f(\d+)", lambda m: f"{m[1]}-bit full part"),
 ]
 
 
@@ -59,6 +70,10 @@ def _match(patterns, token: str) -> str | None:
 
 def label(method_id: str) -> str:
     """A reader's name for ``method_id``; an id it cannot read is returned as it is."""
+    base, sep, backend = method_id.partition(":")
+    if sep:  # a benchmark's Cocktail method on a named backend (eval/benchmarks/rounds.py)
+        name = label(base)
+        return method_id if name == base else f"{name}, {BACKENDS.get(backend, backend)} backend"
     if method_id in NAMED:
         return NAMED[method_id]
     head, *rest = method_id.split("_")

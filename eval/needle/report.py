@@ -3,10 +3,12 @@ the search put the needle's chunk at FP16) and one ``heatmap_<method>.png`` per 
 
 from __future__ import annotations
 
-import csv
 import os
+import textwrap
 
 import numpy as np
+
+from ..reporting import METHOD_COLUMNS, METHOD_RULE, method_cells, plot_name, pyplot, save_figure, write_csv
 
 CSV_COLUMNS = ["length", "depth", "sample", "method", "correct", "kv_ratio", "code", "pred", "needle_chunk_bits"]
 
@@ -15,7 +17,7 @@ def write_reports(
     out_dir: str, rows: list[dict], methods: list[str], lengths: list[int], depths: list[float], samples: int
 ) -> str:
     """Write every report of ``rows`` (the records of the requested cases); returns the accuracy table."""
-    write_csv(os.path.join(out_dir, "needle.csv"), rows)
+    write_case_csv(os.path.join(out_dir, "needle.csv"), rows)
     table = accuracy_table(rows, methods, depths, samples)
     with open(os.path.join(out_dir, "needle_accuracy.md"), "w", encoding="utf-8") as f:
         f.write("# Needle accuracy\n\n" + table)
@@ -26,24 +28,15 @@ def write_reports(
     return table
 
 
-def write_csv(path: str, rows: list[dict]) -> None:
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f)
-        w.writerow(CSV_COLUMNS)
-        for r in rows:
-            w.writerow(
-                [
-                    r["length"],
-                    r["depth"],
-                    r["sample"],
-                    r["method"],
-                    r["correct"],
-                    f"{r['kv_ratio']:.4f}",
-                    r["code"],
-                    r["pred"],
-                    r.get("needle_chunk_bits"),
-                ]
-            )
+def write_case_csv(path: str, rows: list[dict]) -> None:
+    write_csv(
+        path,
+        CSV_COLUMNS,
+        (
+            [*(r[c] for c in CSV_COLUMNS[:5]), f"{r['kv_ratio']:.4f}", r["code"], r["pred"], r.get("needle_chunk_bits")]
+            for r in rows
+        ),
+    )
 
 
 def _correct_among(rs: list[dict], chunks_holding_needle) -> str:
@@ -58,16 +51,16 @@ def _method_line(m: str, rs: list[dict]) -> str:
     nb = [r.get("needle_chunk_bits") for r in rs if r.get("needle_chunk_bits")]
     fp = f"{sum(16 in b for b in nb)}/{len(nb)}" if nb else "-"
     return (
-        f"| {m} | {100 * acc:.1f}% | {sum(r['correct'] for r in rs)}/{len(rs)} | {kvr:.3f} | {fp} | "
+        f"| {method_cells(m)} | {100 * acc:.1f}% | {sum(r['correct'] for r in rs)}/{len(rs)} | {kvr:.3f} | {fp} | "
         f"{_correct_among(rs, lambda n: n == 1)} | {_correct_among(rs, lambda n: n > 1)} |"
     )
 
 
 def accuracy_table(rows: list[dict], methods: list[str], depths: list[float], samples: int) -> str:
     lines = [
-        "| method | accuracy | correct / cases | kv_ratio | needle chunk at FP16 | acc. needle in 1 chunk | "
+        f"| {METHOD_COLUMNS} | accuracy | correct / cases | kv_ratio | needle chunk at FP16 | acc. needle in 1 chunk | "
         "acc. needle split over 2 chunks |",
-        "|---|---|---|---|---|---|---|",
+        f"|{METHOD_RULE}|---|---|---|---|---|---|",
     ]
     for m in methods:
         rs = [r for r in rows if r["method"] == m]
@@ -96,11 +89,7 @@ def accuracy_grid(rs: list[dict], lengths: list[int], depths: list[float]) -> np
 
 
 def plot_heatmap(path: str, method: str, rs: list[dict], lengths: list[int], depths: list[float]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     grid = accuracy_grid(rs, lengths, depths)
     kvr = sum(r["kv_ratio"] for r in rs) / len(rs)
     fig, ax = plt.subplots(figsize=(1.0 + 0.7 * len(depths), 1.2 + 0.55 * len(lengths)))
@@ -113,8 +102,9 @@ def plot_heatmap(path: str, method: str, rs: list[dict], lengths: list[int], dep
         for j in range(len(depths)):
             if not np.isnan(grid[i, j]):
                 ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=8)
-    ax.set_title(f"{method}: accuracy {100 * np.nanmean(grid):.0f}%, kv_ratio {kvr:.2f}", fontsize=9)
+    ax.set_title(
+        f"{textwrap.fill(plot_name(method), 45)}:\naccuracy {100 * np.nanmean(grid):.0f}%, kv_ratio {kvr:.2f}",
+        fontsize=9,
+    )
     fig.colorbar(im, ax=ax, fraction=0.046)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import os
 
+from ..reporting import METHOD_COLUMNS, METHOD_RULE, method_cells, plot_name, pyplot, save_figure
 from ..stats import bootstrap_mean
 
 CSV_COLUMNS = [
@@ -129,13 +130,16 @@ def paired_markdown(rows: list[dict], variants: list[str]) -> str:
     cell = {(r["method"], r["length"], r["variant"]): r for r in rows}
     keys = list(dict.fromkeys((r["method"], r["length"]) for r in rows))
     cols = [v for v in [*variants, "average"] if any(r["variant"] == v for r in rows)]
-    lines = ["| method | length | " + " | ".join(cols) + " |", "|---" * (len(cols) + 2) + "|"]
+    lines = [
+        f"| {METHOD_COLUMNS} | length | " + " | ".join(cols) + " |",
+        f"|{METHOD_RULE}" + "|---" * (len(cols) + 1) + "|",
+    ]
     for m, L in keys:
         vals = []
         for v in cols:
             r = cell.get((m, L, v))
             vals.append(f"{r['diff']:+.1f} [{r['diff_lo']:+.1f}, {r['diff_hi']:+.1f}] ({r['cases']})" if r else "-")
-        lines.append(f"| {m} | {L} | " + " | ".join(vals) + " |")
+        lines.append(f"| {method_cells(m)} | {L} | " + " | ".join(vals) + " |")
     note = (
         f"Paired with {rows[0]['reference']} on the same cases: method minus {rows[0]['reference']} in accuracy "
         "points, [95% bootstrap interval, cases resampled within each length] (cases both have)."
@@ -161,13 +165,13 @@ def markdown(summary: list[dict], methods: list[str], variants: list[str], lengt
         s.get("kv_ratio_global") is not None and abs(s["kv_ratio_global"] - s["kv_ratio"]) > 1e-6 for s in summary
     )
     head = (
-        "| method | "
+        f"| {METHOD_COLUMNS} | "
         + " | ".join(f"{v} {L} (n={n[(v, L)]})" for v, L in cols)
         + " | kv_ratio |"
         + (" kv_ratio global |" if show_global else "")
         + " asked needles at FP16 |"
     )
-    lines = [head, "|---" * (len(cols) + 3 + show_global) + "|"]
+    lines = [head, f"|{METHOD_RULE}" + "|---" * (len(cols) + 2 + show_global) + "|"]
     for m in methods:
         if not any((c[0], c[1], m) in cell for c in cols):
             continue
@@ -178,7 +182,7 @@ def markdown(summary: list[dict], methods: list[str], variants: list[str], lengt
         glob = ""
         if show_global:
             glob = f" {tot['kv_ratio_global']:.3f} |" if tot and tot.get("kv_ratio_global") is not None else " - |"
-        lines.append(f"| {m} | " + " | ".join(vals) + f" | {kvr} |{glob} {fp} |")
+        lines.append(f"| {method_cells(m)} | " + " | ".join(vals) + f" | {kvr} |{glob} {fp} |")
     note = (
         f"RULER-style needles (Paul Graham essays), accuracy = RULER's string_match_all x 100 (share of the "
         f"expected values found in the output), {samples} sample(s) per variant and length; column "
@@ -192,19 +196,16 @@ def markdown(summary: list[dict], methods: list[str], variants: list[str], lengt
 
 def plot(path: str, summary: list[dict], methods: list[str], variants: list[str], lengths: list[int]) -> None:
     """Grouped bars: accuracy per variant (groups) per method (bars), one panel per length and one for all."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     cell = {(s["variant"], s["length"], s["method"]): s for s in summary}
     panels = [L for L in [*lengths, "all"] if any(("average", L, m) in cell for m in methods)]
     groups = [*variants, "average"]
     ms = [m for m in methods if any(("average", "all", m) == k for k in cell)]
+    legend_h = 0.2 + 0.16 * -(-len(ms) // 3)  # inches: three labels a row above the panels
     fig, axes = plt.subplots(
         1,
         len(panels),
-        figsize=(1.2 + 0.45 * len(groups) * max(1, len(ms)) * len(panels) / 2.2, 3.6),
+        figsize=(max(9.0, 1.2 + 0.45 * len(groups) * max(1, len(ms)) * len(panels) / 2.2), 3.2 + legend_h),
         squeeze=False,
         sharey=True,
     )
@@ -214,16 +215,14 @@ def plot(path: str, summary: list[dict], methods: list[str], variants: list[str]
             ys = [cell[(g, L, m)]["accuracy"] if (g, L, m) in cell else 0.0 for g in groups]
             xs = [i - 0.4 + width * (j + 0.5) for i in range(len(groups))]
             kvr = cell[("average", "all", m)]["kv_ratio"]
-            ax.bar(xs, ys, width, label=f"{m} ({kvr:.2f}x)" if L == panels[0] else None)
+            ax.bar(xs, ys, width, label=f"{plot_name(m)} ({kvr:.2f}x)" if L == panels[0] else None)
         ax.set_xticks(range(len(groups)), groups, rotation=20, fontsize=8)
         ax.set_title(f"length {L}" if L != "all" else "all lengths", fontsize=9)
         ax.set_ylim(0, 100)
         ax.grid(axis="y", alpha=0.3)
     axes[0][0].set_ylabel("accuracy (%)")
-    fig.legend(loc="upper center", ncol=min(len(ms), 6), fontsize=7, bbox_to_anchor=(0.5, 1.0))
-    fig.tight_layout(rect=(0, 0, 1, 0.88))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    fig.legend(loc="upper center", ncol=min(len(ms), 3), fontsize=7, bbox_to_anchor=(0.5, 1.0))
+    save_figure(fig, path, dpi=110, rect=(0, 0, 1, 1 - legend_h / fig.get_figheight()))
 
 
 def write_reports(

@@ -5,11 +5,21 @@ sources), the KV ratios, and each method paired with a reference (uniform INT4 w
 
 from __future__ import annotations
 
-import csv
 import math
 import os
 from collections import defaultdict
 
+from ..reporting import (
+    METHOD_COLUMNS,
+    METHOD_RULE,
+    csv_values,
+    method_cells,
+    plot_name,
+    plotted_sources,
+    pyplot,
+    save_figure,
+    write_csv,
+)
 from ..stats import bootstrap_mean
 
 CSV_COLUMNS = [
@@ -99,66 +109,58 @@ def _f(x, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _table_head(title: str, columns: str, rule: str) -> list[str]:
+    return ["", f"### {title}", "", f"| {columns} |", f"|{rule}|"]
+
+
+def _summary_line(r: dict) -> str:
+    return (
+        f"| {method_cells(r['method'])} | {r['windows']} | {r['kv_ratio']:.3f} | {_f(r['kv_ratio_global'], '.3f')} | "
+        f"{r['ppl']:.3f} [{r['ppl_lo']:.3f}, {r['ppl_hi']:.3f}] | "
+        f"{r['kld']:.4f} [{r['kld_lo']:.4f}, {r['kld_hi']:.4f}] | {r['top1']:.3f} |"
+    )
+
+
+def _paired_line(p: dict) -> str:
+    return (
+        f"| {p['source']} | {method_cells(p['method'])} | {p['windows']} | {p['d_kl']:+.4f} [{p['d_kl_lo']:+.4f}, "
+        f"{p['d_kl_hi']:+.4f}] | {p['lower']} / {p['higher']} | {p['d_nll']:+.4f} [{p['d_nll_lo']:+.4f}, "
+        f"{p['d_nll_hi']:+.4f}] |"
+    )
+
+
+SUMMARY_HEAD = f"{METHOD_COLUMNS} | windows | kv_ratio | kv_ratio global | perplexity [95% CI] | KLD [95% CI] | top-1"
+PAIRED_HEAD = (
+    f"source | {METHOD_COLUMNS} | windows | KLD difference [95% CI] | lower / higher | NLL difference [95% CI]"
+)
+PAIRED_NOTE = (
+    "Differences: mean over the common windows of (method - reference), negative = closer to FP16 (KLD) / more likely "
+    "continuation (NLL, nats per token); lower / higher: windows where the method's KLD is below / above the "
+    "reference's."
+)
+
+
 def markdown(rows: list[dict], pairs: list[dict], header: str = "") -> str:
     lines = [header] if header else []
     for source in dict.fromkeys(r["source"] for r in rows):
-        lines += [
-            "",
-            f"### {source}",
-            "",
-            "| method | windows | kv_ratio | kv_ratio global | perplexity [95% CI] | KLD [95% CI] | top-1 |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for r in (r for r in rows if r["source"] == source):
-            lines.append(
-                f"| {r['method']} | {r['windows']} | {r['kv_ratio']:.3f} | {_f(r['kv_ratio_global'], '.3f')} | "
-                f"{r['ppl']:.3f} [{r['ppl_lo']:.3f}, {r['ppl_hi']:.3f}] | "
-                f"{r['kld']:.4f} [{r['kld_lo']:.4f}, {r['kld_hi']:.4f}] | {r['top1']:.3f} |"
-            )
+        lines += _table_head(source, SUMMARY_HEAD, f"{METHOD_RULE}|---|---|---|---|---|---")
+        lines += [_summary_line(r) for r in rows if r["source"] == source]
     lines += ["", FOOTNOTE]
     for ref in dict.fromkeys(p["reference"] for p in pairs):
-        lines += [
-            "",
-            f"### Paired with `{ref}`",
-            "",
-            "| source | method | windows | KLD difference [95% CI] | lower / higher | NLL difference [95% CI] |",
-            "|---|---|---|---|---|---|",
-        ]
-        for p in (p for p in pairs if p["reference"] == ref):
-            lines.append(
-                f"| {p['source']} | {p['method']} | {p['windows']} | {p['d_kl']:+.4f} [{p['d_kl_lo']:+.4f}, "
-                f"{p['d_kl_hi']:+.4f}] | {p['lower']} / {p['higher']} | {p['d_nll']:+.4f} [{p['d_nll_lo']:+.4f}, "
-                f"{p['d_nll_hi']:+.4f}] |"
-            )
-        lines += [
-            "",
-            "Differences: mean over the common windows of (method - reference), negative = closer to FP16 (KLD) / "
-            "more likely continuation (NLL, nats per token); lower / higher: windows where the method's KLD is "
-            "below / above the reference's.",
-        ]
+        lines += _table_head(f"Paired with `{ref}`", PAIRED_HEAD, f"---|{METHOD_RULE}|---|---|---|---")
+        lines += [_paired_line(p) for p in pairs if p["reference"] == ref] + ["", PAIRED_NOTE]
     return "\n".join(lines) + "\n"
 
 
-def write_csv(path: str, rows: list[dict]) -> None:
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f)
-        w.writerow(CSV_COLUMNS)
-        for r in rows:
-            w.writerow([r[c] if not isinstance(r[c], float) else f"{r[c]:.6g}" for c in CSV_COLUMNS])
+def write_summary_csv(path: str, rows: list[dict]) -> None:
+    write_csv(path, CSV_COLUMNS, (csv_values(r, CSV_COLUMNS) for r in rows))
 
 
 def plot(path: str, rows: list[dict]) -> bool:
     """Perplexity (top) and KLD (bottom, log scale, FP16 left out) against the global layers' KV ratio (the whole
     cache's where a method has none), one column per source, 95% intervals. False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    sources = [s for s in dict.fromkeys(r["source"] for r in rows) if s != "all"]
-    if not sources:
+    plt, sources = pyplot(required=False), plotted_sources(rows)
+    if plt is None or not sources:
         return False
     fig, axes = plt.subplots(2, len(sources), figsize=(6.5 * len(sources), 9), squeeze=False)
     methods = list(dict.fromkeys(r["method"] for r in rows))
@@ -173,7 +175,7 @@ def plot(path: str, rows: list[dict]) -> bool:
                 if ax is axes[1, col] and y <= 0:
                     continue
                 ax.errorbar([x], [y], yerr=[[max(y - lo, 0)], [max(hi - y, 0)]], fmt="o", color=c, capsize=3)
-                ax.annotate(r["method"], (x, y), textcoords="offset points", xytext=(5, 3), fontsize=7)
+                ax.annotate(plot_name(r["method"]), (x, y), textcoords="offset points", xytext=(5, 3), fontsize=7)
         n = max(r["windows"] for r in rows if r["source"] == source)
         axes[0, col].set_title(f"{source}: {n} windows", fontsize=10)
         axes[0, col].set_ylabel("perplexity of the continuation")
@@ -182,16 +184,14 @@ def plot(path: str, rows: list[dict]) -> bool:
         for ax in axes[:, col]:
             ax.set_xlabel("KV bytes / FP16, global (full-attention) layers")
             ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 
 def write_reports(out_dir: str, records: list[dict], methods: list[str], header: str = "") -> str:
     """Write ``summary.csv``, ``summary.md`` and ``ppl_vs_bytes.png``; returns the markdown."""
     rows = summarize(records, methods)
-    write_csv(os.path.join(out_dir, "summary.csv"), rows)
+    write_summary_csv(os.path.join(out_dir, "summary.csv"), rows)
     ref = next((r for r in PAIRED_REFS if r in methods), None)  # uniform INT4 where it ran, else FP16
     pairs = paired(records, methods, ref) if ref else []
     md = markdown(rows, pairs, header)

@@ -2,8 +2,8 @@
 
 Each option's cost is measured alone against the base setting (every layer at the base pair): ``delta[l][(k, v)]``
 is the mean KL divergence with layer ``l`` at ``(k, v)`` minus the base's (keys' and values' deltas add up: their
-sum over layers matched the all-layer setting on SmolLM2, eval/README.md). The total is minimised exactly by dynamic
-programming over the layers and the summed code bits.
+sum over layers matched the all-layer setting on SmolLM2, docs/experiments.md). The total is minimised exactly by
+dynamic programming over the layers and the summed code bits.
 """
 
 from __future__ import annotations
