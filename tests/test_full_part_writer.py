@@ -63,11 +63,23 @@ def test_scales_beyond_the_dtype_and_non_finite_tokens_behave_as_the_unchecked_r
         (lambda a: {**a, "pos": -1}, "pos must be >= 0"),
         (lambda a: {**a, "pos": 7}, r"has room for 9 tokens, tokens \[7, 12\)"),
         (lambda a: {**a, "v": a["v"][:, :2]}, "v must match k"),
-        (lambda a: {**a, "k": a["k"].transpose(2, 3)}, "contiguous last dim"),
-        (lambda a: {**a, "codes": (a["codes"][0].to(torch.uint8), a["codes"][1])}, "codes must be int8"),
-        (lambda a: {**a, "codes": (a["codes"][0][:1], a["codes"][1])}, r"codes must be a CPU tensor of shape"),
-        (lambda a: {**a, "scales": (a["scales"][0], a["scales"][1].float())}, "scales must have one dtype"),
-        (lambda a: {**a, "scales": (a["scales"][0][..., :0], a["scales"][1])}, r"scales must be a CPU tensor"),
+        (lambda a: {**a, "k": a["k"].transpose(2, 3)}, "k must be a .* contiguous last dim"),
+        (
+            lambda a: {**a, "codes": (a["codes"][0].to(torch.uint8), a["codes"][1])},
+            r"codes\[0\] \(the key codes\) must be int8",
+        ),
+        (
+            lambda a: {**a, "codes": (a["codes"][0], a["codes"][1][:1])},
+            r"codes\[1\] \(the value codes\) must be a CPU tensor of shape",
+        ),
+        (
+            lambda a: {**a, "scales": (a["scales"][0], a["scales"][1].float())},
+            r"scales\[0\] and scales\[1\] .* must have one dtype",
+        ),
+        (
+            lambda a: {**a, "scales": (a["scales"][0][..., :0], a["scales"][1])},
+            r"scales\[0\] \(the key scales\) must be a CPU tensor",
+        ),
     ],
 )
 def test_bad_arguments_are_refused_naming_them(change, match):
@@ -132,3 +144,15 @@ def test_decode_on_the_cpu_backend_uses_the_writer_and_equals_the_reference_writ
     for a, b in zip(fused_cache.layers, ref_cache.layers):
         assert torch.equal(a.store.full.codes.keys, b.store.full.codes.keys)
         assert torch.equal(a.store.full.scales.values, b.store.full.scales.values)
+
+
+def test_keys_whose_last_dim_is_strided_are_appended_as_the_reference_does():
+    ks = [torch.randn(3, 6, 64)]
+    parts = [Int8FullPart.from_sequences(ks, ks, torch.float16) for _ in range(2)]
+    parts[1].write8 = cpu_ops.append_tokens8
+    k = torch.randn(1, 3, 64, 2).transpose(2, 3)  # (1, 3, 2, 64) with a last-dim stride of 2
+    assert k.stride(-1) != 1
+    for p in parts:
+        p.append(k, k)
+    assert torch.equal(parts[0].codes.keys, parts[1].codes.keys)
+    assert torch.equal(parts[0].scales.values, parts[1].scales.values)

@@ -76,11 +76,13 @@ static inline void pv_slice(const float* p, const float* v, int rows, int n, int
   }
 }
 
-// Slices of 64 channels first: 8 independent accumulator chains keep both FMA ports busy (4 chains wait on the
-// FMA latency).
+// AVX2: slices of 64 channels first, 8 independent accumulator chains keep both FMA ports busy (4 chains wait on
+// the FMA latency); the baseline build keeps 32 (its 8-float vectors are register pairs: 8 would spill).
 static inline void block_pv(const float* p, const float* v, int rows, int n, int D, float* acc) {
   int d0 = 0;
+#ifdef CPU_OPS_AVX2
   for (; d0 + 64 <= D; d0 += 64) pv_slice<8>(p, v, rows, n, D, d0, acc);
+#endif
   for (; d0 + 32 <= D; d0 += 32) pv_slice<4>(p, v, rows, n, D, d0, acc);
   for (; d0 < D; d0 += 8) pv_slice<1>(p, v, rows, n, D, d0, acc);
 }

@@ -104,10 +104,10 @@ static inline void unpack_token3(const uint8_t* codes, int D, float* dst, const 
     uint32_t word;
     std::memcpy(&word, hi + b / 2, sizeof(word));
     const v8i w = (v8i{} + static_cast<int32_t>(word)) >> lane4;  // lane i: bits 4i .. 4i + 3 at the bottom
-    put((x & 3) | ((w << 2) & 4));  // plane j: the low bits >> 2j, the high bit j of the lane's nibble, at bit 2
-    put(((x >> 2) & 3) | ((w << 1) & 4));
+    put((x & 3) | ((w & 1) << 2));  // plane j: the low bits >> 2j, the high bit j of the lane's nibble, at bit 2
+    put(((x >> 2) & 3) | ((w & 2) << 1));  // (masked before any left shift: no negative value is shifted left)
     put(((x >> 4) & 3) | (w & 4));
-    put(((x >> 6) & 3) | ((w >> 1) & 4));
+    put(((x >> 6) & 3) | ((w & 8) >> 1));
   }
   for (int b = whole; b < Dl; b += 2) {  // 8 channels: 2 low bytes, 1 high byte
     uint16_t low;

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #if defined(__clang__)
 #pragma clang fp contract(off)
@@ -85,10 +86,10 @@ void check_buffer(const at::Tensor& t, const char* name, const at::Tensor& k, in
 }
 
 void check_tokens(const at::Tensor& k, const at::Tensor& v) {
-  for (const at::Tensor* t : {&k, &v})
-    TORCH_CHECK_VALUE(t->device().is_cpu() && t->dim() == 4 && t->stride(3) == 1,
-                      "append_tokens8: k and v must be (B, H_kv, L, D) CPU tensors with a contiguous last dim, got ",
-                      t->sizes(), " strides ", t->strides(), " on ", t->device());
+  for (const auto& [t, name] : {std::pair{&k, "k"}, std::pair{&v, "v"}})
+    TORCH_CHECK_VALUE(t->device().is_cpu() && t->dim() == 4 && t->stride(3) == 1, "append_tokens8: ", name,
+                      " must be a (B, H_kv, L, D) CPU tensor with a contiguous last dim, got ", t->sizes(),
+                      " strides ", t->strides(), " on ", t->device());
   TORCH_CHECK_VALUE(k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(),
                     "append_tokens8: v must match k, got k ", k.scalar_type(), " ", k.sizes(), " and v ",
                     v.scalar_type(), " ", v.sizes());
@@ -100,14 +101,18 @@ void append_tokens8(const at::Tensor& k, const at::Tensor& v, const at::Tensor& 
                     const at::Tensor& k_scales, const at::Tensor& v_scales, int64_t pos) {
   TORCH_CHECK_VALUE(pos >= 0, "append_tokens8: pos must be >= 0, got ", pos);
   check_tokens(k, v);
-  for (const at::Tensor* c : {&k_codes, &v_codes}) {
-    TORCH_CHECK_VALUE(c->scalar_type() == at::kChar, "append_tokens8: codes must be int8, got ", c->scalar_type());
-    check_buffer(*c, "codes", k, k.size(3), pos);
+  for (const auto& [c, name] : {std::pair{&k_codes, "codes[0] (the key codes)"},
+                                 std::pair{&v_codes, "codes[1] (the value codes)"}}) {
+    TORCH_CHECK_VALUE(c->scalar_type() == at::kChar, "append_tokens8: ", name, " must be int8, got ",
+                      c->scalar_type());
+    check_buffer(*c, name, k, k.size(3), pos);
   }
   TORCH_CHECK_VALUE(k_scales.scalar_type() == v_scales.scalar_type(),
-                    "append_tokens8: the key and value scales must have one dtype, got ", k_scales.scalar_type(),
+                    "append_tokens8: scales[0] and scales[1] (key and value scales) must have one dtype, got ",
+                    k_scales.scalar_type(),
                     " and ", v_scales.scalar_type());
-  for (const at::Tensor* s : {&k_scales, &v_scales}) check_buffer(*s, "scales", k, 1, pos);
+  check_buffer(k_scales, "scales[0] (the key scales)", k, 1, pos);
+  check_buffer(v_scales, "scales[1] (the value scales)", k, 1, pos);
   append_tensor(k, k_codes, k_scales, pos);
   append_tensor(v, v_codes, v_scales, pos);
 }

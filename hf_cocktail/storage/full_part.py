@@ -198,6 +198,7 @@ class Int8FullPart:
             self.scales.append(scales[0], scales[1])
             return
         n = k.shape[2]
+        k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))  # the writer reads rows of D
         write8(k, v, self.codes.reserve(n), self.scales.reserve(n), self.codes.length)
         self.codes.advance(n)
         self.scales.advance(n)
