@@ -87,10 +87,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _upgrade_settings(old: dict) -> dict:
+    """A results folder's settings with its storage config read as today's ``CocktailConfig`` reads it (a removed
+    field such as ``codebook: "uniform"`` dropped), so that a folder made before a removal still resumes."""
+    return {**old, "config": CocktailConfig.from_dict(old["config"]).to_dict()} if "config" in old else old
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     args = _parser().parse_args(argv)
     try:
-        args.storage = CocktailConfig(**json.loads(args.config))
+        args.storage = CocktailConfig.from_dict(json.loads(args.config))
     except (ValueError, TypeError) as e:
         raise UsageError(f"--config {args.config!r}: {e}") from e
     args.base_pairs = _parse_base(args.base)
@@ -227,7 +233,7 @@ def main(argv=None) -> int:
     t_start = time.time()
     commit, started_at = git_commit(exclude=args.out_dir), now()
     os.makedirs(args.out_dir, exist_ok=True)
-    check_settings(args.out_dir, settings_of(args), SETTINGS_KEYS)
+    check_settings(args.out_dir, settings_of(args), SETTINGS_KEYS, upgrade=_upgrade_settings)
     lock = lock_out_dir(args.out_dir)  # noqa: F841 (held until the process exits)
     rec_path = os.path.join(args.out_dir, "records.jsonl")
     done = {r["case"]: r for r in iter_jsonl(rec_path)} if os.path.exists(rec_path) else {}
