@@ -150,8 +150,19 @@ def test_removed_codebook_key_loads_as_uniform_and_lloyd_is_refused(tmp_path):
             CocktailConfig.from_dict({**saved, "codebook": value})
     with pytest.raises(ValueError, match=r"removed in this version .* because the anchored Lloyd-Max levels measured"):
         CocktailConfig.from_dict({**saved, "codebook": "lloyd"})
-    with pytest.raises(TypeError, match="codebook"):  # the constructor has no such field any more
-        CocktailConfig(codebook="uniform")
+    config = CocktailConfig()
+    for attempt in (lambda: CocktailConfig(codebook="lloyd"), lambda: setattr(config, "codebook", "lloyd")):
+        with pytest.raises(ValueError, match=r"codebook='lloyd' is no longer supported: the 'codebook' field was"):
+            attempt()
+    assert "codebook" not in vars(config)
+
+
+def test_an_attribute_that_is_not_a_field_is_refused():
+    """A typo would otherwise be kept and never read."""
+    config = CocktailConfig()
+    with pytest.raises(AttributeError, match=r"CocktailConfig has no field 'chunk_sise'; its fields: \['alpha'"):
+        config.chunk_sise = 64
+    assert config.chunk_size == 32 and "chunk_sise" not in vars(config)
 
 
 def test_model_card_option_of_save_pretrained(tmp_path):

@@ -209,10 +209,22 @@ class CocktailConfig(ConfigFiles):
         check_moot(self)  # a field another makes ineffective (hf_cocktail.presets.moot)
         object.__setattr__(self, "_validated", True)  # from now on, assignments are validated (__setattr__)
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> CocktailConfig:
+        """Refuses a removed field (:data:`REMOVED_FIELDS`) with why it went, instead of Python's bare TypeError."""
+        for name in sorted(REMOVED_FIELDS.keys() & kwargs.keys()):
+            raise removed_field_error(name, kwargs[name])
+        return super().__new__(cls)
+
     def __setattr__(self, name: str, value: Any) -> None:
         """A field assigned after construction is validated as at construction, and a refused value is not kept.
-        Checks across fields run too: change related fields together with ``dataclasses.replace(config, ...)``."""
-        if not self.__dict__.get("_validated") or name not in {f.name for f in dataclasses.fields(self)}:
+        Checks across fields run too: change related fields together with ``dataclasses.replace(config, ...)``. A
+        name that is not a field (a typo, a removed field) is refused: nothing would read it."""
+        fields = {f.name for f in dataclasses.fields(self)}
+        if name not in fields and not name.startswith("_"):
+            if name in REMOVED_FIELDS:
+                raise removed_field_error(name, value)
+            raise AttributeError(f"CocktailConfig has no field {name!r}; its fields: {sorted(fields)}")
+        if not self.__dict__.get("_validated") or name not in fields:
             object.__setattr__(self, name, value)
             return
         old = self.__dict__[name]
@@ -302,16 +314,23 @@ REMOVED_FIELDS: dict[str, tuple[Any, str]] = {
 def _drop_removed(d: dict[str, Any]) -> None:
     """Drop the keys of :data:`REMOVED_FIELDS` from a saved config ``d`` (in place) where they hold the behaviour
     that is left; any other value is a ValueError saying the feature was removed and why."""
-    for name, (kept, why) in REMOVED_FIELDS.items():
+    for name, (kept, _why) in REMOVED_FIELDS.items():
         if name not in d:
             continue
         value = d.pop(name)
         if value != kept or type(value) is not type(kept):
-            raise ValueError(
-                f"{name}={value!r} is no longer supported: the {name!r} field was removed in this version of "
-                f"hf-cocktail (CHANGELOG.md, Removed), because {why}; loading without the key gives {kept!r}, the "
-                f"only behaviour left: delete {name!r} from the saved config"
-            )
+            raise removed_field_error(name, value)
+
+
+def removed_field_error(name: str, value: Any) -> ValueError:
+    """The error for a field of :data:`REMOVED_FIELDS` given ``value`` (in a saved config, the constructor or an
+    assignment)."""
+    kept, why = REMOVED_FIELDS[name]
+    return ValueError(
+        f"{name}={value!r} is no longer supported: the {name!r} field was removed in this version of hf-cocktail "
+        f"(CHANGELOG.md, Removed), because {why}; without it the behaviour is {kept!r}, the only one left: delete "
+        f"{name!r} from the saved config or the call"
+    )
 
 
 RECOMMENDED: dict[str, Any] = {"rotation": "hadamard", "uniform_bits": 4, "value_bits": 3, "group_size": 64}
