@@ -7,9 +7,9 @@ changed source or another torch never reuses a stale build. Builds are serialise
 
 Flags are portable (``-O3``, no ``-march``): the AVX2 + FMA + F16C variant of the kernel is compiled through
 ``#pragma GCC target`` and chosen at run time, so a build runs on any x86-64 CPU. The quantizers
-(``csrc/quantize.cpp``) and the 8-bit scales' decoder (``csrc/params8.cpp``) have the baseline build only, without
-floating-point contraction (the files' pragmas): their codes, scales and zeros are bit for bit those of the PyTorch
-reference.
+(``csrc/quantize.cpp``), the 8-bit scales' decoder (``csrc/params8.cpp``) and the 8-bit full part's append
+(``csrc/tokens8.cpp``) have the baseline build only, without floating-point contraction (the files' pragmas): their
+codes, scales and zeros are bit for bit those of the PyTorch reference.
 """
 
 from __future__ import annotations
