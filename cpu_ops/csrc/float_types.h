@@ -1,5 +1,5 @@
-// What the fused CPU quantizers (quantize.cpp) and the 8-bit scales' decoder (params8.cpp) share: dispatch on a
-// float32 / bfloat16 / float16 tensor's C++ type and the parallel grain.
+// What the fused CPU quantizers (quantize.cpp), the 8-bit scales' decoder (params8.cpp) and the 8-bit full part's append
+// (tokens8.cpp) share: dispatch on a float32 / bfloat16 / float16 tensor's C++ type and the parallel grain.
 #pragma once
 
 #include <ATen/core/Tensor.h>
