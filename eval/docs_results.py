@@ -28,8 +28,11 @@ REPORTS = (
     ("Speed: decode vs DynamicCache, fp32 (CPU)", "bench_latency_speed_fp32.md"),
     ("Speed: decode vs DynamicCache, bf16 (CPU)", "bench_latency_speed_bf16.md"),
     ("Speed: decode vs DynamicCache, Gemma 3 270M (CPU)", "bench_latency_speed_gemma3.md"),
-    ("Speed: the decode step's profile before the fused 8-bit reads", "profile_decode_8k_preset_before.md"),
-    ("Speed: the decode step's profile after", "profile_decode_8k_preset_after.md"),
+    (
+        "Speed: the decode step's profile, calibrated preset, before the fused append and kernel changes",
+        "profile_decode_8k_presets_before.md",
+    ),
+    ("Speed: the decode step's profile, calibrated preset, after them", "profile_decode_8k_presets_after.md"),
 )
 
 # the README's headline: per model, (KLD report, its method id) for uniform INT4 and the three choices
