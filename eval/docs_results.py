@@ -25,6 +25,10 @@ REPORTS = (
     ("Gemma 3 270M: RULER-style needles", "gemma3_270m/ruler/ruler_summary.md"),
     ("Gemma 3 270M: perplexity over the quantized context", "gemma3_270m/ppl/summary.md"),
     ("Gemma 3 270M: chunk search on calibrated caps, low targets", "calibrate_search/gemma-3-270m/summary.md"),
+    (
+        "SmolLM2-135M-Instruct: chunk search on calibrated caps, low targets",
+        "calibrate_search/smollm2-135m-instruct/summary.md",
+    ),
     ("Speed: decode vs DynamicCache, fp32 (CPU)", "bench_latency_speed_fp32.md"),
     ("Speed: decode vs DynamicCache, bf16 (CPU)", "bench_latency_speed_bf16.md"),
     ("Speed: decode vs DynamicCache, Gemma 3 270M (CPU)", "bench_latency_speed_gemma3.md"),
