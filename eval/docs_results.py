@@ -22,7 +22,7 @@ REPORTS = (
     ("SmolLM2-135M-Instruct: RULER multikey (128 cases)", "ruler_multikey/ruler_summary.md"),
     ("SmolLM2-135M-Instruct: LongBench scores (187 examples)", "longbench_full/summary.md"),
     ("Gemma 3 270M: KL divergence from FP16, 2K LongBench windows and needles", "gemma3_270m/kld/summary.md"),
-    ("Gemma 3 270M: RULER-style needles", "gemma3_270m/ruler/ruler_summary.md"),
+    ("Gemma 3 270M: RULER-style needles (32 cases)", "gemma3_270m/ruler/ruler_summary.md"),
     ("Gemma 3 270M: perplexity over the quantized context", "gemma3_270m/ppl/summary.md"),
     ("Gemma 3 270M: chunk search on calibrated caps, low targets", "calibrate_search/gemma-3-270m/summary.md"),
     (
