@@ -16,7 +16,7 @@ RESULTS = "eval/results"
 # (title, the report under eval/results/, what it measures): the sections of docs/results.md, in order
 REPORTS = (
     ("SmolLM2-135M-Instruct: KL divergence from FP16, 2K LongBench windows and needles", "kld/summary.md"),
-    ("SmolLM2-135M-Instruct: the calibrated preset, same windows", "kld_calibrated/summary.md"),
+    ("SmolLM2-135M-Instruct: the calibrated preset, same windows", "kld_calibrated_v2/summary.md"),
     ("SmolLM2-135M-Instruct: KL divergence on 8K windows", "kld_8k/summary.md"),
     ("SmolLM2-135M-Instruct: RULER-style needles (38 cases per variant)", "ruler_24/ruler_summary.md"),
     ("SmolLM2-135M-Instruct: RULER multikey (128 cases)", "ruler_multikey/ruler_summary.md"),
@@ -44,10 +44,10 @@ HEADLINE = (
     (
         "SmolLM2-135M-Instruct",
         (
-            ("uniform INT4", "kld/summary.csv", "int4"),
+            ("uniform INT4", "kld_calibrated_v2/summary.csv", "int4"),
             ("`CocktailConfig()` (paper)", "kld/summary.csv", "cocktail"),
             ("`CocktailConfig.recommended()`", "kld/summary.csv", "int4v3_had_g64"),
-            ("calibrated preset", "kld_calibrated/summary.csv", "preset"),
+            ("calibrated preset", "kld_calibrated_v2/summary.csv", "preset"),
         ),
     ),
     (
