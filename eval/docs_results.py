@@ -30,6 +30,7 @@ REPORTS = (
         "calibrate_search/smollm2-135m-instruct/summary.md",
     ),
     ("Speed: decode vs DynamicCache, fp32 (CPU)", "bench_latency_speed_fp32.md"),
+    ("Speed: decode vs DynamicCache at 32K, fp32 (CPU)", "bench_latency_speed_fp32_32k.md"),
     ("Speed: decode vs DynamicCache, bf16 (CPU)", "bench_latency_speed_bf16.md"),
     ("Speed: decode vs DynamicCache, Gemma 3 270M (CPU)", "bench_latency_speed_gemma3.md"),
     (
