@@ -36,8 +36,7 @@ static inline void softmax_step(float* s, int rows, int n8, int D, float* m, flo
       const v8f x = load8(sr + t);
       mv = x > mv ? x : mv;
     }
-    float mb = -INFINITY;
-    for (int i = 0; i < 8; ++i) mb = mv[i] > mb ? mv[i] : mb;
+    const float mb = hmax(mv);
     const float m_new = mb > m[r] ? mb : m[r];
     if (m_new == -INFINITY) {  // every token so far masked: nothing to add
       std::memset(sr, 0, n8 * sizeof(float));
@@ -152,6 +151,11 @@ static void run_item(const Problem& P, const WorkItem& w, float* m, float* l, fl
     uniform = uniform && lane_g[p] == lane_g[p & ~7];
     if (p % 8 == 0) vgroup[p / 8] = lane_g[p];
   }
+  // runs: vector v in group v / vpg, every code byte in a whole group of 8 (unpack_value_runs)
+  const int vper = g.vbits == 3 ? 4 : 8 / g.vbits, vpg_try = g.G / 8;
+  bool runs = uniform && vpg_try % vper == 0 && (g.vbits == 3 ? D / 4 : vDp) % 8 == 0;
+  for (int v = 0; runs && v < D / 8; ++v) runs = vgroup[v] == v / vpg_try;
+  const int vpg = runs ? vpg_try : 0;
   std::vector<float> qp(static_cast<size_t>(rows) * D), qs(qp.size()), kscale(D), kzero(D), ks_tile(D),
       vsc(static_cast<size_t>(kBlock) * NG), vze(vsc.size()), lane_s(D), lane_z(D);
   for (int r = 0; r < rows; ++r)  // the queries in tile order
@@ -185,8 +189,8 @@ static void run_item(const Problem& P, const WorkItem& w, float* m, float* l, fl
     load_params(g, g.v_scale, g.v_zero, g.v_block, voff, static_cast<int64_t>(w.h) * g.M + c,
                 static_cast<int64_t>(n) * NG, vsc.data(), vze.data());
     unpack_keys(kc + a * kDp, n, D, kt.data());
-    unpack_values(vc + a * vDp, n, D, NG, vsc.data(), vze.data(), uniform ? vgroup.data() : nullptr, lane_g.data(),
-                  vt.data(), lane_s.data(), lane_z.data());
+    unpack_values(vc + a * vDp, n, D, NG, vsc.data(), vze.data(), vpg, uniform ? vgroup.data() : nullptr,
+                  lane_g.data(), vt.data(), lane_s.data(), lane_z.data());
     block_scores(qs.data(), bias.data(), kt.data(), rows, clear_tail(n), D, s.data());
     finish_block(n);
     a += n;

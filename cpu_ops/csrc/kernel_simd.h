@@ -19,10 +19,17 @@ static inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
 static inline v8f bcast(float x) { return v8f{} + x; }
 static inline v8f as_float(v8i x) { return (v8f)x; }  // bit casts
 static inline v8i as_int(v8f x) { return (v8i)x; }
-static inline float hsum(v8f v) {
-  float s = 0.0f;
-  for (int i = 0; i < 8; ++i) s += v[i];
-  return s;
+static inline float hsum(v8f v) {  // a tree: halves, quarters, pairs
+  v = v + SHUFFLE8(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v = v + SHUFFLE8(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+  return v[0] + v[1];
+}
+static inline float hmax(v8f v) {  // the largest lane (lanes never NaN here), as a tree
+  v8f u = SHUFFLE8(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v = u > v ? u : v;
+  u = SHUFFLE8(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+  v = u > v ? u : v;
+  return v[1] > v[0] ? v[1] : v[0];
 }
 
 // Lane-wise (a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7), like x86's vhaddps.

@@ -17,7 +17,17 @@ static inline void load_params(const Segment& g, const void* scale, const void* 
   float b[3];
   to_float(block, g.b_dtype, 3 * blk, 3, b);
   const uint8_t *sc = static_cast<const uint8_t*>(scale) + off, *zc = static_cast<const uint8_t*>(zero) + off;
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i = 0;
+#ifdef CPU_OPS_AVX2  // 8 at a time: the table read by a gather, the zero as below (two roundings, no FMA)
+  const v8f s_max = bcast(b[0]), z_lo = bcast(b[1]), z_step = bcast(b[2]);
+  for (; i + 8 <= n; i += 8) {
+    const v8f t = _mm256_i32gather_ps(g.table, (__m256i)load_bytes8(sc + i), 4);
+    store8(s + i, s_max * t);
+    const v8f step = __builtin_convertvector(load_bytes8(zc + i), v8f) * z_step;
+    store8(z + i, z_lo + step);
+  }
+#endif
+  for (; i < n; ++i) {
     s[i] = b[0] * g.table[sc[i]];
     const float step = static_cast<float>(zc[i]) * b[2];
     z[i] = b[1] + step;
@@ -117,6 +127,40 @@ static inline void unpack_token3(const uint8_t* codes, int D, float* dst, const 
   }
 }
 
+// The k-th whole group of 8 code bytes of one token (INT3: 8 bytes of its 2-bit plane and their 4 bytes of high
+// bits) as the PER = 8 / BITS (INT3: 4) tile vectors PER * k ... PER * k + PER - 1 of its codes (unpack_token's order).
+template <int BITS>
+static inline void code_planes(const uint8_t* codes, int D, int k, v8i* c) {
+  const v8i x = load_bytes8(codes + 8 * k);
+  if constexpr (BITS == 3) {
+    uint32_t word;
+    std::memcpy(&word, codes + D / 4 + 4 * k, sizeof(word));
+    const v8i w = (v8i{} + static_cast<int32_t>(word)) >> v8i{0, 4, 8, 12, 16, 20, 24, 28};
+    c[0] = (x & 3) | ((w & 1) << 2);
+    c[1] = ((x >> 2) & 3) | ((w & 2) << 1);
+    c[2] = ((x >> 4) & 3) | (w & 4);
+    c[3] = ((x >> 6) & 3) | ((w & 8) >> 1);
+  } else {
+    for (int j = 0; j < 8 / BITS; ++j) c[j] = (x >> (j * BITS)) & ((1 << BITS) - 1);
+  }
+}
+
+// Values of one token when its tile vectors come in runs of vpg per value group (vpg = G / 8, a multiple of PER; every
+// code byte in a whole group of 8): each group's scale and zero are broadcast once, not once per vector.
+template <int BITS>
+static inline void unpack_value_runs(const uint8_t* codes, int D, int NG, int vpg, const float* scale,
+                                     const float* zero, float* dst) {
+  constexpr int PER = BITS == 3 ? 4 : 8 / BITS;
+  for (int grp = 0, k = 0; grp < NG; ++grp) {
+    const v8f sv = bcast(scale[grp]), zv = bcast(zero[grp]);
+    for (const int end = k + vpg / PER; k < end; ++k) {
+      v8i c[PER];
+      code_planes<BITS>(codes, D, k, c);
+      for (int j = 0; j < PER; ++j) store8(dst + 8 * (PER * k + j), __builtin_convertvector(c[j], v8f) * sv + zv);
+    }
+  }
+}
+
 // Keys of n tokens of a packed segment into the key tile as codes (fp32), in the keys' tile order.
 template <int BITS>
 static void unpack_key_block(const uint8_t* kc, int n, int D, float* kt) {
@@ -125,16 +169,18 @@ static void unpack_key_block(const uint8_t* kc, int n, int D, float* kt) {
 }
 
 // Values of n tokens of a packed segment into the value tile, dequantized, in the values' tile order; vs / vz:
-// (n, NG) value scales / zeros. vgroup: the group of each 8 tile lanes, or null when lanes of one vector straddle
+// (n, NG) value scales / zeros. vpg: vectors per group when unpack_value_runs applies, else 0. vgroup: the group of each 8 tile lanes, or null when lanes of one vector straddle
 // groups; then lane_g (the group of each tile position) gives per-lane scales.
 template <int BITS>
-static void unpack_value_block(const uint8_t* vc, int n, int D, int NG, const float* vs, const float* vz,
+static void unpack_value_block(const uint8_t* vc, int n, int D, int NG, const float* vs, const float* vz, int vpg,
                                const int* vgroup, const int* lane_g, float* vt, float* lane_s, float* lane_z) {
   const int Dp = D * BITS / 8;
   for (int t = 0; t < n; ++t) {
     const float *ts = vs + t * NG, *tz = vz + t * NG;
     float* vrow = vt + static_cast<int64_t>(t) * D;
-    if (vgroup) {
+    if (vpg) {
+      unpack_value_runs<BITS>(vc + static_cast<int64_t>(t) * Dp, D, NG, vpg, ts, tz, vrow);
+    } else if (vgroup) {
       unpack_token<BITS, true>(vc + static_cast<int64_t>(t) * Dp, D, vrow, ts, tz, vgroup);
     } else {
       unpack_token<BITS>(vc + static_cast<int64_t>(t) * Dp, D, vrow);
