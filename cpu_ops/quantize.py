@@ -163,7 +163,7 @@ def append_tokens8(
     scales: tuple[torch.Tensor, torch.Tensor],
     pos: int,
     rotation: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
-) -> None:
+) -> list[torch.Tensor]:
     """Quantize new tokens to 8-bit codes and write them into an 8-bit full part's buffers, in place (fused; bit for
     bit ``hf_cocktail.storage.quant.quantize_tokens8(x, scale_dtype, check=False)`` on finite inputs; a non-finite
     token gets a NaN or inf scale, as there).
@@ -177,6 +177,10 @@ def append_tokens8(
             ``v`` are rotated first, as ``hf_cocktail.storage.rotation.Rotation.rotate_pair`` does it (the same ATen
             operations, so the same bits: one matmul of both where they share one matrix tensor).
 
+    Returns:
+        the views of the four buffers' first ``pos + L`` tokens, ``[key codes, value codes, key scales, value
+        scales]`` (what an 8-bit full part holds after the append; made in C++, cheaper than four ``narrow`` calls).
+
     Raises:
         ValueError: a wrong shape, dtype, device or stride, or tokens that do not fit (checked in C++: this runs
             once per layer and decode step).
@@ -186,7 +190,7 @@ def append_tokens8(
             f"rotation must be None or a pair (key matrices or None, value matrices or None), got {rotation!r}"
         )
     rot_k, rot_v = (None, None) if rotation is None else rotation
-    extension().append_tokens8(
+    return extension().append_tokens8(
         k,
         v,
         codes[0],

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #if defined(__clang__)
 #pragma clang fp contract(off)
@@ -129,9 +130,10 @@ std::pair<at::Tensor, at::Tensor> rotated_pair(const at::Tensor& k, const at::Te
 
 }  // namespace
 
-void append_tokens8(const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& k_codes,
-                    const at::Tensor& v_codes, const at::Tensor& k_scales, const at::Tensor& v_scales, int64_t pos,
-                    const at::Tensor& rot_k, const at::Tensor& rot_v) {
+std::vector<at::Tensor> append_tokens8(const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& k_codes,
+                                       const at::Tensor& v_codes, const at::Tensor& k_scales,
+                                       const at::Tensor& v_scales, int64_t pos, const at::Tensor& rot_k,
+                                       const at::Tensor& rot_v) {
   TORCH_CHECK_VALUE(pos >= 0, "append_tokens8: pos must be >= 0, got ", pos);
   check_tokens(k_in, v_in);
   check_rotation(rot_k, "rotation[0] (the key matrices)", k_in);
@@ -151,6 +153,10 @@ void append_tokens8(const at::Tensor& k_in, const at::Tensor& v_in, const at::Te
   check_buffer(v_scales, "scales[1] (the value scales)", k, 1, pos);
   append_tensor(k, k_codes, k_scales, pos);
   append_tensor(v, v_codes, v_scales, pos);
+  // what the part holds now: the buffers' first pos + L tokens (views made here, not by four Python narrow calls)
+  const int64_t end = pos + k.size(2);
+  return {k_codes.narrow(2, 0, end), v_codes.narrow(2, 0, end), k_scales.narrow(2, 0, end),
+          v_scales.narrow(2, 0, end)};
 }
 
 }  // namespace cpu_ops_quant

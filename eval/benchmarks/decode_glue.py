@@ -9,12 +9,14 @@ per Cocktail layer and new token (random ``(1, H_kv, 1, D)`` key / value, ``(1, 
 * ``cache update``: ``CocktailCache.update`` (what the model's attention module calls) + the same crop;
 * ``attention fn``: ``cocktail_attention_forward`` (the registered attention function) with the C++ kernel call
   replaced by a precomputed output, so the figure is the Python glue around the kernel (dispatch, launcher checks,
-  argument lists, output transpose); ``launcher``: ``cpu_ops.split_precision_attention`` alone, kernel replaced;
+  argument lists, output transpose); ``launcher``: the public, fully checked ``cpu_ops.split_precision_attention``
+  alone on the store's arguments, kernel replaced;
 * ``kernel``: the C++ kernel alone on the launcher's arguments (for scale);
 * ``model step``: one whole greedy decode forward of the model (then the crop), for scale.
 
 Every figure is the min and the median over ``--repeat`` blocks of ``--number`` calls (µs per call), cycled over all
-layers. Run with ``--threads 1``; A/B two checkouts by running this file from each (``PYTHONPATH=.``).
+layers; short blocks, so that the min finds quiet moments of a shared machine. Run with ``--threads 1``; A/B two
+checkouts by running this file from each (``PYTHONPATH=.``), in alternation.
 
     PYTHONPATH=. python -m eval.benchmarks.decode_glue --context 1500 --threads 1
 """
@@ -190,9 +192,9 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--preset", default="model_cards/smollm2-135m-instruct")
     p.add_argument("--context", type=int, default=1500, help="context tokens (essays)")
-    p.add_argument("--number", type=int, default=300, help="calls per timed block")
-    p.add_argument("--repeat", type=int, default=15, help="timed blocks")
-    p.add_argument("--rounds", type=int, default=1, help="measure this many times (same cache), print each")
+    p.add_argument("--number", type=int, default=30, help="calls per timed block")
+    p.add_argument("--repeat", type=int, default=100, help="timed blocks")
+    p.add_argument("--rounds", type=int, default=3, help="measure this many times (same cache), print each")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--label", default="")
     args = p.parse_args(argv)

@@ -22,8 +22,8 @@ import torch
 from hf_cocktail.storage import quant
 
 # a fused 8-bit writer (cpu_ops.append_tokens8): (k, v, (key codes, value codes), (key scales, value scales), pos,
-# rotation=(key matrices, value matrices) or None)
-Write8 = Callable[..., None]
+# rotation=(key matrices, value matrices) or None) -> the four buffers' views of their first pos + L tokens
+Write8 = Callable[..., list]
 HEADROOM_STEP = 16  # tokens of room the first append after the prefill reserves (then: half the tokens appended)
 
 
@@ -76,10 +76,15 @@ class FullPart:
             self._buffers = (bufs[0], bufs[1])
         return self._buffers
 
-    def advance(self, n: int) -> None:
-        """The ``n`` tokens written after ``length`` into the :meth:`reserve` d buffers join the part."""
+    def advance(self, n: int, views: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """The ``n`` tokens written after ``length`` into the :meth:`reserve` d buffers join the part. ``views``: the
+        key and value buffers' views of their first ``length + n`` tokens where the writer made them (the fused 8-bit
+        writer returns them); else they are made here."""
         if self._buffers is None:
             raise RuntimeError("FullPart.advance without reserve")
+        if views is not None:
+            self.keys, self.values = views
+            return
         end = self.length + n
         self.keys, self.values = self._buffers[0].narrow(2, 0, end), self._buffers[1].narrow(2, 0, end)
 
@@ -208,9 +213,9 @@ class Int8FullPart:
         n = k.shape[2]
         if k.stride(-1) != 1 or v.stride(-1) != 1:  # the writer reads rows of D
             k, v = k.contiguous(), v.contiguous()
-        write8(k, v, self.codes.reserve(n), self.scales.reserve(n), self.codes.length, rotation)
-        self.codes.advance(n)
-        self.scales.advance(n)
+        views = write8(k, v, self.codes.reserve(n), self.scales.reserve(n), self.codes.length, rotation)
+        self.codes.advance(n, (views[0], views[1]))
+        self.scales.advance(n, (views[2], views[3]))
 
     def truncate(self, n: int) -> None:
         self.codes.truncate(n)
