@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -118,7 +119,7 @@ def split_precision_attention(
     if L_q < 1:
         _fail("query's L_q", ">= 1", L_q)
     _check_tensor("full_keys", full_keys, INT8 if full_scales is not None else FLOAT_DTYPES, (B, None, None, D))
-    H_kv, R = full_keys.shape[1], full_keys.shape[2]
+    H_kv = full_keys.shape[1]
     if H_kv == 0 or H_q % H_kv:
         _fail("full_keys' H_kv (dim 1)", f"a divisor of the query heads H_q={H_q}", H_kv)
     _check_tensor("full_values", full_values, (full_keys.dtype,), full_keys.shape)
@@ -129,6 +130,43 @@ def split_precision_attention(
         _fail("full_values' strides", f"those of full_keys {full_keys.stride()}", full_values.stride())
     _check_tensor("full_start", full_start, INT32, (B,))
     full_scale_args = _full_scales(full_scales, full_keys.shape[:3])
+    prepared = prepare(B, H_kv, D, segments, rotation=rotation, scale_table=scale_table)
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not math.isfinite(scaling):
+        _fail("scaling", "a finite float", repr(scaling))
+    if tokens_per_item is not None and not (type(tokens_per_item) is int and tokens_per_item >= 1):
+        _fail("tokens_per_item", "an int >= 1", repr(tokens_per_item))
+    if isa not in ("auto", "baseline"):
+        _fail("isa", "'auto' or 'baseline'", repr(isa))
+    table = scale_table if prepared.needs_table else None
+    return _launch(
+        query, full_keys, full_values, full_start, prepared, scaling, full_scale_args, table, tokens_per_item, isa
+    )
+
+
+@dataclass(frozen=True)
+class PreparedArguments:
+    """The kernel arguments of :func:`split_precision_attention` that stay the same from one decode step to the next
+    of one layer (the packed segments, the rotation, the scale table), checked and laid out once by :func:`prepare`
+    for :func:`split_precision_attention_prepared`. ``B`` sequences, ``H_kv`` heads, head dim ``D``."""
+
+    B: int
+    H_kv: int
+    D: int
+    seg_tensors: list  # per segment: k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, tok_off, chunk_off, blocks
+    seg_ints: list  # per segment: key bits, value bits, chunk_size, group_size
+    tokens: int  # the segments' tokens, all sequences
+    rotation: list  # [query matrices, output matrices] (H_kv, D, D) fp32, or empty tensors
+    needs_table: bool  # 8-bit scales and zeros: every call passes the scale table (not kept here: it is shared)
+
+
+def prepare(B: int, H_kv: int, D: int, segments, *, rotation=None, scale_table=None) -> PreparedArguments:
+    """Check ``segments``, ``rotation`` and ``scale_table`` (as :func:`split_precision_attention` documents them) for
+    ``B`` sequences of ``H_kv`` heads of dim ``D``, once; the result serves every later decode step of the same store.
+
+    Raises:
+        ValueError: an argument has the wrong type, shape, dtype or device (the messages of
+            :func:`split_precision_attention`).
+    """
     rotation_args = _rotation(rotation, H_kv, D)
     if not isinstance(segments, (list, tuple)) or len(segments) > 2:
         _fail(
@@ -136,58 +174,109 @@ def split_precision_attention(
             "a list of at most 2 segment tuples",
             f"{len(segments)} segments" if isinstance(segments, (list, tuple)) else type(segments).__name__,
         )
-    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not math.isfinite(scaling):
-        _fail("scaling", "a finite float", repr(scaling))
-
     seg_tensors, seg_ints, tokens = [], [], 0
     for i, seg in enumerate(segments):
-        if not isinstance(seg, (list, tuple)) or len(seg) - len(_SEGMENT_FIELDS) not in (0, 2):
-            _fail(
-                f"segments[{i}]",
-                f"a tuple {_SEGMENT_FIELDS} (+ k_block, v_block)",
-                f"{len(seg)} items" if isinstance(seg, (list, tuple)) else type(seg).__name__,
-            )
-        bits, C, G, kc, ks, kz, vc, vs, vz, tok, chk = seg[: len(_SEGMENT_FIELDS)]
-        bits, vbits = code_widths(bits, f"segments[{i}].bits")
-        if not (type(C) is int and C >= 1):
-            _fail(f"segments[{i}].chunk_size", "an int >= 1", repr(C))
-        if not (type(G) is int and G >= 1 and G & (G - 1) == 0 and D % G == 0):
-            _fail(f"segments[{i}].group_size", f"a power of two dividing D={D}", repr(G))
-        N, M = (t.shape[1] if isinstance(t, torch.Tensor) and t.dim() == 3 else None for t in (kc, ks))
-        params8 = isinstance(ks, torch.Tensor) and ks.dtype == torch.uint8
-        _check_tensor((i, "k_codes"), kc, UINT8, (H_kv, N, D * bits // 8))
-        _check_tensor((i, "k_scale"), ks, UINT8 if params8 else FLOAT_DTYPES, (H_kv, M, D))
-        _check_tensor((i, "k_zero"), kz, (ks.dtype,), ks.shape)
-        _check_tensor((i, "v_codes"), vc, UINT8, (H_kv, N, D * vbits // 8))
-        _check_tensor((i, "v_scale"), vs, (ks.dtype,), (H_kv, N, D // G))
-        _check_tensor((i, "v_zero"), vz, (ks.dtype,), vs.shape)
-        _check_tensor((i, "tok_off"), tok, INT32, (B + 1,))
-        _check_tensor((i, "chunk_off"), chk, INT32, (B + 1,))
-        seg_tensors += [t.contiguous() for t in (kc, ks, kz, vc, vs, vz, tok, chk)]
-        seg_tensors += _blocks(seg, i, params8, H_kv, M) if params8 else [_EMPTY, _EMPTY]
-        seg_ints += [bits, vbits, C, G]
-        tokens += N
-    if tokens_per_item is None:
-        tokens_per_item = _default_tokens_per_item(B * H_kv, R + tokens // max(B, 1))
-    elif not (type(tokens_per_item) is int and tokens_per_item >= 1):
-        _fail("tokens_per_item", "an int >= 1", repr(tokens_per_item))
-    if isa not in ("auto", "baseline"):
-        _fail("isa", "'auto' or 'baseline'", repr(isa))
+        tensors, ints = _segment(seg, i, B, H_kv, D)
+        seg_tensors += tensors
+        seg_ints += ints
+        tokens += tensors[0].shape[1]
+    needs_table = any(t.numel() for t in seg_tensors[8::10])
+    if needs_table:
+        _table(scale_table)
+    return PreparedArguments(B, H_kv, D, seg_tensors, seg_ints, tokens, rotation_args, needs_table)
+
+
+def _segment(seg, i: int, B: int, H_kv: int, D: int) -> tuple[list[torch.Tensor], list[int]]:
+    """Segment ``i``'s 10 tensors (contiguous) and 4 ints for the kernel, checked."""
+    if not isinstance(seg, (list, tuple)) or len(seg) - len(_SEGMENT_FIELDS) not in (0, 2):
+        _fail(
+            f"segments[{i}]",
+            f"a tuple {_SEGMENT_FIELDS} (+ k_block, v_block)",
+            f"{len(seg)} items" if isinstance(seg, (list, tuple)) else type(seg).__name__,
+        )
+    bits, C, G, kc, ks, kz, vc, vs, vz, tok, chk = seg[: len(_SEGMENT_FIELDS)]
+    bits, vbits = code_widths(bits, f"segments[{i}].bits")
+    if not (type(C) is int and C >= 1):
+        _fail(f"segments[{i}].chunk_size", "an int >= 1", repr(C))
+    if not (type(G) is int and G >= 1 and G & (G - 1) == 0 and D % G == 0):
+        _fail(f"segments[{i}].group_size", f"a power of two dividing D={D}", repr(G))
+    N, M = (t.shape[1] if isinstance(t, torch.Tensor) and t.dim() == 3 else None for t in (kc, ks))
+    params8 = isinstance(ks, torch.Tensor) and ks.dtype == torch.uint8
+    _check_tensor((i, "k_codes"), kc, UINT8, (H_kv, N, D * bits // 8))
+    _check_tensor((i, "k_scale"), ks, UINT8 if params8 else FLOAT_DTYPES, (H_kv, M, D))
+    _check_tensor((i, "k_zero"), kz, (ks.dtype,), ks.shape)
+    _check_tensor((i, "v_codes"), vc, UINT8, (H_kv, N, D * vbits // 8))
+    _check_tensor((i, "v_scale"), vs, (ks.dtype,), (H_kv, N, D // G))
+    _check_tensor((i, "v_zero"), vz, (ks.dtype,), vs.shape)
+    _check_tensor((i, "tok_off"), tok, INT32, (B + 1,))
+    _check_tensor((i, "chunk_off"), chk, INT32, (B + 1,))
+    tensors = [t.contiguous() for t in (kc, ks, kz, vc, vs, vz, tok, chk)]
+    tensors += _blocks(seg, i, params8, H_kv, M) if params8 else [_EMPTY, _EMPTY]
+    return tensors, [bits, vbits, C, G]
+
+
+def split_precision_attention_prepared(
+    query: torch.Tensor,
+    full_keys: torch.Tensor,
+    full_values: torch.Tensor,
+    full_start: torch.Tensor,
+    prepared: PreparedArguments,
+    scaling: float,
+    *,
+    full_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    scale_table: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`split_precision_attention` with the arguments that do not change between decode steps
+    (:func:`prepare`) checked once: for the decode dispatch, which calls it once per layer and step. The query is
+    checked here (type, dtype, shape against ``prepared``), and ``scale_table`` where the segments need it; the full
+    part's tensors are trusted to be a store's (shapes ``(B, H_kv, R, D)``, int8 codes exactly when ``full_scales``
+    is given; the C++ kernel checks their strides and ``full_start``'s range). Same result as
+    :func:`split_precision_attention` on the same arguments."""
+    P = prepared
+    if not (
+        isinstance(query, torch.Tensor)
+        and query.is_cpu
+        and query.dtype in FLOAT_DTYPES
+        and query.dim() == 4
+        and query.shape[0] == P.B
+        and query.shape[3] == P.D
+        and query.shape[2] >= 1
+        and query.shape[1] % P.H_kv == 0
+        and query.shape[1] > 0
+    ):
+        _check_tensor("query", query, FLOAT_DTYPES, (P.B, None, None, P.D))
+        if query.shape[2] < 1:
+            _fail("query's L_q", ">= 1", query.shape[2])
+        _fail("query's H_q (dim 1)", f"a positive multiple of the key/value heads H_kv={P.H_kv}", query.shape[1])
+    if P.needs_table and not (
+        isinstance(scale_table, torch.Tensor) and scale_table.dtype == torch.float32 and scale_table.shape == (256,)
+    ):
+        _table(scale_table)
+    full_scale_args = [_EMPTY, _EMPTY] if full_scales is None else list(full_scales)
+    return _launch(query, full_keys, full_values, full_start, P, scaling, full_scale_args, scale_table, None, "auto")
+
+
+def _launch(
+    query, full_keys, full_values, full_start, P: PreparedArguments, scaling, full_scale_args, table, per_item, isa
+) -> torch.Tensor:
+    """The C++ kernel on checked arguments (``table``: the scale table where ``P.needs_table``)."""
+    if per_item is None:
+        per_item = _default_tokens_per_item(P.B * P.H_kv, full_keys.shape[2] + P.tokens // max(P.B, 1))
     if query.stride(-1) != 1:
         query = query.contiguous()
     return extension().split_attention(
         query,
         full_keys,
         full_values,
-        full_start.contiguous(),
-        seg_tensors,
-        seg_ints,
+        full_start if full_start.is_contiguous() else full_start.contiguous(),
+        P.seg_tensors,
+        P.seg_ints,
         float(scaling),
-        tokens_per_item,
+        per_item,
         isa == "baseline",
         *full_scale_args,
-        *rotation_args,
-        _table(scale_table) if any(t.numel() for t in seg_tensors[8::10]) else _EMPTY,
+        *P.rotation,
+        table.contiguous() if P.needs_table else _EMPTY,
     )
 
 

@@ -162,7 +162,8 @@ def append_tokens8(
     codes: tuple[torch.Tensor, torch.Tensor],
     scales: tuple[torch.Tensor, torch.Tensor],
     pos: int,
-) -> None:
+    rotation: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
+) -> list[torch.Tensor]:
     """Quantize new tokens to 8-bit codes and write them into an 8-bit full part's buffers, in place (fused; bit for
     bit ``hf_cocktail.storage.quant.quantize_tokens8(x, scale_dtype, check=False)`` on finite inputs; a non-finite
     token gets a NaN or inf scale, as there).
@@ -172,9 +173,34 @@ def append_tokens8(
         codes: the int8 key and value buffers ``(B, H_kv, capacity, D)`` (views are fine), last dim contiguous.
         scales: the key and value scale buffers ``(B, H_kv, capacity, 1)``, float32 / bfloat16 / float16.
         pos: the first token position written; tokens ``[pos, pos + L)`` must fit in ``capacity``.
+        rotation: rotated storage, ``(key matrices, value matrices)``, each fp32 ``(H_kv, D, D)`` or None: ``k`` and
+            ``v`` are rotated first, as ``hf_cocktail.storage.rotation.Rotation.rotate_pair`` does it (the same ATen
+            operations, so the same bits: one matmul of both where they share one matrix tensor).
+
+    Returns:
+        the views of the four buffers' first ``pos + L`` tokens, ``[key codes, value codes, key scales, value
+        scales]`` (what an 8-bit full part holds after the append; made in C++, cheaper than four ``narrow`` calls).
 
     Raises:
         ValueError: a wrong shape, dtype, device or stride, or tokens that do not fit (checked in C++: this runs
             once per layer and decode step).
     """
-    extension().append_tokens8(k, v, codes[0], codes[1], scales[0], scales[1], pos)
+    if rotation is not None and not (isinstance(rotation, (tuple, list)) and len(rotation) == 2):
+        raise ValueError(
+            f"rotation must be None or a pair (key matrices or None, value matrices or None), got {rotation!r}"
+        )
+    rot_k, rot_v = (None, None) if rotation is None else rotation
+    return extension().append_tokens8(
+        k,
+        v,
+        codes[0],
+        codes[1],
+        scales[0],
+        scales[1],
+        pos,
+        _NO_MATRIX if rot_k is None else rot_k,
+        _NO_MATRIX if rot_v is None else rot_v,
+    )
+
+
+_NO_MATRIX = torch.empty(0)

@@ -14,6 +14,7 @@ import torch
 import transformers
 
 import cpu_ops
+import cpu_ops.attention as cpu_attention
 from hf_cocktail import CocktailCache, CocktailConfig
 from hf_cocktail.cache.layer import CocktailLayer
 from hf_cocktail.integration.compat import cache_kwargs
@@ -60,13 +61,14 @@ def run(model, tok, backend):
 def test_gemma3_270m_shapes_decode_on_the_fused_kernel(tiny_tokenizer, monkeypatch):
     model = gemma_270m_shaped()
     calls = []
-    real = cpu_ops.split_precision_attention
+    real = cpu_attention.split_precision_attention_prepared  # the decode dispatch's entry into the kernel
 
     def spy(query, *args, **kwargs):
-        calls.append((tuple(query.shape), kwargs.get("full_scales") is not None, kwargs.get("rotation") is not None))
+        rotated = all(m.numel() for m in args[3].rotation)  # args[3]: the prepared arguments
+        calls.append((tuple(query.shape), kwargs.get("full_scales") is not None, rotated))
         return real(query, *args, **kwargs)
 
-    monkeypatch.setattr(cpu_ops, "split_precision_attention", spy)
+    monkeypatch.setattr(cpu_attention, "split_precision_attention_prepared", spy)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a fallback to the PyTorch path warns
         fused, cache = run(model, tiny_tokenizer, "auto")

@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace cpu_ops_quant {
 
@@ -31,7 +32,11 @@ void decode_params8(const at::Tensor& scale_codes, const at::Tensor& zero_codes,
 // New tokens of an 8-bit full part (tokens8.cpp): k, v (B, H, L, D) float32 / bfloat16 / float16, last dim
 // contiguous -> int8 codes into k_codes / v_codes (B, H, capacity, D) and scales into k_scales / v_scales (B, H,
 // capacity, 1) float32 / bfloat16 / float16, at token positions [pos, pos + L) (hf_cocktail.quant.quantize_tokens8).
-void append_tokens8(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_codes, const at::Tensor& v_codes,
-                    const at::Tensor& k_scales, const at::Tensor& v_scales, int64_t pos);
+// rot_k, rot_v: rotated storage, (H_kv, D, D) fp32 matrices the keys / values are first rotated by (as
+// hf_cocktail.storage.rotation.Rotation.rotate_pair), or empty tensors (stored unrotated). Returns the views of the
+// four buffers' first pos + L tokens (key codes, value codes, key scales, value scales).
+std::vector<at::Tensor> append_tokens8(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_codes, const at::Tensor& v_codes,
+                    const at::Tensor& k_scales, const at::Tensor& v_scales, int64_t pos, const at::Tensor& rot_k,
+                    const at::Tensor& rot_v);
 
 }  // namespace cpu_ops_quant

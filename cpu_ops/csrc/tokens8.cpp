@@ -8,9 +8,15 @@
 // ? 1 / s32 : 0, code = clamp(nearbyint(x * inv), -127, 127) (round half to even, as torch.round). Compiled without
 // floating-point contraction (the pragma below). Unchecked, as the reference's append: a NaN input gives a NaN scale
 // (its codes are then 0), which the attention output shows.
+//
+// Rotated storage (optional key / value matrices): the new tokens are first rotated as
+// hf_cocktail.storage.rotation.Rotation.rotate_pair does it, with the same ATen operations on the same shapes (one
+// at::matmul of the keys and values concatenated where both share one matrix tensor, else one per side; fp32, then
+// back to the input dtype), so the rotated tokens, hence the codes and scales, are bit for bit the reference's.
 #include "float_types.h"
 #include "quantize.h"
 
+#include <ATen/ATen.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -19,6 +25,7 @@
 #include <cstdint>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #if defined(__clang__)
 #pragma clang fp contract(off)
@@ -95,12 +102,43 @@ void check_tokens(const at::Tensor& k, const at::Tensor& v) {
                     v.scalar_type(), " ", v.sizes());
 }
 
+void check_rotation(const at::Tensor& m, const char* name, const at::Tensor& x) {
+  if (!m.numel()) return;
+  TORCH_CHECK_VALUE(m.device().is_cpu() && m.scalar_type() == at::kFloat && m.dim() == 3 && m.size(0) >= 1 &&
+                        x.size(1) % m.size(0) == 0 && m.size(1) == x.size(3) && m.size(2) == x.size(3),
+                    "append_tokens8: ", name, " must be a float32 CPU tensor (H_kv, D, D) with H_kv dividing the ",
+                    "tokens' heads ", x.size(1), " and D = ", x.size(3), ", got ", m.scalar_type(), " ", m.sizes(),
+                    " on ", m.device());
+}
+
+// Rotation._apply(x, m): x (B, H, T, D) in fp32 as (B, H_kv, H / H_kv * T, D) times m (H_kv, D, D), back to x's dtype.
+at::Tensor rotated(const at::Tensor& x, const at::Tensor& m) {
+  const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3), H_kv = m.size(0);
+  return at::matmul(x.to(at::kFloat).reshape({B, H_kv, H / H_kv * T, D}), m).reshape({B, H, T, D}).to(x.scalar_type());
+}
+
+// Rotation.rotate_pair(k, v): both in one matmul where keys and values share their matrices (the same tensor).
+std::pair<at::Tensor, at::Tensor> rotated_pair(const at::Tensor& k, const at::Tensor& v, const at::Tensor& rot_k,
+                                               const at::Tensor& rot_v) {
+  if (rot_k.numel() && rot_k.is_same(rot_v) && k.sizes() == v.sizes()) {
+    const int64_t L = k.size(2);
+    const at::Tensor kv = rotated(at::cat({k, v}, 2), rot_k);
+    return {kv.narrow(2, 0, L), kv.narrow(2, L, L)};
+  }
+  return {rot_k.numel() ? rotated(k, rot_k) : k, rot_v.numel() ? rotated(v, rot_v) : v};
+}
+
 }  // namespace
 
-void append_tokens8(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_codes, const at::Tensor& v_codes,
-                    const at::Tensor& k_scales, const at::Tensor& v_scales, int64_t pos) {
+std::vector<at::Tensor> append_tokens8(const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& k_codes,
+                                       const at::Tensor& v_codes, const at::Tensor& k_scales,
+                                       const at::Tensor& v_scales, int64_t pos, const at::Tensor& rot_k,
+                                       const at::Tensor& rot_v) {
   TORCH_CHECK_VALUE(pos >= 0, "append_tokens8: pos must be >= 0, got ", pos);
-  check_tokens(k, v);
+  check_tokens(k_in, v_in);
+  check_rotation(rot_k, "rotation[0] (the key matrices)", k_in);
+  check_rotation(rot_v, "rotation[1] (the value matrices)", v_in);
+  const auto [k, v] = rotated_pair(k_in, v_in, rot_k, rot_v);
   for (const auto& [c, name] : {std::pair{&k_codes, "codes[0] (the key codes)"},
                                  std::pair{&v_codes, "codes[1] (the value codes)"}}) {
     TORCH_CHECK_VALUE(c->scalar_type() == at::kChar, "append_tokens8: ", name, " must be int8, got ",
@@ -115,6 +153,10 @@ void append_tokens8(const at::Tensor& k, const at::Tensor& v, const at::Tensor& 
   check_buffer(v_scales, "scales[1] (the value scales)", k, 1, pos);
   append_tensor(k, k_codes, k_scales, pos);
   append_tensor(v, v_codes, v_scales, pos);
+  // what the part holds now: the buffers' first pos + L tokens (views made here, not by four Python narrow calls)
+  const int64_t end = pos + k.size(2);
+  return {k_codes.narrow(2, 0, end), v_codes.narrow(2, 0, end), k_scales.narrow(2, 0, end),
+          v_scales.narrow(2, 0, end)};
 }
 
 }  // namespace cpu_ops_quant

@@ -117,6 +117,7 @@ def instrumented():
     with patching() as p:
         p.attribute(cpu_attention, "extension", extension)
         p.function(cpu_attention.split_precision_attention, label("launcher"))
+        p.function(cpu_attention.split_precision_attention_prepared, label("launcher"))  # the dispatch's entry
         p.function(sdpa_attention_forward, label("attn_kernel"))
         p.function(attend_in_store_basis, label("attn_kernel"))
         p.method(Rotation, "_apply", label("rotation"))

@@ -169,20 +169,50 @@ def _triton_attention(query: torch.Tensor, store: LayerStore, scaling: float, ou
 
 def _cpu_attention(query: torch.Tensor, store: LayerStore, scaling: float) -> torch.Tensor:
     """The fused CPU kernel straight from the store: 8-bit scale / zero codes, an 8-bit full part's codes and the
-    rotation's matrices go to the kernel as they are stored (decoded and applied inside it)."""
-    import cpu_ops
+    rotation's matrices go to the kernel as they are stored (decoded and applied inside it). The arguments that do
+    not change between decode steps (segments, rotation, scale table) are checked once per store
+    (:func:`_cpu_prepared`); each step passes the full part's current views."""
+    import cpu_ops.attention
 
     full = store.full
-    kw: dict[str, object] = {}  # the stored formats' extra arguments
-    segments = [s.coded_kernel_args() for s in store.segments]
-    if any(s.scale_bits == 8 for s in store.segments):
-        kw["scale_table"] = params8.scale_table("cpu")
     keys, values = full.split_path_tensors()  # an 8-bit full part: its int8 codes, read with their scales
-    if isinstance(full, Int8FullPart):
-        kw["full_scales"] = (full.scales.keys, full.scales.values)
-    if store.rotation is not None:
-        kw["rotation"] = (store.rotation.keys, store.rotation.values)
-    return cpu_ops.split_precision_attention(query, keys, values, full.start_tensor(), segments, scaling, **kw)
+    full_scales = (full.scales.keys, full.scales.values) if isinstance(full, Int8FullPart) else None
+    prepared = _cpu_prepared(store)
+    return cpu_ops.attention.split_precision_attention_prepared(
+        query,
+        keys,
+        values,
+        full.start_tensor(),
+        prepared,
+        scaling,
+        full_scales=full_scales,
+        scale_table=_cpu_scale_table() if prepared.needs_table else None,
+    )
+
+
+@functools.cache
+def _cpu_scale_table() -> torch.Tensor:
+    return params8.scale_table("cpu")
+
+
+def _cpu_prepared(store: LayerStore):
+    """``cpu_ops.attention.prepare`` of the store's segments, rotation and scale table, made at the first decode step
+    and kept in ``store.kernel_cache`` while the store holds the same segments and rotation."""
+    import cpu_ops.attention
+
+    segments, rotation = store.segments, store.rotation
+    entry = store.kernel_cache.get("cpu")
+    if entry is not None and entry[0] is rotation and _same_segments(entry[1], store):
+        return entry[2]
+    kw: dict[str, object] = {}
+    if any(s.scale_bits == 8 for s in segments):
+        kw["scale_table"] = _cpu_scale_table()
+    if rotation is not None:
+        kw["rotation"] = (rotation.keys, rotation.values)
+    B, H_kv, _, D = store.full.shape
+    prepared = cpu_ops.attention.prepare(B, H_kv, D, [s.coded_kernel_args() for s in segments], **kw)
+    store.kernel_cache["cpu"] = (rotation, tuple(segments), prepared)
+    return prepared
 
 
 @functools.cache  # asked at every decode step: the import and lookup once per (backend, op)
@@ -202,9 +232,32 @@ def _kernel_reads(chosen: str, op: str, bits: int) -> bool:
     return bits in _kernel_formats(chosen, op)
 
 
+def _same_segments(kept: tuple, store: LayerStore) -> bool:
+    """Whether ``store`` still holds the segment objects ``kept`` (what a ``kernel_cache`` entry was made from)."""
+    segments = store.segments
+    return len(kept) == len(segments) and all(a is b for a, b in zip(kept, segments))
+
+
 def split_precision_attention(query: torch.Tensor, store: LayerStore, scaling: float, backend: str) -> torch.Tensor:
     """Decode attention of ``query (B, H_q, L_q, D)`` over ``store`` with the chosen backend; ``(B, H_q, L_q, D)``.
-    A store holding a bit width the chosen kernel does not read takes the PyTorch path (one warning)."""
+    A store holding a bit width the chosen kernel does not read takes the PyTorch path (one warning). The choice
+    depends only on the backend, the device, the head dim and the store's segments: it is made once per store and
+    kept in ``store.kernel_cache``."""
+    key = ("route", backend, query.device, query.shape[-1])
+    entry = store.kernel_cache.get(key)
+    if entry is None or not _same_segments(entry[0], store):
+        entry = store.kernel_cache[key] = (tuple(store.segments), _route(query, store, backend))
+    chosen = entry[1]
+    if chosen == "triton":
+        return with_rotation(_triton_attention, query, store, scaling)
+    if chosen == "cpu":
+        return _cpu_attention(query, store, scaling)
+    return split_precision_attention_torch(query, store, scaling)
+
+
+def _route(query: torch.Tensor, store: LayerStore, backend: str) -> str:
+    """``"triton"``, ``"cpu"`` or ``"torch"``: the backend that reads ``store`` for ``query`` (one warning where a
+    kernel cannot)."""
     chosen = resolve_backend(backend, query.device)
     if chosen != "torch":
         missing = [
@@ -218,15 +271,14 @@ def split_precision_attention(query: torch.Tensor, store: LayerStore, scaling: f
                 f"the {chosen} kernel does not read these segments' bit widths yet: {missing}; "
                 "using the PyTorch implementation",
             )
-            chosen = "torch"
-    if chosen == "triton":
-        return with_rotation(_triton_attention, query, store, scaling)
+            return "torch"
     if chosen == "cpu":
         D = query.shape[-1]
         if D % 8 == 0:
-            return _cpu_attention(query, store, scaling)
+            return "cpu"
         _warn_once(
             f"cpu-dim-{D}",
             f"the fused CPU kernel needs a head dim that is a multiple of 8, got {D}: using the PyTorch implementation",
         )
-    return split_precision_attention_torch(query, store, scaling)
+        return "torch"
+    return chosen

@@ -21,8 +21,9 @@ import torch
 
 from hf_cocktail.storage import quant
 
-# a fused 8-bit writer (cpu_ops.append_tokens8): (k, v, (key codes, value codes), (key scales, value scales), pos)
-Write8 = Callable[[torch.Tensor, torch.Tensor, tuple, tuple, int], None]
+# a fused 8-bit writer (cpu_ops.append_tokens8): (k, v, (key codes, value codes), (key scales, value scales), pos,
+# rotation=(key matrices, value matrices) or None) -> the four buffers' views of their first pos + L tokens
+Write8 = Callable[..., list]
 HEADROOM_STEP = 16  # tokens of room the first append after the prefill reserves (then: half the tokens appended)
 
 
@@ -75,10 +76,15 @@ class FullPart:
             self._buffers = (bufs[0], bufs[1])
         return self._buffers
 
-    def advance(self, n: int) -> None:
-        """The ``n`` tokens written after ``length`` into the :meth:`reserve` d buffers join the part."""
+    def advance(self, n: int, views: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """The ``n`` tokens written after ``length`` into the :meth:`reserve` d buffers join the part. ``views``: the
+        key and value buffers' views of their first ``length + n`` tokens where the writer made them (the fused 8-bit
+        writer returns them); else they are made here."""
         if self._buffers is None:
             raise RuntimeError("FullPart.advance without reserve")
+        if views is not None:
+            self.keys, self.values = views
+            return
         end = self.length + n
         self.keys, self.values = self._buffers[0].narrow(2, 0, end), self._buffers[1].narrow(2, 0, end)
 
@@ -186,22 +192,30 @@ class Int8FullPart:
         codes (views), so that the part is dequantized once per step, by the attention that reads it."""
         return self.codes.keys, self.codes.values
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def append(self, k: torch.Tensor, v: torch.Tensor, rotation: tuple | None = None) -> None:
         """Quantize and append ``(B, H_kv, L_new, D)`` new tokens for every sequence. Unchecked (no device sync per
         step, as the 16-bit part): a non-finite state or a scale beyond its dtype gives NaN keys/values, which
         the attention output shows. With :attr:`write8` set, one call of the fused writer writes the same codes and
-        scales into the buffers; else the PyTorch reference."""
+        scales into the buffers; else the PyTorch reference.
+
+        ``rotation``: ``(key matrices, value matrices)`` of a :class:`~hf_cocktail.storage.rotation.Rotation` (each
+        ``(H_kv, D, D)`` or None), for the fused writer to rotate ``k`` and ``v`` first, with the bits of
+        ``Rotation.rotate_pair`` (:meth:`LayerStore.append <hf_cocktail.storage.store.LayerStore.append>` passes it
+        where :attr:`write8` is set; the reference path takes tokens already rotated)."""
         write8 = self.write8
         if write8 is None:
+            if rotation is not None:
+                raise ValueError("Int8FullPart.append: rotation= needs the fused writer (write8); rotate k, v first")
             codes, scales = quant.quantize_tokens8(torch.stack([k, v]), self.scales.keys.dtype, check=False)
             self.codes.append(codes[0], codes[1])
             self.scales.append(scales[0], scales[1])
             return
         n = k.shape[2]
-        k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))  # the writer reads rows of D
-        write8(k, v, self.codes.reserve(n), self.scales.reserve(n), self.codes.length)
-        self.codes.advance(n)
-        self.scales.advance(n)
+        if k.stride(-1) != 1 or v.stride(-1) != 1:  # the writer reads rows of D
+            k, v = k.contiguous(), v.contiguous()
+        views = write8(k, v, self.codes.reserve(n), self.scales.reserve(n), self.codes.length, rotation)
+        self.codes.advance(n, (views[0], views[1]))
+        self.scales.advance(n, (views[2], views[3]))
 
     def truncate(self, n: int) -> None:
         self.codes.truncate(n)

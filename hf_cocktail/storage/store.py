@@ -269,6 +269,14 @@ class PackedSegment:
         return sum(t.numel() * t.element_size() for t in self._dev_offsets or ())
 
 
+class DerivedCache(dict):
+    """Values derived from a store's tensors, remade on demand: a copy of the store (``copy.deepcopy``) starts
+    empty instead of duplicating the tensors they alias (the rotation's shared matrices)."""
+
+    def __deepcopy__(self, memo: dict) -> DerivedCache:
+        return DerivedCache()
+
+
 @dataclass
 class LayerStore:
     """Everything one layer holds after prefill: the full-precision part and the INT4 / INT2 segments."""
@@ -276,12 +284,21 @@ class LayerStore:
     full: FullPart | Int8FullPart
     segments: list[PackedSegment]  # INT4 then the low precision; a segment may hold 0 tokens
     rotation: Rotation | None = None  # everything stored (full part included) is rotated by it
+    # what the decode dispatch derives from the store once (its backend choice, the kernel's checked arguments), by
+    # key; valid while ``segments`` and ``rotation`` are the same objects (the dispatch checks)
+    kernel_cache: DerivedCache = field(default_factory=lambda: DerivedCache(), repr=False, compare=False)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append ``(B, H_kv, L_new, D)`` new tokens (rotated like the rest) to the full-precision part."""
-        if self.rotation is not None:
-            k, v = self.rotation.rotate_pair(k, v)
-        self.full.append(k, v)
+        """Append ``(B, H_kv, L_new, D)`` new tokens (rotated like the rest) to the full-precision part. An 8-bit
+        part with a fused writer rotates them inside the writer (the same bits as :meth:`Rotation.rotate_pair`, one
+        call per layer and step)."""
+        rotation, full = self.rotation, self.full
+        if rotation is None:
+            full.append(k, v)
+        elif isinstance(full, Int8FullPart) and full.write8 is not None:
+            full.append(k, v, (rotation.keys, rotation.values))
+        else:
+            full.append(*rotation.rotate_pair(k, v))
 
     def nbytes(self) -> int:
         """Every byte this store's tensors hold but the rotation matrices (shared with other layers and caches, so
