@@ -38,6 +38,10 @@ REPORTS = (
         "profile_decode_8k_presets_before.md",
     ),
     ("Speed: the decode step's profile, calibrated preset, after them", "profile_decode_8k_presets_after.md"),
+    (
+        "Speed: the decode step's profile, calibrated preset, after the glue checked once and the kernel trims",
+        "profile_decode_8k_presets_after2.md",
+    ),
 )
 
 # the README's headline: per model, (KLD report, its method id) for uniform INT4 and the three choices
