@@ -50,6 +50,24 @@ static std::vector<int> tile_order(int D) {
   return perm;
 }
 
+// The k-th whole group of 8 code bytes of one token (INT3: 8 bytes of its 2-bit plane and their 4 bytes of high
+// bits) as the PER = 8 / BITS (INT3: 4) tile vectors PER * k ... PER * k + PER - 1 of its codes (tile_order; INT3: see unpack_token3).
+template <int BITS>
+static inline void code_planes(const uint8_t* codes, int D, int k, v8i* c) {
+  const v8i x = load_bytes8(codes + 8 * k);
+  if constexpr (BITS == 3) {
+    uint32_t word;
+    std::memcpy(&word, codes + D / 4 + 4 * k, sizeof(word));
+    const v8i w = (v8i{} + static_cast<int32_t>(word)) >> v8i{0, 4, 8, 12, 16, 20, 24, 28};  // lane i: bits 4i..4i+3
+    c[0] = (x & 3) | ((w & 1) << 2);  // plane j: the low bits >> 2j, the high bit j of the lane's nibble, at bit 2
+    c[1] = ((x >> 2) & 3) | ((w & 2) << 1);  // (masked before any left shift: no negative value is shifted left)
+    c[2] = ((x >> 4) & 3) | (w & 4);
+    c[3] = ((x >> 6) & 3) | ((w & 8) >> 1);
+  } else {
+    for (int j = 0; j < 8 / BITS; ++j) c[j] = (x >> (j * BITS)) & ((1 << BITS) - 1);
+  }
+}
+
 // The codes of one token (D channels, PER per byte, low bits first) -> fp32 codes in tile order (tile_order). SCALED
 // (a compile-time choice: no branch per vector): values are dequantized on the way, code * scale[group] +
 // zero[group], vgroup[v] being the value group of tile lanes 8 * v ... 8 * v + 7.
@@ -65,27 +83,31 @@ static inline void unpack_token3(const uint8_t* codes, int D, float* dst, const 
 template <int BITS, bool SCALED>
 static inline void unpack_token(const uint8_t* codes, int D, float* dst, const float* scale, const float* zero,
                                 const int* vgroup) {
-  if constexpr (BITS == 3) return unpack_token3<SCALED>(codes, D, dst, scale, zero, vgroup);
-  constexpr int PER = BITS == 3 ? 1 : 8 / BITS, MASK = (1 << BITS) - 1;
-  typedef typename std::conditional<BITS == 2, uint16_t, uint32_t>::type Word;  // the BITS bytes of 8 channels
-  const int Dp = D * BITS / 8, whole = Dp & ~7;
-  int v = 0;  // 8-lane vector of the tile
-  auto put = [&](v8i c) {
-    const v8f x = __builtin_convertvector(c & MASK, v8f);
-    if constexpr (SCALED)
-      store8(dst + 8 * v, x * scale[vgroup[v]] + zero[vgroup[v]]);
-    else
-      store8(dst + 8 * v, x);
-    ++v;
-  };
-  for (int b = 0; b < whole; b += 8) {  // 8 bytes, one per lane: PER vectors, one per bit plane
-    const v8i x = load_bytes8(codes + b);
-    for (int j = 0; j < PER; ++j) put(x >> (j * BITS));
-  }
-  for (int b = whole; b < Dp; b += BITS) {  // the rest in channel order: the bytes of 8 channels to all lanes
-    Word word;
-    std::memcpy(&word, codes + b, sizeof(Word));  // little end first, as the bytes hold the channels
-    put((v8i{} + static_cast<int32_t>(word)) >> (v8i{0, 1, 2, 3, 4, 5, 6, 7} * BITS));
+  if constexpr (BITS == 3) {  // (the rest is not instantiated for INT3)
+    unpack_token3<SCALED>(codes, D, dst, scale, zero, vgroup);
+  } else {
+    constexpr int PER = 8 / BITS, MASK = (1 << BITS) - 1;
+    typedef typename std::conditional<BITS == 2, uint16_t, uint32_t>::type Word;  // the BITS bytes of 8 channels
+    const int Dp = D * BITS / 8, whole = Dp & ~7;
+    int v = 0;  // 8-lane vector of the tile
+    auto put = [&](v8i c) {
+      const v8f x = __builtin_convertvector(c & MASK, v8f);
+      if constexpr (SCALED)
+        store8(dst + 8 * v, x * scale[vgroup[v]] + zero[vgroup[v]]);
+      else
+        store8(dst + 8 * v, x);
+      ++v;
+    };
+    for (int b = 0; b < whole; b += 8) {  // 8 bytes, one per lane: PER vectors, one per bit plane
+      v8i c[PER];
+      code_planes<BITS>(codes, D, b / 8, c);
+      for (int j = 0; j < PER; ++j) put(c[j]);
+    }
+    for (int b = whole; b < Dp; b += BITS) {  // the rest in channel order: the bytes of 8 channels to all lanes
+      Word word;
+      std::memcpy(&word, codes + b, sizeof(Word));  // little end first, as the bytes hold the channels
+      put((v8i{} + static_cast<int32_t>(word)) >> (v8i{0, 1, 2, 3, 4, 5, 6, 7} * BITS));
+    }
   }
 }
 
@@ -108,40 +130,17 @@ static inline void unpack_token3(const uint8_t* codes, int D, float* dst, const 
       store8(dst + 8 * v, x);
     ++v;
   };
-  const v8i lane4 = v8i{0, 4, 8, 12, 16, 20, 24, 28}, lane1 = v8i{0, 1, 2, 3, 4, 5, 6, 7};
-  for (int b = 0; b < whole; b += 8) {
-    const v8i x = load_bytes8(codes + b);
-    uint32_t word;
-    std::memcpy(&word, hi + b / 2, sizeof(word));
-    const v8i w = (v8i{} + static_cast<int32_t>(word)) >> lane4;  // lane i: bits 4i .. 4i + 3 at the bottom
-    put((x & 3) | ((w & 1) << 2));  // plane j: the low bits >> 2j, the high bit j of the lane's nibble, at bit 2
-    put(((x >> 2) & 3) | ((w & 2) << 1));  // (masked before any left shift: no negative value is shifted left)
-    put(((x >> 4) & 3) | (w & 4));
-    put(((x >> 6) & 3) | ((w & 8) >> 1));
+  const v8i lane1 = v8i{0, 1, 2, 3, 4, 5, 6, 7};
+  for (int b = 0; b < whole; b += 8) {  // 8 low bytes and their 4 high bytes: 4 vectors
+    v8i c[4];
+    code_planes<3>(codes, D, b / 8, c);
+    for (int j = 0; j < 4; ++j) put(c[j]);
   }
   for (int b = whole; b < Dl; b += 2) {  // 8 channels: 2 low bytes, 1 high byte
     uint16_t low;
     std::memcpy(&low, codes + b, sizeof(low));
     const v8i h = v8i{} + static_cast<int32_t>(hi[b / 2]);
     put((((v8i{} + static_cast<int32_t>(low)) >> (lane1 * 2)) & 3) | (((h >> lane1) & 1) << 2));
-  }
-}
-
-// The k-th whole group of 8 code bytes of one token (INT3: 8 bytes of its 2-bit plane and their 4 bytes of high
-// bits) as the PER = 8 / BITS (INT3: 4) tile vectors PER * k ... PER * k + PER - 1 of its codes (unpack_token's order).
-template <int BITS>
-static inline void code_planes(const uint8_t* codes, int D, int k, v8i* c) {
-  const v8i x = load_bytes8(codes + 8 * k);
-  if constexpr (BITS == 3) {
-    uint32_t word;
-    std::memcpy(&word, codes + D / 4 + 4 * k, sizeof(word));
-    const v8i w = (v8i{} + static_cast<int32_t>(word)) >> v8i{0, 4, 8, 12, 16, 20, 24, 28};
-    c[0] = (x & 3) | ((w & 1) << 2);
-    c[1] = ((x >> 2) & 3) | ((w & 2) << 1);
-    c[2] = ((x >> 4) & 3) | (w & 4);
-    c[3] = ((x >> 6) & 3) | ((w & 8) >> 1);
-  } else {
-    for (int j = 0; j < 8 / BITS; ++j) c[j] = (x >> (j * BITS)) & ((1 << BITS) - 1);
   }
 }
 
