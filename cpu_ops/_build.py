@@ -5,8 +5,8 @@ The extension is compiled on first use into the torch extensions directory (``$T
 changed source or another torch never reuses a stale build. Builds are serialised across processes by an ``flock``
 (released by the kernel even when a builder is killed, unlike the lock file torch's own baton leaves behind).
 
-Flags are portable (``-O3``, no ``-march``): the AVX2 + FMA + F16C variant of the kernel is compiled through
-``#pragma GCC target`` and chosen at run time, so a build runs on any x86-64 CPU. The quantizers
+Flags are portable (``-O3``, no ``-march``): the AVX2 + FMA + F16C and the AVX-512 VNNI variants of the kernel are
+compiled through ``#pragma GCC target`` and chosen at run time, so a build runs on any x86-64 CPU. The quantizers
 (``csrc/quantize.cpp``), the 8-bit scales' decoder (``csrc/params8.cpp``) and the 8-bit full part's append
 (``csrc/tokens8.cpp``) have the baseline build only, without floating-point contraction (the files' pragmas): their
 codes, scales and zeros are bit for bit those of the PyTorch reference.
@@ -27,7 +27,7 @@ import torch
 
 _DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _SOURCES = ("split_attention.cpp", "quantize.cpp", "params8.cpp", "tokens8.cpp")
-_HEADERS = ("kernel.h", "kernel_simd.h", "kernel_unpack.h", "quantize.h", "float_types.h")
+_HEADERS = ("kernel.h", "kernel_simd.h", "kernel_unpack.h", "kernel_int16.h", "quantize.h", "float_types.h")
 # -fopenmp: at::parallel_for's OpenMP region (the libgomp loaded at run time is torch's: same soname);
 # -Wno-psabi: the baseline build passes 8-float vectors between (inlined) helpers, which GCC would note
 _CFLAGS = ("-O3", "-fopenmp", "-Wno-psabi")

@@ -11,6 +11,7 @@ from ._build import extension
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INT32, UINT8, INT8 = (torch.int32,), (torch.uint8,), (torch.int8,)
+_ISA_CODES = {"auto": 0, "baseline": 1, "avx2": 2}  # split_attention.cpp's Isa
 SUPPORTED_BITS = (2, 3, 4)
 _SEGMENT_FIELDS = (
     "bits",
@@ -95,8 +96,12 @@ def split_precision_attention(
         scaling: softmax scale (usually ``D ** -0.5``).
         tokens_per_item: tokens of one (sequence, kv head, source) per parallel work item (default: chosen from the
             sizes and ``torch.get_num_threads()``).
-        isa: ``"auto"`` (the AVX2 + FMA + F16C build where the CPU has them, else the portable baseline build) or
-            ``"baseline"`` (the baseline build everywhere; for tests).
+        isa: ``"auto"`` (the fastest build this CPU runs: AVX-512 VNNI, else AVX2 + FMA + F16C, else the portable
+            baseline build), ``"avx2"`` (the AVX2 build where the CPU has it: fp32 arithmetic only) or
+            ``"baseline"`` (the baseline build everywhere; for tests). The VNNI build computes P.V of packed
+            values in 16-bit integers: each product ``p * value_scale`` is rounded to 16 bits on one scale per
+            query row and block of 32 tokens (at most ``2**-16`` of the block's largest, finer than fp16), the
+            rest is as in the AVX2 build.
         full_scales: with int8 ``full_keys`` / ``full_values`` (an 8-bit full part,
             ``hf_cocktail.storage.quant.quantize_tokens8``): their scales ``(B, H_kv, R, 1)``, one float dtype, the
             strides of each other; token ``t`` of head ``h`` reads ``code * scale``.
@@ -135,12 +140,18 @@ def split_precision_attention(
         _fail("scaling", "a finite float", repr(scaling))
     if tokens_per_item is not None and not (type(tokens_per_item) is int and tokens_per_item >= 1):
         _fail("tokens_per_item", "an int >= 1", repr(tokens_per_item))
-    if isa not in ("auto", "baseline"):
-        _fail("isa", "'auto' or 'baseline'", repr(isa))
+    if isa not in _ISA_CODES:
+        _fail("isa", "'auto', 'avx2' or 'baseline'", repr(isa))
     table = scale_table if prepared.needs_table else None
     return _launch(
         query, full_keys, full_values, full_start, prepared, scaling, full_scale_args, table, tokens_per_item, isa
     )
+
+
+def kernel_target() -> str:
+    """The build :func:`split_precision_attention` runs with ``isa="auto"`` on this CPU: ``"avx512vnni"`` (P.V of
+    packed values in 16-bit integers), ``"avx2+fma+f16c"`` or ``"baseline"``."""
+    return extension().kernel_target()
 
 
 @dataclass(frozen=True)
@@ -273,7 +284,7 @@ def _launch(
         P.seg_ints,
         float(scaling),
         per_item,
-        isa == "baseline",
+        _ISA_CODES[isa],
         *full_scale_args,
         *P.rotation,
         table.contiguous() if P.needs_table else _EMPTY,

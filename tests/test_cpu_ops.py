@@ -4,7 +4,8 @@ The store is built with hf_cocktail's reference quantizer (``hf_cocktail.storage
 dequantizes it with ``quant.dequantize_keys`` / ``dequantize_values``, so these tests do not depend on where
 hf_cocktail's own PyTorch attention lives. Tolerance (the project's rule): the kernel's max error against fp64 is at
 most twice the error of the same attention computed by PyTorch at the kernel's precision (fp32 compute, output in the
-query dtype), plus, for fp32, eps * sqrt(T) * max|v| (the rounding noise of a sum of T fp32 terms).
+query dtype), plus, for fp32, eps * sqrt(T) * max|v| (the rounding noise of a sum of T fp32 terms). The AVX-512 VNNI
+build rounds P.V's products to 16 bits: its precision is fp16's (conftest.cpu_kernel_rounding).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import torch
 import cpu_ops
 from cpu_ops import _build
 from hf_cocktail.storage import quant
+
+from .conftest import cpu_kernel_rounding
 
 if not cpu_ops.available():  # compiles on first use (about a minute), then loads the cached build
     if os.environ.get("HF_COCKTAIL_REQUIRE_CPU_OPS") == "1":  # CI: a build failure must fail, not skip
@@ -124,6 +127,9 @@ def reference(query, kv, scaling, compute_dtype):
     return out
 
 
+VNNI = cpu_ops.kernel_target() == "avx512vnni"  # isa="auto" runs P.V of packed values in 16-bit integers
+
+
 def check(args, kv, **kw):
     query, *_, scaling = args
     out = cpu_ops.split_precision_attention(*args, **kw)
@@ -137,6 +143,7 @@ def check(args, kv, **kw):
         T = max(K.shape[1] for K, _, _ in kv)
         v_max = max([V.abs().max().item() for _, V, _ in kv if V.numel()] + [0.0])
         floor = torch.finfo(torch.float32).eps * math.sqrt(max(T, 1)) * v_max
+    floor += cpu_kernel_rounding(truth, kw.get("isa", "auto"))
     assert err <= 2 * err_low + floor, f"kernel error {err:.3g}, PyTorch error {err_low:.3g}, floor {floor:.3g}"
     return out
 
@@ -190,6 +197,22 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_fp64_reference(name):
     check(*make_case(**CASES[name]))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_avx2_build_keeps_fp32_tolerance(name):
+    """isa="avx2": fp32 arithmetic only (on a VNNI CPU, "auto" rounds P.V's products to 16 bits)."""
+    check(*make_case(**CASES[name]), isa="avx2")
+
+
+@pytest.mark.skipif(not VNNI, reason="this CPU has no AVX-512 VNNI: isa='auto' is the AVX2 build")
+def test_vnni_build_takes_the_int16_path_and_stays_close():
+    """Values in runs take the 16-bit P.V: not bit-equal to the AVX2 build (each within its tolerance of fp64:
+    check), and within 1e-3 of it (outputs of magnitude about 1)."""
+    args, kv = make_case(**CASES["both_segments_gqa3_d64"])
+    fast, exact = check(args, kv), check(args, kv, isa="avx2")
+    assert not torch.equal(fast, exact)
+    assert (fast - exact).abs().max().item() < 1e-3
 
 
 @pytest.mark.parametrize(
@@ -314,7 +337,7 @@ def _bad(args, i=None, **changes):
         (dict(full_start=torch.tensor([5], dtype=torch.int32)), r"full_start\[0\] must be in \[0, R=4\], got 5"),
         (dict(segments=[None] * 3), r"segments must be a list of at most 2 segment tuples, got 3 segments"),
         (dict(scaling=float("nan")), r"scaling must be a finite float"),
-        (dict(isa="avx512"), r"isa must be 'auto' or 'baseline', got 'avx512'"),
+        (dict(isa="avx512"), r"isa must be 'auto', 'avx2' or 'baseline', got 'avx512'"),
     ],
 )
 def test_invalid_arguments_name_the_argument(change, match):

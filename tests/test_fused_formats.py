@@ -27,6 +27,8 @@ from hf_cocktail.storage.full_part import Int8FullPart
 from hf_cocktail.storage.rotation import Rotation
 from hf_cocktail.storage.store import LayerStore
 
+from .conftest import cpu_kernel_rounding
+
 if not cpu_ops.available():
     if os.environ.get("HF_COCKTAIL_REQUIRE_CPU_OPS") == "1":
         raise RuntimeError(f"cpu_ops extension unavailable: {cpu_ops.unavailable_reason()}")
@@ -102,6 +104,7 @@ def check(query, store, scaling=None):
     if query.dtype == torch.float32:
         T = store.full.length + sum(s.num_tokens for s in store.segments)
         floor = torch.finfo(torch.float32).eps * math.sqrt(T) * 8.0
+    floor += cpu_kernel_rounding(truth)
     assert err <= 2 * err_low + floor, f"kernel error {err:.3g}, PyTorch error {err_low:.3g}, floor {floor:.3g}"
     return out
 

@@ -10,6 +10,9 @@
 
 #include "kernel_simd.h"
 #include "kernel_unpack.h"
+#ifdef CPU_OPS_VNNI
+#include "kernel_int16.h"
+#endif
 
 // s[r * kBlock + t] = bias[r] + q[r, :] . k[t, :] for t < n8 (n8 a multiple of 8; q: rows x D, k: n8 x D).
 static inline void block_scores(const float* q, const float* bias, const float* k, int rows, int n8, int D, float* s) {
@@ -166,6 +169,14 @@ static void run_item(const Problem& P, const WorkItem& w, float* m, float* l, fl
   auto unpack_values = g.vbits == 2   ? unpack_value_block<2>
                        : g.vbits == 3 ? unpack_value_block<3>
                                       : unpack_value_block<4>;
+#ifdef CPU_OPS_VNNI  // values in runs: P.V in 16-bit integers (kernel_int16.h)
+  const bool pv16 = vpg != 0;
+  std::vector<int32_t> vt16(pv16 ? static_cast<size_t>(kBlock / 2) * D : 0);
+  Pv16Scratch pv16_scratch(pv16 ? rows : 0, pv16 ? NG : 0);
+  auto unpack_pairs = g.vbits == 2   ? unpack_value_pairs<2>
+                      : g.vbits == 3 ? unpack_value_pairs<3>
+                                     : unpack_value_pairs<4>;
+#endif
   int64_t chunk = -1;
   for (int64_t a = w.lo; a < w.hi;) {
     const int64_t c = c0 + (a - t0) / g.C;  // the chunk of token a; the block ends at the chunk's end
@@ -189,6 +200,19 @@ static void run_item(const Problem& P, const WorkItem& w, float* m, float* l, fl
     load_params(g, g.v_scale, g.v_zero, g.v_block, voff, static_cast<int64_t>(w.h) * g.M + c,
                 static_cast<int64_t>(n) * NG, vsc.data(), vze.data());
     unpack_keys(kc + a * kDp, n, D, kt.data());
+#ifdef CPU_OPS_VNNI
+    if (pv16) {
+      unpack_pairs(vc + a * vDp, n, D, vt16.data());
+      const int n8 = clear_tail(n);
+      block_scores(qs.data(), bias.data(), kt.data(), rows, n8, D, s.data());
+      for (int r = 0; r < rows; ++r)
+        for (int t = n; t < n8; ++t) s[r * kBlock + t] = -INFINITY;
+      softmax_step(s.data(), rows, n8, D, m, l, acc);
+      block_pv16(s.data(), rows, n, D, vpg, vsc.data(), vze.data(), vt16.data(), acc, pv16_scratch);
+      a += n;
+      continue;
+    }
+#endif
     unpack_values(vc + a * vDp, n, D, NG, vsc.data(), vze.data(), vpg, uniform ? vgroup.data() : nullptr,
                   lane_g.data(), vt.data(), lane_s.data(), lane_z.data());
     block_scores(qs.data(), bias.data(), kt.data(), rows, clear_tail(n), D, s.data());

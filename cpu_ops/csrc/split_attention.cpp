@@ -95,8 +95,9 @@ struct WorkItem {
 
 }  // namespace
 
-// The same computation compiled twice: for the baseline target and for AVX2 + FMA + F16C, chosen at run time, so a
-// build runs on any x86-64 CPU (and on other architectures, or with clang, as the baseline build alone).
+// The same computation compiled three times: for the baseline target, for AVX2 + FMA + F16C, and for that plus
+// AVX-512 VNNI (packed values' P.V in 16-bit integers: kernel_int16.h), chosen at run time, so a build runs on any
+// x86-64 CPU (and on other architectures, or with clang, as the baseline build alone).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -104,6 +105,18 @@ struct WorkItem {
 namespace avx2 {
 #include "kernel.h"
 }  // namespace avx2
+#undef CPU_OPS_AVX2
+#pragma GCC pop_options
+// AVX-512 VNNI (on 256-bit vectors, with AVX-512VL's 32 registers): the AVX2 build plus P.V of packed values in
+// 16-bit integers (kernel_int16.h)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
+#define CPU_OPS_AVX2 1
+#define CPU_OPS_VNNI 1
+namespace vnni {
+#include "kernel.h"
+}  // namespace vnni
+#undef CPU_OPS_VNNI
 #undef CPU_OPS_AVX2
 #pragma GCC pop_options
 #define HAVE_AVX2_PATH 1
@@ -121,13 +134,21 @@ struct Kernel {  // the build of kernel.h this CPU runs
   void (*run_all)(const Problem&, const std::vector<WorkItem>&, const std::vector<int64_t>&, int64_t, void*, DType);
 };
 
-const Kernel& kernel(bool baseline = false) {
+enum class Isa { Auto = 0, Baseline = 1, Avx2 = 2 };  // cpu_ops.attention's isa argument
+
+// The build for `isa`: auto takes the fastest this CPU runs (vnni, else avx2, else baseline); avx2 never the 16-bit
+// integer P.V.
+const Kernel& kernel(Isa isa = Isa::Auto) {
   static const Kernel base_k{"baseline", base::to_float, base::times_matrix, base::run_all};
 #ifdef HAVE_AVX2_PATH
   static const Kernel avx2_k{"avx2+fma+f16c", avx2::to_float, avx2::times_matrix, avx2::run_all};
+  static const Kernel vnni_k{"avx512vnni", vnni::to_float, vnni::times_matrix, vnni::run_all};
   static const bool has_avx2 =
       __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  if (has_avx2 && !baseline) return avx2_k;
+  static const bool has_vnni = has_avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+                               __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+  if (has_vnni && isa == Isa::Auto) return vnni_k;
+  if (has_avx2 && isa != Isa::Baseline) return avx2_k;
 #endif
   return base_k;
 }
@@ -148,16 +169,18 @@ void check_offsets(const at::Tensor& off, int B, int64_t limit, const char* what
 // seg_tensors: per segment k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, tok_off, chunk_off, k_block, v_block
 // (contiguous; k_block, v_block (H_kv, M, 3) with 8-bit scales and zeros (then k_scale ... v_zero are their uint8
 // codes), else empty);
-// seg_ints: per segment key bits, value bits, chunk_size, group_size; baseline: run the baseline build even where AVX2 is there;
+// seg_ints: per segment key bits, value bits, chunk_size, group_size; isa: 0 auto, 1 the baseline build, 2 the avx2
+// build (fp32 arithmetic only) where the CPU has it;
 // full_key_scales, full_value_scales: (B, H_kv, R, 1) for an int8 full part (full_keys / full_values its codes), else
 // empty; rot_q, rot_o: (H_kv, D, D) fp32 or empty (rotated storage); scale_table: (256,) fp32 or empty.
 // Returns (B, H_q, L_q, D) in query's dtype.
 at::Tensor split_attention(const at::Tensor& query, const at::Tensor& full_keys, const at::Tensor& full_values,
                            const at::Tensor& full_start, const std::vector<at::Tensor>& seg_tensors,
                            const std::vector<int64_t>& seg_ints, double scaling, int64_t tokens_per_item,
-                           bool baseline, const at::Tensor& full_key_scales, const at::Tensor& full_value_scales,
+                           int64_t isa, const at::Tensor& full_key_scales, const at::Tensor& full_value_scales,
                            const at::Tensor& rot_q, const at::Tensor& rot_o, const at::Tensor& scale_table) {
-  const Kernel& K = kernel(baseline);
+  TORCH_CHECK_VALUE(isa >= 0 && isa <= 2, "isa must be 0 (auto), 1 (baseline) or 2 (avx2), got ", isa);
+  const Kernel& K = kernel(static_cast<Isa>(isa));
   Problem P{};
   P.B = static_cast<int>(query.size(0));
   P.H_kv = static_cast<int>(full_keys.size(1));
