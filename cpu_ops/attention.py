@@ -12,6 +12,7 @@ from ._build import extension
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INT32, UINT8, INT8 = (torch.int32,), (torch.uint8,), (torch.int8,)
 _ISA_CODES = {"auto": 0, "baseline": 1, "avx2": 2}  # split_attention.cpp's Isa
+_ONE_ITEM = 1 << 62  # tokens per work item: one item per (sequence, kv head, source)
 SUPPORTED_BITS = (2, 3, 4)
 _SEGMENT_FIELDS = (
     "bits",
@@ -351,6 +352,10 @@ def _rotation(rotation, H_kv: int, D: int) -> list[torch.Tensor]:
 
 
 def _default_tokens_per_item(pairs: int, tokens_per_pair: int) -> int:
-    """About 4 work items per thread (load balance), each of 256 to 2048 tokens (partials stay cheap)."""
+    """One thread: one work item per (sequence, kv head, source) (nothing to balance; each further item costs its
+    set-up and a partial to merge). Else about 4 work items per thread (load balance), each of 256 to 2048 tokens
+    (partials stay cheap)."""
+    if torch.get_num_threads() == 1:
+        return _ONE_ITEM
     want = -(-pairs * tokens_per_pair // (4 * torch.get_num_threads()))
     return min(2048, max(256, -(-want // 64) * 64))

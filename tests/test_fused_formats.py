@@ -27,7 +27,7 @@ from hf_cocktail.storage.full_part import Int8FullPart
 from hf_cocktail.storage.rotation import Rotation
 from hf_cocktail.storage.store import LayerStore
 
-from .conftest import cpu_kernel_rounding
+from .conftest import cpu_kernel_low_precision
 
 if not cpu_ops.available():
     if os.environ.get("HF_COCKTAIL_REQUIRE_CPU_OPS") == "1":
@@ -58,34 +58,34 @@ def make_store(D=64, H_kv=2, n_rep=2, B=2, T=80, L_q=1, scale_bits=8, full_part_
     return query, store
 
 
-def fp64_truth(query: torch.Tensor, store: LayerStore, scaling: float) -> torch.Tensor:
-    """Attention in fp64 over the store as the references dequantize it (``(B, H_q, L_q, D)`` fp64)."""
+def attention_at(query: torch.Tensor, store: LayerStore, scaling: float, dtype=torch.float64) -> torch.Tensor:
+    """Attention at ``dtype`` (fp64: the truth) over the store as the references dequantize it, ``(B, H_q, L_q, D)``."""
     B, H_q, L_q, D = query.shape
     full = store.full
     if isinstance(full, Int8FullPart):
         fk, fv = (
-            c.double() * s.double()
+            c.to(dtype) * s.to(dtype)
             for c, s in ((full.codes.keys, full.scales.keys), (full.codes.values, full.scales.values))
         )
     else:
-        fk, fv = full.keys.double(), full.values.double()
+        fk, fv = full.keys.to(dtype), full.values.to(dtype)
     rot = store.rotation
-    out = torch.zeros(B, H_q, L_q, D, dtype=torch.float64)
+    out = torch.zeros(B, H_q, L_q, D, dtype=dtype)
     for b in range(B):
         s = full.start[b]
         parts = [seg.sequence(b) for seg in store.segments] + [(fk[b, :, s:], fv[b, :, s:])]
-        K = torch.cat([p[0].double() for p in parts], 1)
-        V = torch.cat([p[1].double() for p in parts], 1)
+        K = torch.cat([p[0].to(dtype) for p in parts], 1)
+        V = torch.cat([p[1].to(dtype) for p in parts], 1)
         H_kv, T = K.shape[0], K.shape[1]
-        q = query[b].double().reshape(H_kv, H_q // H_kv * L_q, D)
+        q = query[b].to(dtype).reshape(H_kv, H_q // H_kv * L_q, D)
         if rot is not None and rot.keys is not None:
-            q = q @ rot.keys.double()
+            q = q @ rot.keys.to(dtype)
         scores = (q * scaling) @ K.transpose(1, 2)
         i = torch.arange(L_q).repeat(H_q // H_kv)
         hidden = torch.arange(T)[None, :] > (T - L_q + i)[:, None]
         o = torch.softmax(scores.masked_fill(hidden, float("-inf")), -1) @ V
         if rot is not None and rot.values is not None:
-            o = o @ rot.values.double().transpose(1, 2)
+            o = o @ rot.values.to(dtype).transpose(1, 2)
         out[b] = o.reshape(H_q, L_q, D)
     return out
 
@@ -96,7 +96,7 @@ def check(query, store, scaling=None):
         warnings.simplefilter("error")  # a fallback to the PyTorch path would warn: it must not happen here
         out = dispatch.split_precision_attention(query, store, scaling, "cpu")
     assert out.dtype == query.dtype and out.shape == query.shape
-    truth = fp64_truth(query, store, scaling)
+    truth = attention_at(query, store, scaling)
     low = split_precision_attention_torch(query, store, scaling)
     err = (out.double() - truth).abs().max().item()
     err_low = (low.double() - truth).abs().max().item()
@@ -104,7 +104,7 @@ def check(query, store, scaling=None):
     if query.dtype == torch.float32:
         T = store.full.length + sum(s.num_tokens for s in store.segments)
         floor = torch.finfo(torch.float32).eps * math.sqrt(T) * 8.0
-    floor += cpu_kernel_rounding(truth)
+    floor += cpu_kernel_low_precision(truth, lambda: attention_at(query, store, scaling, torch.float16))
     assert err <= 2 * err_low + floor, f"kernel error {err:.3g}, PyTorch error {err_low:.3g}, floor {floor:.3g}"
     return out
 

@@ -7,13 +7,12 @@ import pytest
 import torch
 
 from hf_cocktail import CocktailConfig
-from hf_cocktail.decode import dispatch
 from hf_cocktail.decode.split_attention import split_precision_attention_torch
 from hf_cocktail.storage import quant
 from hf_cocktail.storage.rotation import Rotation
 from hf_cocktail.storage.store import LayerStore, PackedSegment
 
-from .conftest import generate_split_and_sdpa
+from .conftest import assert_fused_cpu_kernel_matches_reference, generate_split_and_sdpa
 
 
 @pytest.mark.parametrize("bad", [1, 5, "3", True, 3.0])
@@ -98,13 +97,9 @@ def test_split_attention_equals_sdpa_over_the_dequantized_cache(rotation, max_va
 
 @pytest.mark.parametrize("max_value_bits", [3, 2])
 def test_fused_cpu_kernel_equals_the_reference(max_value_bits):
-    cpu_ops = pytest.importorskip("cpu_ops")
-    if not cpu_ops.available():
-        pytest.skip(f"cpu_ops extension unavailable: {cpu_ops.unavailable_reason()}")
     store, _, _ = _store(max_value_bits, "hadamard", B=2, scale_dtype=torch.float16)
     query = torch.randn(2, 4, 1, 32, generator=torch.Generator().manual_seed(5))
-    out = dispatch.split_precision_attention(query, store, 32**-0.5, "cpu")
-    torch.testing.assert_close(out, split_precision_attention_torch(query, store, 32**-0.5), atol=2e-6, rtol=1e-5)
+    assert_fused_cpu_kernel_matches_reference(store, query, 32**-0.5)
 
 
 @pytest.mark.parametrize("low_bits, value_bits", [(3, 3), (2, 2), (3, 2)])

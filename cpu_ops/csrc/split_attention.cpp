@@ -7,7 +7,8 @@
 //   keys (per channel within a chunk C): q . k_t = sum_d (q_d * s_cd) * code_td + sum_d q_d * z_cd, so the scales
 //     multiply the query once per chunk and the key tile holds the bare codes;
 //   values (per token, groups of G): the tile holds code * vs + vz (one FMA per 8 channels and token, shared by all
-//     n_rep * L_q query rows), then P.V.
+//     n_rep * L_q query rows), then P.V; the AVX-512 VNNI build instead keeps the codes as 16-bit pairs of tokens and
+//     rounds p * vs to 16 bits (kernel_int16.h), where every vector of a tile is in one value group.
 // Work items are token ranges of one (sequence, kv head, source); they run on ATen's (OpenMP) thread pool and their
 // partial (max, sum, output) are merged by log-sum-exp, like flash decoding. The Python launcher
 // (cpu_ops/attention.py) checks shapes and dtypes; this file only checks the offsets it will index with.
