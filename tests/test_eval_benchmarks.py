@@ -1,6 +1,6 @@
 """The speed scripts' machinery (eval/benchmarks): method variants, alternating rounds from one shared prefill,
-batched branches, the decode-step profile's categories, the prefill timers, the throughput table and plot.
-Tiny random Llama and word-level tokenizer; no timing is asserted."""
+batched branches, the decode-step profile's categories, the prefill timers, the throughput table and plot, the run
+record (kernel build, commit at start). Tiny random Llama and word-level tokenizer; no timing is asserted."""
 
 from __future__ import annotations
 
@@ -268,3 +268,29 @@ def test_plot_latency_draws_every_model_and_dtype(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps(runs["a.json"]))
     with pytest.raises(KeyError):
         plot_latency.main([*paths, "--out", str(out)])
+
+
+def test_run_json_records_the_kernel_build_and_the_start_commit(tmp_path, monkeypatch):
+    import json
+    import sys
+
+    from eval.benchmarks import harness
+
+    monkeypatch.setattr(harness, "_START", {})
+    harness.note_start()
+    harness.note_start()  # the first call's commit stays
+    out = tmp_path / "run.json"
+    harness.write_run_json(str(out), "eval.benchmarks.bench_latency", {"results": []})
+    record = json.loads(out.read_text())
+    assert record["commit_at_start"] == harness._START["commit"]
+    assert "cpu_ops" in record["hardware"]
+
+    class Build:  # a loaded extension: its name (a hash of the kernel sources) is what the run records
+        _module = type(sys)("hf_cocktail_cpu_ops_0123456789abcdef")
+
+    monkeypatch.setitem(sys.modules, "cpu_ops._build", Build)
+    assert harness.kernel_build() == {"extension": "hf_cocktail_cpu_ops_0123456789abcdef"}
+    Build._module.kernel_target = lambda: "avx2"
+    assert harness.kernel_build()["kernel_target"] == "avx2"
+    monkeypatch.setattr(Build, "_module", None)
+    assert harness.kernel_build() is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from tqdm.auto import tqdm
 
@@ -93,6 +94,7 @@ def parse_args(
             "depend on the values)",
         )
     args = p.parse_args(argv)
+    note_start(args.out)
     quick = {"contexts": "1024,2048", "new_tokens": 8, "methods": "fp16,cocktail,int2"}
     full = {"contexts": "1024,2048,4096,8192", "new_tokens": 32, "methods": default_methods}
     for k in quick:
@@ -127,9 +129,34 @@ def run(args) -> tuple[list[dict], object, object]:
     return results, model, tok
 
 
+_START: dict = {}
+
+
+def note_start(out: str | None = None) -> None:
+    """Record the checkout's commit (``+dirty``) as the run starts: :func:`write_run_json` writes it beside the
+    commit at the end, so a run that started on a tree being edited shows it."""
+    _START.setdefault("commit", git_commit(exclude=out))
+
+
+def kernel_build() -> dict | None:
+    """The ``cpu_ops`` C++ extension this process ran (None when it never loaded): its module name hashes the kernel
+    sources it was built from, so two runs' kernels compare by name whatever the checkout said at save time; with
+    the build ``isa="auto"`` picks where the kernel has :func:`kernel_target`."""
+    build = sys.modules.get("cpu_ops._build")
+    module = getattr(build, "_module", None)
+    if module is None:
+        return None
+    info = {"extension": module.__name__}
+    target = getattr(module, "kernel_target", None)
+    if callable(target):
+        info["kernel_target"] = target()
+    return info
+
+
 def run_hardware() -> dict:
-    """``hardware_info()`` plus the OpenMP wait policy (see ``eval/benchmarks/__init__.py``)."""
-    return {**hardware_info(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+    """``hardware_info()`` plus the OpenMP wait policy (see ``eval/benchmarks/__init__.py``) and the ``cpu_ops``
+    kernel build that ran (:func:`kernel_build`)."""
+    return {**hardware_info(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "cpu_ops": kernel_build()}
 
 
 def ratio(a, b) -> float:
@@ -146,6 +173,8 @@ def write_run_json(path: str, module: str, payload: dict) -> None:
     """``payload`` as JSON at ``path`` (folders created), after the run's command, commit and hardware."""
     os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
     info = {"command": command_line(module), "commit": git_commit(exclude=path), "hardware": run_hardware()}
+    if "commit" in _START:
+        info["commit_at_start"] = _START["commit"]
     write_json(path, {**info, **payload})
 
 

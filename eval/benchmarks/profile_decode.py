@@ -44,7 +44,7 @@ from ..methods.registry import register_preset
 from ..models import DTYPES, load_model_and_tokenizer, set_threads
 from ..reporting import METHOD_COLUMNS, METHOD_RULE, method_cells
 from ..run_info import command_line
-from .harness import PRESET_HELP, write_run_json
+from .harness import PRESET_HELP, note_start, write_run_json
 from .instrument import patching
 from .rounds import (
     alternating_rounds,
@@ -270,6 +270,7 @@ def parse_args(argv=None):
     p.add_argument("--essay-dir", default=None)
     p.add_argument("--out", default=None, help="JSON results (and a .md table next to it)")
     args = p.parse_args(argv)
+    note_start(args.out)
     args.context_list = parse_int_list(args.context, "--context")
     args.dtype_list = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     bad = [d for d in args.dtype_list if d not in DTYPES]
