@@ -224,8 +224,9 @@ def test_cli_errors():
     assert math.isfinite(args.rounds)
 
 
-def test_plot_latency_draws_every_model_and_dtype(tmp_path):
-    """plot_latency groups rows by (model, dtype) and writes one PNG; a missing ratio field fails."""
+def test_plot_latency_draws_every_model_dtype_and_kernel_build(tmp_path):
+    """plot_latency groups rows by (model, dtype, kernel build: AVX2 where the file does not say) and writes one PNG;
+    a missing ratio field fails."""
     import json
 
     from eval.benchmarks import plot_latency
@@ -255,13 +256,26 @@ def test_plot_latency_draws_every_model_and_dtype(tmp_path):
             "command": "python -m eval.benchmarks.bench_latency --model gemma-3-270m",
             "results": [row("fp16", 8000, 30.0, 1.0)],
         },
+        "c.json": {
+            "command": "python -m eval.benchmarks.bench_latency",
+            "hardware": {"cpu_ops": {"extension": "hf_cocktail_cpu_ops_0", "kernel_target": "avx512vnni"}},
+            "results": [row("fp16", 8000, 90.0, 1.0)],
+        },
     }
     for name, data in runs.items():
         (tmp_path / name).write_text(json.dumps(data))
     paths = [str(tmp_path / n) for n in runs]
     groups = plot_latency.load_rows(paths)
-    assert sorted(groups) == [("SmolLM2-135M", "bfloat16"), ("SmolLM2-135M", "float32"), ("gemma-3-270m", "float32")]
+    avx2 = "avx2+fma+f16c"
+    assert sorted(groups) == [
+        ("SmolLM2-135M", "bfloat16", avx2),
+        ("SmolLM2-135M", "float32", avx2),
+        ("SmolLM2-135M", "float32", "avx512vnni"),
+        ("gemma-3-270m", "float32", avx2),
+    ]
     out = tmp_path / "speed.png"
+    fig = plot_latency.plot(groups, str(out))
+    assert [len(ax.lines) for ax in fig.axes[::2]] == [1, 2, 1, 1]  # ms/token panels: one line per method
     assert plot_latency.main([*paths, "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     del runs["a.json"]["results"][0]["decode_ratio_min"]

@@ -1,5 +1,6 @@
 """Draw ``bench_latency`` results: decode ms/token and the ratio to ``DynamicCache`` (``fp16``, same run) against the
-context length, one panel pair per (model, dtype) found in the JSON files.
+context length, one panel pair per (model, dtype, CPU kernel build) found in the JSON files (files written before
+the runs recorded the build, ``hardware.cpu_ops``, ran the AVX2 one: the only build there was).
 
     python -m eval.benchmarks.plot_latency eval/results/bench_latency_speed_fp32.json \\
         eval/results/bench_latency_speed_bf16.json --out eval/results/bench_latency_speed.png
@@ -15,24 +16,26 @@ from collections import defaultdict
 from ..reporting import plot_name, pyplot, save_figure
 
 
-def load_rows(paths: list[str]) -> dict[tuple[str, str], list[dict]]:
-    """``(model label, dtype) -> result rows`` of every ``bench_latency`` JSON in ``paths``."""
-    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+def load_rows(paths: list[str]) -> dict[tuple[str, str, str], list[dict]]:
+    """``(model label, dtype, kernel build) -> result rows`` of every ``bench_latency`` JSON in ``paths``."""
+    groups: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
     for path in paths:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
         model = "gemma-3-270m" if "gemma" in data.get("command", "") else "SmolLM2-135M"
+        build = ((data.get("hardware") or {}).get("cpu_ops") or {}).get("kernel_target", "avx2+fma+f16c")
         for row in data["results"]:
-            groups[(model, row["dtype"])].append(row)
+            groups[(model, row["dtype"], build)].append(row)
     return groups
 
 
-def plot(groups: dict[tuple[str, str], list[dict]], out: str) -> None:
+def plot(groups: dict[tuple[str, str, str], list[dict]], out: str):
+    """One row of two panels per group, written to ``out``; returns the figure."""
     keys = sorted(groups)
     fig, axes = pyplot().subplots(len(keys), 2, figsize=(11, 3.6 * len(keys)), squeeze=False)
-    for (model, dtype), (ax_ms, ax_ratio) in zip(keys, axes):
+    for (model, dtype, build), (ax_ms, ax_ratio) in zip(keys, axes):
         by_method: dict[str, list[dict]] = defaultdict(list)
-        for row in groups[(model, dtype)]:
+        for row in groups[(model, dtype, build)]:
             by_method[row["method"]].append(row)
         for method, rows in by_method.items():
             rows.sort(key=lambda r: r["context_tokens"])
@@ -49,7 +52,7 @@ def plot(groups: dict[tuple[str, str], list[dict]], out: str) -> None:
                 capsize=3,
                 label=plot_name(method),
             )
-        ax_ms.set(title=f"{model}, {dtype}: decode ms/token (median of rounds)", xlabel="context tokens")
+        ax_ms.set(title=f"{model}, {dtype}, {build}: ms/token (median)", xlabel="context tokens")
         ax_ratio.set(title="ratio to DynamicCache (same run; bars: range of rounds)", xlabel="context tokens")
         ax_ratio.axhline(1.0, color="grey", lw=0.8)
         for ax in (ax_ms, ax_ratio):
@@ -57,6 +60,7 @@ def plot(groups: dict[tuple[str, str], list[dict]], out: str) -> None:
             ax.grid(alpha=0.3)
         ax_ms.legend(fontsize=7)
     save_figure(fig, out, dpi=110)
+    return fig
 
 
 def main(argv=None) -> int:
