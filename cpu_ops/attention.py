@@ -101,8 +101,8 @@ def split_precision_attention(
             baseline build), ``"avx2"`` (the AVX2 build where the CPU has it: fp32 arithmetic only) or
             ``"baseline"`` (the baseline build everywhere; for tests). The VNNI build computes P.V of packed
             values in 16-bit integers: each product ``p * value_scale`` is rounded to 16 bits on one scale per
-            query row and block of 32 tokens (at most ``2**-16`` of the block's largest, finer than fp16), the
-            rest is as in the AVX2 build.
+            query row and block of 32 tokens (at most ``2**-16`` of the block's largest; the attention's error
+            is below fp16 PyTorch's), the rest is as in the AVX2 build.
         full_scales: with int8 ``full_keys`` / ``full_values`` (an 8-bit full part,
             ``hf_cocktail.storage.quant.quantize_tokens8``): their scales ``(B, H_kv, R, 1)``, one float dtype, the
             strides of each other; token ``t`` of head ``h`` reads ``code * scale``.
