@@ -99,12 +99,11 @@ static void run_item(const Problem& P, const WorkItem& w, float* m, float* l, fl
   std::fill(acc, acc + static_cast<int64_t>(rows) * D, 0.0f);
   const float* q = P.q + (static_cast<int64_t>(w.b) * P.H_kv + w.h) * rows * D;  // (rows, D), pre-scaled
   // a block of n tokens is computed as n8 (n rounded up to 8): tile rows [n, n8) are zero, their scores -inf
-  auto finish_block = [&](int n) {
+  auto softmax_block = [&](int n) {  // the block's scores -> probabilities (running max, sum and acc rescaled)
     const int n8 = (n + 7) & ~7;
     for (int r = 0; r < rows; ++r)
       for (int t = n; t < n8; ++t) s[r * kBlock + t] = -INFINITY;
     softmax_step(s.data(), rows, n8, D, m, l, acc);
-    block_pv(s.data(), vt.data(), rows, n, D, acc);
   };
   auto clear_tail = [&](int n) {
     const int n8 = (n + 7) & ~7;
@@ -136,7 +135,8 @@ static void run_item(const Problem& P, const WorkItem& w, float* m, float* l, fl
           for (int t = 0; t < n; ++t)
             if (a + t > P.R - P.L_q + r % P.L_q) s[r * kBlock + t] = -INFINITY;
       }
-      finish_block(n);
+      softmax_block(n);
+      block_pv(s.data(), vt.data(), rows, n, D, acc);
     }
     return;
   }
@@ -201,22 +201,20 @@ static void run_item(const Problem& P, const WorkItem& w, float* m, float* l, fl
                 static_cast<int64_t>(n) * NG, vsc.data(), vze.data());
     unpack_keys(kc + a * kDp, n, D, kt.data());
 #ifdef CPU_OPS_VNNI
-    if (pv16) {
+    if (pv16)
       unpack_pairs(vc + a * vDp, n, D, vt16.data());
-      const int n8 = clear_tail(n);
-      block_scores(qs.data(), bias.data(), kt.data(), rows, n8, D, s.data());
-      for (int r = 0; r < rows; ++r)
-        for (int t = n; t < n8; ++t) s[r * kBlock + t] = -INFINITY;
-      softmax_step(s.data(), rows, n8, D, m, l, acc);
-      block_pv16(s.data(), rows, n, D, vpg, vsc.data(), vze.data(), vt16.data(), acc, pv16_scratch);
-      a += n;
-      continue;
-    }
+    else
 #endif
-    unpack_values(vc + a * vDp, n, D, NG, vsc.data(), vze.data(), vpg, uniform ? vgroup.data() : nullptr,
-                  lane_g.data(), vt.data(), lane_s.data(), lane_z.data());
+      unpack_values(vc + a * vDp, n, D, NG, vsc.data(), vze.data(), vpg, uniform ? vgroup.data() : nullptr,
+                    lane_g.data(), vt.data(), lane_s.data(), lane_z.data());
     block_scores(qs.data(), bias.data(), kt.data(), rows, clear_tail(n), D, s.data());
-    finish_block(n);
+    softmax_block(n);
+#ifdef CPU_OPS_VNNI
+    if (pv16)
+      block_pv16(s.data(), rows, n, D, vpg, vsc.data(), vze.data(), vt16.data(), acc, pv16_scratch);
+    else
+#endif
+      block_pv(s.data(), vt.data(), rows, n, D, acc);
     a += n;
   }
   for (int r = 0; r < rows; ++r) {  // the output back in channel order

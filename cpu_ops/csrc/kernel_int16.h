@@ -19,24 +19,13 @@ constexpr int kWScale = 32767;  // w's largest value per row and block
 // of token a in its low 16 bits and token b's in its high 16 bits (the bytes of both in one lane, then the planes).
 template <int BITS>
 static inline void code_plane_pairs(const uint8_t* a, const uint8_t* b, int D, int k, v8i* c) {
-  v8i x = load_bytes8(a + 8 * k);
+  v8i x = load_bytes8(a + 8 * k), w{};
   if (b) x |= load_bytes8(b + 8 * k) << 16;
   if constexpr (BITS == 3) {
-    const v8i lane4 = v8i{0, 4, 8, 12, 16, 20, 24, 28};
-    uint32_t wa, wb = 0;
-    std::memcpy(&wa, a + D / 4 + 4 * k, sizeof(wa));
-    if (b) std::memcpy(&wb, b + D / 4 + 4 * k, sizeof(wb));
-    const v8i w = (((v8i{} + static_cast<int32_t>(wa)) >> lane4) & 15) |
-                  ((((v8i{} + static_cast<int32_t>(wb)) >> lane4) & 15) << 16);  // each lane's high-bit nibble
-    constexpr int32_t M2 = 0x00030003;
-    c[0] = (x & M2) | ((w & 0x00010001) << 2);
-    c[1] = ((x >> 2) & M2) | ((w & 0x00020002) << 1);
-    c[2] = ((x >> 4) & M2) | (w & 0x00040004);
-    c[3] = ((x >> 6) & M2) | ((w & 0x00080008) >> 1);
-  } else {
-    constexpr int32_t M = ((1 << BITS) - 1) * 0x00010001;
-    for (int j = 0; j < 8 / BITS; ++j) c[j] = (x >> (j * BITS)) & M;
+    w = high_nibbles(a + D / 4 + 4 * k) & 15;
+    if (b) w |= (high_nibbles(b + D / 4 + 4 * k) & 15) << 16;
   }
+  split_planes<BITS, 0x00010001>(x, w, c);
 }
 
 // The values of n tokens as pairs of 16-bit codes: tile[(t / 2) * D + pos] holds token t's code at tile position

@@ -50,22 +50,32 @@ static std::vector<int> tile_order(int D) {
   return perm;
 }
 
+// split_planes: the planes of x (one code byte per lane; REP = 0x00010001: two, one per 16-bit half) and, for INT3,
+// w (each lane's high-bit nibble at bit 0, per half likewise); every mask is repeated per half by REP.
+template <int BITS, int32_t REP = 1>
+static inline void split_planes(v8i x, v8i w, v8i* c) {
+  if constexpr (BITS == 3) {
+    c[0] = (x & 3 * REP) | ((w & REP) << 2);  // plane j: the low bits >> 2j, the high bit j of the nibble, at bit 2
+    c[1] = ((x >> 2) & 3 * REP) | ((w & 2 * REP) << 1);  // (masked before any left shift: nothing negative shifted)
+    c[2] = ((x >> 4) & 3 * REP) | (w & 4 * REP);
+    c[3] = ((x >> 6) & 3 * REP) | ((w & 8 * REP) >> 1);
+  } else {
+    for (int j = 0; j < 8 / BITS; ++j) c[j] = (x >> (j * BITS)) & ((1 << BITS) - 1) * REP;
+  }
+}
+
+// INT3: lane i of the result holds bits 4i .. 4i + 3 of the little-endian 32-bit word at p (and higher bits above).
+static inline v8i high_nibbles(const uint8_t* p) {
+  uint32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  return (v8i{} + static_cast<int32_t>(word)) >> v8i{0, 4, 8, 12, 16, 20, 24, 28};
+}
+
 // The k-th whole group of 8 code bytes of one token (INT3: 8 bytes of its 2-bit plane and their 4 bytes of high
 // bits) as the PER = 8 / BITS (INT3: 4) tile vectors PER * k ... PER * k + PER - 1 of its codes (tile_order; INT3: see unpack_token3).
 template <int BITS>
 static inline void code_planes(const uint8_t* codes, int D, int k, v8i* c) {
-  const v8i x = load_bytes8(codes + 8 * k);
-  if constexpr (BITS == 3) {
-    uint32_t word;
-    std::memcpy(&word, codes + D / 4 + 4 * k, sizeof(word));
-    const v8i w = (v8i{} + static_cast<int32_t>(word)) >> v8i{0, 4, 8, 12, 16, 20, 24, 28};  // lane i: bits 4i..4i+3
-    c[0] = (x & 3) | ((w & 1) << 2);  // plane j: the low bits >> 2j, the high bit j of the lane's nibble, at bit 2
-    c[1] = ((x >> 2) & 3) | ((w & 2) << 1);  // (masked before any left shift: no negative value is shifted left)
-    c[2] = ((x >> 4) & 3) | (w & 4);
-    c[3] = ((x >> 6) & 3) | ((w & 8) >> 1);
-  } else {
-    for (int j = 0; j < 8 / BITS; ++j) c[j] = (x >> (j * BITS)) & ((1 << BITS) - 1);
-  }
+  split_planes<BITS>(load_bytes8(codes + 8 * k), BITS == 3 ? high_nibbles(codes + D / 4 + 4 * k) : v8i{}, c);
 }
 
 // The codes of one token (D channels, PER per byte, low bits first) -> fp32 codes in tile order (tile_order). SCALED
