@@ -50,6 +50,20 @@ def _row(c: dict, chosen: str) -> str:
     )
 
 
+def rotation_line(choice: dict | None) -> str:
+    """The card's sentence on the storage rotation chosen on the calibration texts (empty without a record)."""
+    if not choice:
+        return ""
+    means = ", ".join(
+        f"{'none' if r == 'None' else f'`{r}`'} {sum(kl) / len(kl):.4f}" for r, kl in choice["base_kl"].items() if kl
+    )
+    chosen = choice["rotation"] or "none"
+    return (
+        f"Storage rotation: `{chosen}`, the lowest mean KLD on the calibration texts at the base widths "
+        f"(4-bit keys, 3-bit values in every quantized layer): {means}. "
+    )
+
+
 def measurements_markdown(result: CalibrationResult) -> str:
     """The held-out table: every candidate's bytes and KL divergence from FP16, the chosen one first."""
     s = result.settings
@@ -69,7 +83,8 @@ def measurements_markdown(result: CalibrationResult) -> str:
         "| --- | --- | --- | --- | --- | --- |",
         *[_row(c, result.chosen) for c in order],
         "",
-        f"Calibration texts: {', '.join(result.calibration_windows)}. Held-out texts: "
+        f"{rotation_line(s.get('rotation_choice'))}Calibration texts: {', '.join(result.calibration_windows)}. "
+        "Held-out texts: "
         f"{', '.join(result.validation_windows)}. A few held-out texts give a rough mean: the evaluation harness "
         "(`eval/`) measures presets on more prompts.",
     ]

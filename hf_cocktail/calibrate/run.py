@@ -1,9 +1,11 @@
 """Calibration of a ``CocktailConfig`` for one model on the user's texts, within a KV byte target.
 
 1. The texts become windows (:mod:`.texts`), split into calibration and validation (held-out) windows.
-2. On the calibration windows, the storage rotation (Hadamard or none) with the lower KL at the base widths (4-bit
-   keys / 3-bit values in every layer), then each Cocktail layer's sensitivity under it: the KL added when that layer
-   alone has 3- or 2-bit keys or 2- or 4-bit values around the base (:mod:`.sensitivity`), averaged.
+2. On the calibration windows, the storage rotation with the lowest mean KL at the base widths (4-bit keys / 3-bit
+   values in every layer) among the four the store supports (:data:`hf_cocktail.storage.rotation.ROTATIONS`: none,
+   ``"hadamard"`` (keys and values), ``"hadamard_keys"``, ``"hadamard_values"``; four base probes per window), then
+   each Cocktail layer's sensitivity under it: the KL added when that layer alone has 3- or 2-bit keys or 2- or 4-bit
+   values around the base (:mod:`.sensitivity`), averaged.
 3. Candidates (:mod:`.candidates`): the layer solve's caps at the largest budget that fits the target, per storage
    variant (8-bit full part or not, 0 / 1 / 2% salient tokens), and, with ``search_scorers``, the query-aware chunk
    search on top of the best of them; bytes measured with the real cache.
@@ -36,11 +38,12 @@ from hf_cocktail.calibrate.solve import layer_deltas
 from hf_cocktail.calibrate.texts import Window, split_windows
 from hf_cocktail.calibrate.validate import Prepared, bytes_ratio, measure, prepare, summarize
 from hf_cocktail.presets.config import CocktailConfig
+from hf_cocktail.storage.rotation import ROTATIONS as STORE_ROTATIONS
 
 BASE = (4, 3)  # the widths the sensitivity is measured around
 KEY_OPTIONS, VALUE_OPTIONS = (3, 2), (2, 4)
 SCORERS = ("encoder", "bm25", "attention")
-ROTATIONS = ("hadamard", None)  # the storage rotations compared at the base widths
+ROTATIONS = STORE_ROTATIONS  # the storage rotations compared at the base widths: all four the store supports
 
 
 @dataclass
@@ -107,9 +110,10 @@ def _probe(model, prep: Prepared, cocktail: list[int], rotation: str | None) -> 
 @torch.no_grad()
 def sensitivity(model, tok, windows: list[Window], cocktail: list[int], progress: bool) -> tuple[list, dict]:
     """Per calibration window, :func:`.sensitivity.probe_deltas` over the Cocktail layers, stored with the rotation
-    (``"hadamard"`` or none) whose mean KL at the base widths is lower; returns the records and those base KLs."""
+    of :data:`ROTATIONS` whose mean KL at the base widths is the lowest; returns the records and the choice
+    (``{"rotation": ..., "base_kl": {str(rotation): [KL per window]}}``)."""
     n = 1 + len(cocktail) * (len(KEY_OPTIONS) + len(VALUE_OPTIONS))
-    bar = tqdm(total=(n + 2) * len(windows), desc="calibrate: layer sensitivity", disable=not progress)
+    bar = tqdm(total=(n + len(ROTATIONS)) * len(windows), desc="calibrate: layer sensitivity", disable=not progress)
     base = [BASE] * len(cocktail)
     preps: list[Prepared] = []
     base_kl: dict[str | None, list[float]] = {r: [] for r in ROTATIONS}
@@ -118,7 +122,7 @@ def sensitivity(model, tok, windows: list[Window], cocktail: list[int], progress
         for r in ROTATIONS:
             base_kl[r].append(_probe(model, preps[-1], cocktail, r).kl(base))
             bar.update()
-    rotation = min(ROTATIONS, key=lambda r: statistics.fmean(base_kl[r]))
+    rotation = choose_rotation(base_kl)
     records = []
     for prep in preps:
         probe = _probe(model, prep, cocktail, rotation)
@@ -127,6 +131,15 @@ def sensitivity(model, tok, windows: list[Window], cocktail: list[int], progress
         )
     bar.close()
     return records, {"rotation": rotation, "base_kl": {str(r): v for r, v in base_kl.items()}}
+
+
+def choose_rotation(base_kl: dict[str | None, list[float]]) -> str | None:
+    """The rotation of ``base_kl`` (rotation -> KL per calibration window) with the lowest mean KL; every one of
+    :data:`ROTATIONS` must be there, with one KL per window."""
+    missing = [r for r in ROTATIONS if not base_kl.get(r)]
+    if missing:
+        raise ValueError(f"base_kl: needs the KLs of every rotation in {ROTATIONS}, missing {missing}")
+    return min(ROTATIONS, key=lambda r: statistics.fmean(base_kl[r]))
 
 
 def reused_sensitivity(earlier: dict, windows: list[str], cocktail: list[int]) -> tuple[list, dict]:
