@@ -1,9 +1,10 @@
 """The settings calibration chooses from, each fitted to a byte target.
 
-* **caps** (no chunk search): every context chunk at 4 bits, stored rotated or not (the rotation whose KL divergence
-  is lower at the sensitivity's base widths), each Cocktail layer capped at the widths the layer solve picks at a
-  mean code-bit budget (:func:`.solve.solve`), for every storage variant (the 8-bit full part or not, 0 / 1 / 2%
-  salient tokens); the budget is the largest on a 0.1-bit grid whose bytes fit the target.
+* **caps** (no chunk search): every context chunk at 4 bits, stored with the rotation (none, keys and values, keys
+  only or values only) whose KL divergence is the lowest at the sensitivity's base widths, each Cocktail layer
+  capped at the widths the layer solve picks at a mean code-bit budget (:func:`.solve.solve`), for every storage
+  variant (the 8-bit full part or not, 0 / 1 / 2% salient tokens); the budget is the largest on a 0.1-bit grid whose
+  bytes fit the target.
 * **search** (the query-aware chunk search on top of the caps): the caps at a higher budget, chunks planned by
   ``target_bits`` (the ``scorer`` ranks them: the highest keep the caps, the rest ``low_bits``), ``target_bits`` the
   largest whose bytes fit.

@@ -144,13 +144,17 @@ def choose_rotation(base_kl: dict[str | None, list[float]]) -> str | None:
 
 def reused_sensitivity(earlier: dict, windows: list[str], cocktail: list[int]) -> tuple[list, dict]:
     """The sensitivity records and rotation choice of an earlier result, checked to be of the same calibration texts
-    and Cocktail layers."""
+    and Cocktail layers. The records were measured under its rotation, so that rotation is kept (a result from before
+    the four-way comparison compared only ``"hadamard"`` and none)."""
     if earlier.get("calibration_windows") != windows or earlier.get("cocktail_layers") != cocktail:
         raise ValueError(
             f"sensitivity_from was measured on texts {earlier.get('calibration_windows')} and layers "
             f"{earlier.get('cocktail_layers')}, not on these ({windows}, {cocktail}): give the same texts and model"
         )
-    return earlier["sensitivity"], earlier["settings"]["rotation_choice"]
+    choice = earlier["settings"]["rotation_choice"]
+    if choice.get("rotation") not in ROTATIONS:
+        raise ValueError(f"sensitivity_from: its rotation must be one of {ROTATIONS}, got {choice.get('rotation')!r}")
+    return earlier["sensitivity"], choice
 
 
 def validate_all(model, tok, preps: list[Prepared], cands: list[Candidate], target: float, progress: bool) -> list:
