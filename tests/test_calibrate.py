@@ -128,6 +128,9 @@ def test_the_sensitivity_is_measured_under_the_lowest_of_the_four_rotations(monk
     assert set(seen[8:]) == {"hadamard_values"} and len(seen[8:]) == 2 * (1 + 3 * 4)
     assert [r["base_kl"] for r in records] == [0.001, 0.001]
     assert records[0]["key_deltas"]["2"] == pytest.approx([0.02] * 3)  # one bit fewer per layer, 0.01 each
+    # the comparison of before (hadamard or none) picks hadamard on the same probes
+    _, two = run.sensitivity(None, None, windows, [0, 1, 2], progress=False, rotations=("hadamard", None))
+    assert two["rotation"] == "hadamard" and set(two["base_kl"]) == {"hadamard", "None"}
 
 
 def test_the_rotation_choice_needs_every_kind_and_a_reused_one_is_kept():
@@ -182,6 +185,11 @@ def test_bad_inputs_raise_clear_errors(tmp_path, tiny_tokenizer):
             calibrate_model(model, tiny_tokenizer, ["a b"], target, progress=False)
     with pytest.raises(ValueError, match="texts too short"):
         split_windows(tiny_tokenizer, [("a", random_text(50)), ("b", random_text(300))], 1, 1, **SMALL)
+    for rotations in ((), ("hadamard_queries",), "hadamard"):
+        with pytest.raises(ValueError, match="rotations must be a non-empty list of"):
+            calibrate_model(model, tiny_tokenizer, ["a"], rotations=rotations, progress=False)
+    with pytest.raises(SystemExit):
+        main(["--model", "m", "--texts", "a.txt", "--out", str(tmp_path), "--rotations", "none,hadamard_queries"])
     with pytest.raises(ValueError, match="search_scorers"):
         calibrate_model(model, tiny_tokenizer, ["a"], search_scorers=("random",), progress=False)
     bad = tmp_path / "x.csv"

@@ -87,9 +87,11 @@ class TargetUnreachable(ValueError):
     """No candidate's bytes fit the target."""
 
 
-def _check_args(target: float, search_scorers: Sequence[str]) -> None:
+def _check_args(target: float, search_scorers: Sequence[str], rotations: Sequence[str | None]) -> None:
     if not isinstance(target, (int, float)) or not 0 < target <= 1:
         raise ValueError(f"target must be a number in (0, 1] (the quantized layers' bytes over FP16's), got {target!r}")
+    if isinstance(rotations, str) or not rotations or any(r not in ROTATIONS for r in rotations):
+        raise ValueError(f"rotations must be a non-empty list of {ROTATIONS}, got {rotations!r}")
     bad = [s for s in search_scorers if s not in SCORERS]
     if bad:
         raise ValueError(f"search_scorers must be among {SCORERS}, got {list(search_scorers)!r}")
@@ -108,21 +110,23 @@ def _probe(model, prep: Prepared, cocktail: list[int], rotation: str | None) -> 
 
 
 @torch.no_grad()
-def sensitivity(model, tok, windows: list[Window], cocktail: list[int], progress: bool) -> tuple[list, dict]:
+def sensitivity(
+    model, tok, windows: list[Window], cocktail: list[int], progress: bool, rotations: Sequence[str | None] = ROTATIONS
+) -> tuple[list, dict]:
     """Per calibration window, :func:`.sensitivity.probe_deltas` over the Cocktail layers, stored with the rotation
-    of :data:`ROTATIONS` whose mean KL at the base widths is the lowest; returns the records and the choice
+    of ``rotations`` whose mean KL at the base widths is the lowest; returns the records and the choice
     (``{"rotation": ..., "base_kl": {str(rotation): [KL per window]}}``)."""
     n = 1 + len(cocktail) * (len(KEY_OPTIONS) + len(VALUE_OPTIONS))
-    bar = tqdm(total=(n + len(ROTATIONS)) * len(windows), desc="calibrate: layer sensitivity", disable=not progress)
+    bar = tqdm(total=(n + len(rotations)) * len(windows), desc="calibrate: layer sensitivity", disable=not progress)
     base = [BASE] * len(cocktail)
     preps: list[Prepared] = []
-    base_kl: dict[str | None, list[float]] = {r: [] for r in ROTATIONS}
+    base_kl: dict[str | None, list[float]] = {r: [] for r in rotations}
     for w in windows:
         preps.append(prepare(model, tok, w))
-        for r in ROTATIONS:
+        for r in rotations:
             base_kl[r].append(_probe(model, preps[-1], cocktail, r).kl(base))
             bar.update()
-    rotation = choose_rotation(base_kl)
+    rotation = choose_rotation(base_kl, rotations)
     records = []
     for prep in preps:
         probe = _probe(model, prep, cocktail, rotation)
@@ -133,13 +137,13 @@ def sensitivity(model, tok, windows: list[Window], cocktail: list[int], progress
     return records, {"rotation": rotation, "base_kl": {str(r): v for r, v in base_kl.items()}}
 
 
-def choose_rotation(base_kl: dict[str | None, list[float]]) -> str | None:
+def choose_rotation(base_kl: dict[str | None, list[float]], rotations: Sequence[str | None] = ROTATIONS) -> str | None:
     """The rotation of ``base_kl`` (rotation -> KL per calibration window) with the lowest mean KL; every one of
-    :data:`ROTATIONS` must be there, with one KL per window."""
-    missing = [r for r in ROTATIONS if not base_kl.get(r)]
+    ``rotations`` must be there, with one KL per window."""
+    missing = [r for r in rotations if not base_kl.get(r)]
     if missing:
-        raise ValueError(f"base_kl: needs the KLs of every rotation in {ROTATIONS}, missing {missing}")
-    return min(ROTATIONS, key=lambda r: statistics.fmean(base_kl[r]))
+        raise ValueError(f"base_kl: needs the KLs of every rotation in {list(rotations)}, missing {missing}")
+    return min(rotations, key=lambda r: statistics.fmean(base_kl[r]))
 
 
 def reused_sensitivity(earlier: dict, windows: list[str], cocktail: list[int]) -> tuple[list, dict]:
@@ -197,13 +201,15 @@ def calibrate_model(
     encoder: str | None = None,
     progress: bool = True,
     sensitivity_from: dict | None = None,
+    rotations: Sequence[str | None] = ROTATIONS,
 ) -> CalibrationResult:
     """Calibrate a config for ``model`` on ``texts`` (strings or ``(name, text)`` pairs) whose Cocktail layers'
     KV bytes are at most ``target`` times their FP16 bytes on the held-out texts. See the module docstring.
     ``encoder``: the retrieval encoder of ``search_scorers`` "encoder" and of the returned config.
     ``sensitivity_from``: an earlier result's ``to_dict()`` on the same model and texts, whose sensitivity is reused
-    (another target without measuring it again)."""
-    _check_args(target, search_scorers)
+    (another target without measuring it again). ``rotations``: the storage rotations compared (default all four;
+    a subset, e.g. ``(None, "hadamard")``, reproduces a narrower comparison)."""
+    _check_args(target, search_scorers, rotations)
     t0 = time.perf_counter()
     cal, val = split_windows(
         tokenizer, _texts(texts), calibration_texts, validation_texts, window, question_tokens, continuation_tokens
@@ -215,7 +221,7 @@ def calibrate_model(
         )
     timings = {}
     if sensitivity_from is None:
-        records, rotation_choice = sensitivity(model, tokenizer, cal, cocktail, progress)
+        records, rotation_choice = sensitivity(model, tokenizer, cal, cocktail, progress, rotations)
     else:
         records, rotation_choice = reused_sensitivity(sensitivity_from, [w.name for w in cal], cocktail)
     timings["sensitivity"] = time.perf_counter() - t0
