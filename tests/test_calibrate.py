@@ -94,10 +94,14 @@ def test_the_command_writes_a_preset_whose_widths_are_the_solve_of_its_measured_
     assert set(choice["base_kl"]) == {"None", "hadamard", "hadamard_keys", "hadamard_values"}
     assert all(len(kls) == 2 for kls in choice["base_kl"].values())
     lowest = min(choice["base_kl"], key=lambda r: sum(choice["base_kl"][r]))
-    assert str(choice["rotation"]) == lowest and str(config.rotation) == lowest
+    assert str(choice["rotation"]) == lowest
+    # caps built with it and, when it is a rotated one, unrotated too; the held-out texts chose among all of them
+    assert choice["caps_rotations"] == ([lowest] if lowest == "None" else [lowest, "None"])
+    caps_rotations = {str(c["rotation"]) for c in record["candidates"] if c["kind"] == "caps"}
+    assert caps_rotations == set(choice["caps_rotations"]) and str(config.rotation) in caps_rotations
     card = (out / "README.md").read_text()
     assert "python -m hf_cocktail.calibrate" in card and record["chosen"] in card
-    assert f"Storage rotation: `{config.rotation or 'none'}`" in card
+    assert "Storage rotation: the mean KLD on the calibration texts" in card
     assert "No evaluation results yet" not in card
 
 
@@ -145,6 +149,13 @@ def test_the_rotation_choice_needs_every_kind_and_a_reused_one_is_kept():
     bad = {"rotation": "hadamard_queries", "base_kl": {}}
     with pytest.raises(ValueError, match=r"rotation must be one of .*'hadamard_queries'"):
         run.reused_sensitivity({**earlier, "settings": {"rotation_choice": bad}}, ["a"], [0])
+
+
+def test_a_rotated_choice_also_builds_unrotated_caps_whose_bytes_hold_no_matrices():
+    kls = {"None": [0.2], "hadamard": [0.3], "hadamard_keys": [0.25], "hadamard_values": [0.1]}
+    assert run.caps_rotations({"rotation": "hadamard_values", "base_kl": kls}) == ["hadamard_values", None]
+    assert run.caps_rotations({"rotation": None, "base_kl": kls}) == [None]
+    assert run.caps_rotations({"rotation": "hadamard", "base_kl": {"hadamard": [0.3]}}) == ["hadamard"]
 
 
 def test_the_card_says_which_side_a_partial_rotation_rotates():

@@ -94,14 +94,16 @@ def largest_fitting(values: Sequence[float], ratio_of: Callable[[float], float],
 
 def caps_candidates(space: CapsSpace, ratio_of: Callable[[CocktailConfig], float], target: float) -> list[Candidate]:
     """Per storage variant, the caps at the largest budget that fits ``target`` (variants where none fits are left
-    out)."""
+    out); a rotated space's names end in its rotation (``caps2.9_f16_sal1_hadamard_values``)."""
     out = []
+    suffix = "" if space.rotation is None else f"_{space.rotation}"
     for fp, sal in VARIANTS:
         found = largest_fitting(space.budgets, lambda b: ratio_of(space.config(b, fp, sal)), target)
         if found is not None:
             b, r = found
-            name = f"caps{b:.1f}_f{fp}_sal{round(100 * sal)}"
-            out.append(Candidate(name, space.config(b, fp, sal), "caps", b, r, {"full_part_bits": fp, "salient": sal}))
+            name = f"caps{b:.1f}_f{fp}_sal{round(100 * sal)}{suffix}"
+            info = {"full_part_bits": fp, "salient": sal, "rotation": space.rotation}
+            out.append(Candidate(name, space.config(b, fp, sal), "caps", b, r, info))
     return out
 
 
