@@ -9,9 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from eval.methods.labels import label
 from hf_cocktail import CocktailConfig
 from hf_cocktail.calibrate import calibrate_model, run
-from hf_cocktail.calibrate.candidates import largest_fitting
+from hf_cocktail.calibrate.candidates import largest_fitting, rotation_suffix
 from hf_cocktail.calibrate.cli import main
 from hf_cocktail.calibrate.sensitivity import cocktail_layer_indices
 from hf_cocktail.calibrate.solve import layer_deltas, solve
@@ -156,6 +157,11 @@ def test_a_rotated_choice_also_builds_unrotated_caps_whose_bytes_hold_no_matrice
     assert run.caps_rotations({"rotation": "hadamard_values", "base_kl": kls}) == ["hadamard_values", None]
     assert run.caps_rotations({"rotation": None, "base_kl": kls}) == [None]
     assert run.caps_rotations({"rotation": "hadamard", "base_kl": {"hadamard": [0.3]}}) == ["hadamard"]
+    # a rotated candidate's name ends in the tag eval's labels read
+    assert [label(f"caps2.9_f16_sal1{rotation_suffix(r)}") for r in ("hadamard_values", None)] == [
+        "per-layer caps at 2.9 bits, 16-bit full part, 1% salient tokens, values rotated",
+        "per-layer caps at 2.9 bits, 16-bit full part, 1% salient tokens",
+    ]
 
 
 def test_the_card_says_which_side_a_partial_rotation_rotates():

@@ -25,6 +25,7 @@ from hf_cocktail.presets.config import CocktailConfig
 
 STORAGE = {"rotation": "hadamard", "scale_bits": 8, "chunk_size": 32}
 VARIANTS = tuple((fp, sal) for fp in (8, 16) for sal in (0.0, 0.01, 0.02))  # (full_part_bits, salient_tokens)
+ROTATION_TAGS = {"hadamard": "had", "hadamard_keys": "hadk", "hadamard_values": "hadv"}  # as eval's method ids
 BUDGETS = tuple(round(2.0 + 0.1 * i, 1) for i in range(21))  # mean code bits per K/V element, 2.0 .. 4.0
 
 
@@ -92,11 +93,16 @@ def largest_fitting(values: Sequence[float], ratio_of: Callable[[float], float],
     return best
 
 
+def rotation_suffix(rotation: str | None) -> str:
+    """A candidate name's ending for its storage rotation: ``""`` for none, ``"_had"`` / ``"_hadk"`` / ``"_hadv"``."""
+    return "" if rotation is None else f"_{ROTATION_TAGS[rotation]}"
+
+
 def caps_candidates(space: CapsSpace, ratio_of: Callable[[CocktailConfig], float], target: float) -> list[Candidate]:
     """Per storage variant, the caps at the largest budget that fits ``target`` (variants where none fits are left
-    out); a rotated space's names end in its rotation (``caps2.9_f16_sal1_hadamard_values``)."""
+    out); a rotated space's names end in its rotation's tag (``caps2.9_f16_sal1_hadv``)."""
     out = []
-    suffix = "" if space.rotation is None else f"_{space.rotation}"
+    suffix = rotation_suffix(space.rotation)
     for fp, sal in VARIANTS:
         found = largest_fitting(space.budgets, lambda b: ratio_of(space.config(b, fp, sal)), target)
         if found is not None:
@@ -139,7 +145,9 @@ def search_candidates(
             if found is not None:
                 t, r = found
                 name = f"search_{scorer}_l{low}_caps{cap_budget:.1f}_t{t:.2f}_f{fp}_sal{round(100 * sal)}"
+                name += rotation_suffix(space.rotation)
                 info = {"full_part_bits": fp, "salient": sal, "scorer": scorer, "low_bits": low, "target_bits": t}
+                info["rotation"] = space.rotation
                 out.append(Candidate(name, cfg(t), "search", cap_budget, r, info))
     return out
 
