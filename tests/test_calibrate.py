@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 
+from eval.methods.labels import label
 from hf_cocktail import CocktailConfig
-from hf_cocktail.calibrate import calibrate_model
-from hf_cocktail.calibrate.candidates import largest_fitting
+from hf_cocktail.calibrate import calibrate_model, run
+from hf_cocktail.calibrate.candidates import largest_fitting, rotation_suffix
 from hf_cocktail.calibrate.cli import main
 from hf_cocktail.calibrate.sensitivity import cocktail_layer_indices
 from hf_cocktail.calibrate.solve import layer_deltas, solve
@@ -88,9 +90,91 @@ def test_the_command_writes_a_preset_whose_widths_are_the_solve_of_its_measured_
     # every candidate was measured on both held-out texts, with the real cache's bytes
     assert all(len(c["kld_per_window"]) == 2 for c in record["candidates"])
     assert {c["name"] for c in record["candidates"]} >= {"uniform INT4", "recommended()"}
+    # the storage rotation: all four compared on both calibration texts, the lowest mean base KL stored
+    choice = record["settings"]["rotation_choice"]
+    assert set(choice["base_kl"]) == {"None", "hadamard", "hadamard_keys", "hadamard_values"}
+    assert all(len(kls) == 2 for kls in choice["base_kl"].values())
+    lowest = min(choice["base_kl"], key=lambda r: sum(choice["base_kl"][r]))
+    assert str(choice["rotation"]) == lowest
+    # caps built with it and, when it is a rotated one, unrotated too; the held-out texts chose among all of them
+    assert choice["caps_rotations"] == ([lowest] if lowest == "None" else [lowest, "None"])
+    caps_rotations = {str(c["rotation"]) for c in record["candidates"] if c["kind"] == "caps"}
+    assert caps_rotations == set(choice["caps_rotations"]) and str(config.rotation) in caps_rotations
     card = (out / "README.md").read_text()
     assert "python -m hf_cocktail.calibrate" in card and record["chosen"] in card
+    assert "Storage rotation: the mean KLD on the calibration texts" in card
     assert "No evaluation results yet" not in card
+
+
+class _ScriptedProbe:
+    """A layer probe whose KL is a hand-made function of the rotation and the widths (3 layers)."""
+
+    BASE_KL = {None: 0.004, "hadamard": 0.003, "hadamard_keys": 0.005, "hadamard_values": 0.001}
+
+    def __init__(self, rotation, seen):
+        self.rotation, self.seen, self.num_layers = rotation, seen, 3
+
+    def kl(self, widths):
+        self.seen.append(self.rotation)
+        return self.BASE_KL[self.rotation] + 0.01 * sum(7 - k - v for k, v in widths)
+
+
+def test_the_sensitivity_is_measured_under_the_lowest_of_the_four_rotations(monkeypatch):
+    """Hand-made base KLs whose minimum is ``hadamard_values`` (hadamard < none, so comparing only those two would
+    pick hadamard): the choice and every sensitivity probe use values-only rotation."""
+    seen = []
+    monkeypatch.setattr(run, "prepare", lambda model, tok, w: SimpleNamespace(window=w))
+    monkeypatch.setattr(run, "_probe", lambda model, prep, cocktail, r: _ScriptedProbe(r, seen))
+    windows = [SimpleNamespace(name="w0"), SimpleNamespace(name="w1")]
+    records, choice = run.sensitivity(None, None, windows, [0, 1, 2], progress=False)
+    assert choice["rotation"] == "hadamard_values"
+    assert choice["base_kl"] == {str(r): [kl, kl] for r, kl in _ScriptedProbe.BASE_KL.items()}
+    assert seen[:8] == [None, "hadamard", "hadamard_keys", "hadamard_values"] * 2  # the base under each, per window
+    assert set(seen[8:]) == {"hadamard_values"} and len(seen[8:]) == 2 * (1 + 3 * 4)
+    assert [r["base_kl"] for r in records] == [0.001, 0.001]
+    assert records[0]["key_deltas"]["2"] == pytest.approx([0.02] * 3)  # one bit fewer per layer, 0.01 each
+    # the comparison of before (hadamard or none) picks hadamard on the same probes
+    _, two = run.sensitivity(None, None, windows, [0, 1, 2], progress=False, rotations=("hadamard", None))
+    assert two["rotation"] == "hadamard" and set(two["base_kl"]) == {"hadamard", "None"}
+
+
+def test_the_rotation_choice_needs_every_kind_and_a_reused_one_is_kept():
+    kls = {None: [0.2], "hadamard": [0.3], "hadamard_keys": [0.25], "hadamard_values": [0.1, 0.4]}
+    assert run.choose_rotation(kls) is None  # means: 0.2, 0.3, 0.25, 0.25
+    with pytest.raises(ValueError, match="hadamard_keys"):
+        run.choose_rotation({None: [0.2], "hadamard": [0.3], "hadamard_values": [0.1]})
+    earlier = {"calibration_windows": ["a"], "cocktail_layers": [0], "sensitivity": [{"window": "a"}]}
+    # a record from the two-way comparison: its sensitivity was measured under its rotation, which is kept
+    old = {"rotation": "hadamard", "base_kl": {"hadamard": [0.1], "None": [0.2]}}
+    assert run.reused_sensitivity({**earlier, "settings": {"rotation_choice": old}}, ["a"], [0])[1] == old
+    bad = {"rotation": "hadamard_queries", "base_kl": {}}
+    with pytest.raises(ValueError, match=r"rotation must be one of .*'hadamard_queries'"):
+        run.reused_sensitivity({**earlier, "settings": {"rotation_choice": bad}}, ["a"], [0])
+
+
+def test_a_rotated_choice_also_builds_unrotated_caps_whose_bytes_hold_no_matrices():
+    kls = {"None": [0.2], "hadamard": [0.3], "hadamard_keys": [0.25], "hadamard_values": [0.1]}
+    assert run.caps_rotations({"rotation": "hadamard_values", "base_kl": kls}) == ["hadamard_values", None]
+    assert run.caps_rotations({"rotation": None, "base_kl": kls}) == [None]
+    assert run.caps_rotations({"rotation": "hadamard", "base_kl": {"hadamard": [0.3]}}) == ["hadamard"]
+    # a rotated candidate's name ends in the tag eval's labels read
+    assert [label(f"caps2.9_f16_sal1{rotation_suffix(r)}") for r in ("hadamard_values", None)] == [
+        "per-layer caps at 2.9 bits, 16-bit full part, 1% salient tokens, values rotated",
+        "per-layer caps at 2.9 bits, 16-bit full part, 1% salient tokens",
+    ]
+
+
+def test_the_card_says_which_side_a_partial_rotation_rotates():
+    from hf_cocktail.presets.model_card import make_model_card
+
+    assert "Values (not keys) are stored rotated (`hadamard_values`" in make_model_card(
+        CocktailConfig(rotation="hadamard_values")
+    )
+    assert "Keys (not values) are stored rotated (`hadamard_keys`" in make_model_card(
+        CocktailConfig(rotation="hadamard_keys")
+    )
+    assert "Keys and values are stored rotated (`hadamard`" in make_model_card(CocktailConfig(rotation="hadamard"))
+    assert "stored rotated" not in make_model_card(CocktailConfig())
 
 
 def test_sliding_layers_are_not_calibrated_and_keep_a_placeholder_cap(tiny_tokenizer):
@@ -118,6 +202,11 @@ def test_bad_inputs_raise_clear_errors(tmp_path, tiny_tokenizer):
             calibrate_model(model, tiny_tokenizer, ["a b"], target, progress=False)
     with pytest.raises(ValueError, match="texts too short"):
         split_windows(tiny_tokenizer, [("a", random_text(50)), ("b", random_text(300))], 1, 1, **SMALL)
+    for rotations in ((), ("hadamard_queries",), "hadamard"):
+        with pytest.raises(ValueError, match="rotations must be a non-empty list of"):
+            calibrate_model(model, tiny_tokenizer, ["a"], rotations=rotations, progress=False)
+    with pytest.raises(SystemExit):
+        main(["--model", "m", "--texts", "a.txt", "--out", str(tmp_path), "--rotations", "none,hadamard_queries"])
     with pytest.raises(ValueError, match="search_scorers"):
         calibrate_model(model, tiny_tokenizer, ["a"], search_scorers=("random",), progress=False)
     bad = tmp_path / "x.csv"

@@ -5,13 +5,15 @@ KL divergence from FP16 on held-out texts whose quantized layers hold at most ``
 ``calibrate_model`` returns every measurement too (:class:`CalibrationResult`); ``write_preset`` writes the folder.
 
 Cost, counted in forward passes (defaults: 4 calibration and 4 held-out texts of 2048 tokens, L Cocktail layers): 8
-prefills of 2048 tokens; 4 x (2 + 1 + 4 L) forwards of 32 tokens over a 2048-token cache for the sensitivity (the
-rotation check, the base, then 2 key and 2 value widths per layer); ~30 cache fills (quantization only, no forward)
-to fit the caps' budgets to the target; 4 x (6 + 2) forwards of 32 tokens to validate the candidates (with
-``--search``: ~7 fills and 4 forwards more per scorer and low width). Measured on the 2-core CPU of the project
-(fp32, 1 thread, shared with other jobs at load 8-11): SmolLM2-135M (L = 30) 1473 s and 1897 s (the sensitivity 913
-s and 1252 s of it); Gemma 3 270M (L = 3) 943 s and 1257 s (dominated by the prefills, the 262K-token vocabulary and
-a first-use kernel build). For an 8B model (L = 32) on one H100-class GPU the same count is ~530 forwards of 32
+prefills of 2048 tokens; 4 x (4 + 1 + 4 L) forwards of 32 tokens over a 2048-token cache for the sensitivity (the
+rotation check: the base widths under each of the four storage rotations; the base, then 2 key and 2 value widths per
+layer); ~30 cache fills (quantization only, no forward) to fit the caps' budgets to the target; 4 x (6 + 2) forwards of
+32 tokens to validate the candidates (when a rotated storage has the lowest base KL, the caps are fitted and validated
+unrotated too: twice the fills, 4 x (12 + 2) forwards; with ``--search``: ~7 fills and 4 forwards more per scorer and
+low width). Measured on the 2-core CPU of the project (fp32, 1 thread, shared with other jobs at load 8-11):
+SmolLM2-135M (L = 30) 1473 s and 1897 s (the sensitivity 913 s and 1252 s of it); Gemma 3 270M (L = 3) 943 s and 1257 s
+(dominated by the prefills, the 262K-token vocabulary and a first-use kernel build), with the four rotations compared
+162-320 s (2026-12-03, load 2-4). For an 8B model (L = 32) on one H100-class GPU the same count is ~560 forwards of 32
 tokens, each bound by reading the 16 GB of weights (~10 ms), and 8 prefills of ~0.1 s: about 10 s of GPU time plus
 loading the model; an estimate from the count, not measured.
 """

@@ -1,9 +1,10 @@
 """The settings calibration chooses from, each fitted to a byte target.
 
-* **caps** (no chunk search): every context chunk at 4 bits, stored rotated or not (the rotation whose KL divergence
-  is lower at the sensitivity's base widths), each Cocktail layer capped at the widths the layer solve picks at a
-  mean code-bit budget (:func:`.solve.solve`), for every storage variant (the 8-bit full part or not, 0 / 1 / 2%
-  salient tokens); the budget is the largest on a 0.1-bit grid whose bytes fit the target.
+* **caps** (no chunk search): every context chunk at 4 bits, stored with the rotation (none, keys and values, keys
+  only or values only) whose KL divergence is the lowest at the sensitivity's base widths, each Cocktail layer
+  capped at the widths the layer solve picks at a mean code-bit budget (:func:`.solve.solve`), for every storage
+  variant (the 8-bit full part or not, 0 / 1 / 2% salient tokens); the budget is the largest on a 0.1-bit grid whose
+  bytes fit the target.
 * **search** (the query-aware chunk search on top of the caps): the caps at a higher budget, chunks planned by
   ``target_bits`` (the ``scorer`` ranks them: the highest keep the caps, the rest ``low_bits``), ``target_bits`` the
   largest whose bytes fit.
@@ -24,6 +25,7 @@ from hf_cocktail.presets.config import CocktailConfig
 
 STORAGE = {"rotation": "hadamard", "scale_bits": 8, "chunk_size": 32}
 VARIANTS = tuple((fp, sal) for fp in (8, 16) for sal in (0.0, 0.01, 0.02))  # (full_part_bits, salient_tokens)
+ROTATION_TAGS = {"hadamard": "had", "hadamard_keys": "hadk", "hadamard_values": "hadv"}  # as eval's method ids
 BUDGETS = tuple(round(2.0 + 0.1 * i, 1) for i in range(21))  # mean code bits per K/V element, 2.0 .. 4.0
 
 
@@ -91,16 +93,23 @@ def largest_fitting(values: Sequence[float], ratio_of: Callable[[float], float],
     return best
 
 
+def rotation_suffix(rotation: str | None) -> str:
+    """A candidate name's ending for its storage rotation: ``""`` for none, ``"_had"`` / ``"_hadk"`` / ``"_hadv"``."""
+    return "" if rotation is None else f"_{ROTATION_TAGS[rotation]}"
+
+
 def caps_candidates(space: CapsSpace, ratio_of: Callable[[CocktailConfig], float], target: float) -> list[Candidate]:
     """Per storage variant, the caps at the largest budget that fits ``target`` (variants where none fits are left
-    out)."""
+    out); a rotated space's names end in its rotation's tag (``caps2.9_f16_sal1_hadv``)."""
     out = []
+    suffix = rotation_suffix(space.rotation)
     for fp, sal in VARIANTS:
         found = largest_fitting(space.budgets, lambda b: ratio_of(space.config(b, fp, sal)), target)
         if found is not None:
             b, r = found
-            name = f"caps{b:.1f}_f{fp}_sal{round(100 * sal)}"
-            out.append(Candidate(name, space.config(b, fp, sal), "caps", b, r, {"full_part_bits": fp, "salient": sal}))
+            name = f"caps{b:.1f}_f{fp}_sal{round(100 * sal)}{suffix}"
+            info = {"full_part_bits": fp, "salient": sal, "rotation": space.rotation}
+            out.append(Candidate(name, space.config(b, fp, sal), "caps", b, r, info))
     return out
 
 
@@ -136,7 +145,9 @@ def search_candidates(
             if found is not None:
                 t, r = found
                 name = f"search_{scorer}_l{low}_caps{cap_budget:.1f}_t{t:.2f}_f{fp}_sal{round(100 * sal)}"
+                name += rotation_suffix(space.rotation)
                 info = {"full_part_bits": fp, "salient": sal, "scorer": scorer, "low_bits": low, "target_bits": t}
+                info["rotation"] = space.rotation
                 out.append(Candidate(name, cfg(t), "search", cap_budget, r, info))
     return out
 

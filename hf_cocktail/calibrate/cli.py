@@ -19,12 +19,21 @@ import sys
 import torch
 
 from hf_cocktail.calibrate.preset import write_preset
-from hf_cocktail.calibrate.run import SCORERS, calibrate_model
+from hf_cocktail.calibrate.run import ROTATIONS, SCORERS, calibrate_model
 from hf_cocktail.calibrate.texts import read_texts
 from hf_cocktail.offline_models import canonical_name, load_offline_model
 
 BASE_MODELS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct", "gemma-3-270m": "google/gemma-3-270m"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def rotation_list(text: str) -> tuple[str | None, ...]:
+    """``--rotations``: comma-separated names, ``none`` for no rotation."""
+    names = [r.strip() for r in text.split(",") if r.strip()]
+    allowed = ["none" if r is None else r for r in ROTATIONS]
+    if not names or any(r not in allowed for r in names):
+        raise argparse.ArgumentTypeError(f"give a comma-separated list of {allowed}, got {text!r}")
+    return tuple(None if r == "none" else r for r in names)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -51,6 +60,13 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         metavar="CALIBRATION_JSON",
         help="reuse the layer sensitivity of an earlier run on the same model and texts (another --target-bytes)",
+    )
+    p.add_argument(
+        "--rotations",
+        type=rotation_list,
+        default="none,hadamard,hadamard_keys,hadamard_values",
+        help="comma-separated storage rotations compared at the base widths (none, hadamard, hadamard_keys, "
+        "hadamard_values; default all four)",
     )
     p.add_argument("--base-model", default=None, help="Hub id of the model, for the card (default: --model)")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
@@ -97,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         encoder=args.encoder,
         progress=not args.no_progress,
         sensitivity_from=_read_json(args.sensitivity_from) if args.sensitivity_from else None,
+        rotations=args.rotations,
     )
     base = args.base_model or BASE_MODELS.get(canonical_name(args.model) or "", args.model)
     command = "python -m hf_cocktail.calibrate " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))

@@ -50,6 +50,25 @@ def _row(c: dict, chosen: str) -> str:
     )
 
 
+def rotation_line(choice: dict | None, chosen: str | None) -> str:
+    """The card's sentences on the storage rotation: each one's mean KL on the calibration texts at the base widths,
+    the caps' storages and the ``chosen`` config's rotation (empty without a record)."""
+    if not choice:
+        return ""
+    name = {"None": "none"}
+    means = ", ".join(f"{name.get(r, f'`{r}`')} {sum(kl) / len(kl):.4f}" for r, kl in choice["base_kl"].items() if kl)
+    line = (
+        f"Storage rotation: the mean KLD on the calibration texts at the base widths (4-bit keys, 3-bit values in "
+        f"every quantized layer): {means}; the layer sensitivity measured with `{choice['rotation'] or 'none'}`. "
+    )
+    if len(choice.get("caps_rotations", [])) > 1:
+        line += (
+            "The caps were built both with it and unrotated (the rotation's matrices count in the bytes); on the "
+            f"held-out texts the chosen setting is {'unrotated' if chosen is None else f'rotated (`{chosen}`)'}. "
+        )
+    return line
+
+
 def measurements_markdown(result: CalibrationResult) -> str:
     """The held-out table: every candidate's bytes and KL divergence from FP16, the chosen one first."""
     s = result.settings
@@ -69,7 +88,9 @@ def measurements_markdown(result: CalibrationResult) -> str:
         "| --- | --- | --- | --- | --- | --- |",
         *[_row(c, result.chosen) for c in order],
         "",
-        f"Calibration texts: {', '.join(result.calibration_windows)}. Held-out texts: "
+        rotation_line(s.get("rotation_choice"), result.config.rotation)
+        + f"Calibration texts: {', '.join(result.calibration_windows)}. "
+        "Held-out texts: "
         f"{', '.join(result.validation_windows)}. A few held-out texts give a rough mean: the evaluation harness "
         "(`eval/`) measures presets on more prompts.",
     ]

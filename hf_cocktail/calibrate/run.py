@@ -1,10 +1,13 @@
 """Calibration of a ``CocktailConfig`` for one model on the user's texts, within a KV byte target.
 
 1. The texts become windows (:mod:`.texts`), split into calibration and validation (held-out) windows.
-2. On the calibration windows, the storage rotation (Hadamard or none) with the lower KL at the base widths (4-bit
-   keys / 3-bit values in every layer), then each Cocktail layer's sensitivity under it: the KL added when that layer
-   alone has 3- or 2-bit keys or 2- or 4-bit values around the base (:mod:`.sensitivity`), averaged.
-3. Candidates (:mod:`.candidates`): the layer solve's caps at the largest budget that fits the target, per storage
+2. On the calibration windows, the storage rotation with the lowest mean KL at the base widths (4-bit keys / 3-bit
+   values in every layer) among the four the store supports (:data:`hf_cocktail.storage.rotation.ROTATIONS`: none,
+   ``"hadamard"`` (keys and values), ``"hadamard_keys"``, ``"hadamard_values"``; four base probes per window), then
+   each Cocktail layer's sensitivity under it: the KL added when that layer alone has 3- or 2-bit keys or 2- or 4-bit
+   values around the base (:mod:`.sensitivity`), averaged.
+3. Candidates (:mod:`.candidates`): the layer solve's caps at the largest budget that fits the target, stored with
+   that rotation and, when it is a rotated one, also unrotated (the rotation's matrices count in the bytes), per storage
    variant (8-bit full part or not, 0 / 1 / 2% salient tokens), and, with ``search_scorers``, the query-aware chunk
    search on top of the best of them; bytes measured with the real cache.
 4. Every candidate and the baselines (uniform INT4, ``recommended()``) are measured on the held-out windows with the
@@ -36,11 +39,12 @@ from hf_cocktail.calibrate.solve import layer_deltas
 from hf_cocktail.calibrate.texts import Window, split_windows
 from hf_cocktail.calibrate.validate import Prepared, bytes_ratio, measure, prepare, summarize
 from hf_cocktail.presets.config import CocktailConfig
+from hf_cocktail.storage.rotation import ROTATIONS as STORE_ROTATIONS
 
 BASE = (4, 3)  # the widths the sensitivity is measured around
 KEY_OPTIONS, VALUE_OPTIONS = (3, 2), (2, 4)
 SCORERS = ("encoder", "bm25", "attention")
-ROTATIONS = ("hadamard", None)  # the storage rotations compared at the base widths
+ROTATIONS = STORE_ROTATIONS  # the storage rotations compared at the base widths: all four the store supports
 
 
 @dataclass
@@ -84,9 +88,11 @@ class TargetUnreachable(ValueError):
     """No candidate's bytes fit the target."""
 
 
-def _check_args(target: float, search_scorers: Sequence[str]) -> None:
+def _check_args(target: float, search_scorers: Sequence[str], rotations: Sequence[str | None]) -> None:
     if not isinstance(target, (int, float)) or not 0 < target <= 1:
         raise ValueError(f"target must be a number in (0, 1] (the quantized layers' bytes over FP16's), got {target!r}")
+    if isinstance(rotations, str) or not rotations or any(r not in ROTATIONS for r in rotations):
+        raise ValueError(f"rotations must be a non-empty list of {ROTATIONS}, got {rotations!r}")
     bad = [s for s in search_scorers if s not in SCORERS]
     if bad:
         raise ValueError(f"search_scorers must be among {SCORERS}, got {list(search_scorers)!r}")
@@ -105,20 +111,23 @@ def _probe(model, prep: Prepared, cocktail: list[int], rotation: str | None) -> 
 
 
 @torch.no_grad()
-def sensitivity(model, tok, windows: list[Window], cocktail: list[int], progress: bool) -> tuple[list, dict]:
+def sensitivity(
+    model, tok, windows: list[Window], cocktail: list[int], progress: bool, rotations: Sequence[str | None] = ROTATIONS
+) -> tuple[list, dict]:
     """Per calibration window, :func:`.sensitivity.probe_deltas` over the Cocktail layers, stored with the rotation
-    (``"hadamard"`` or none) whose mean KL at the base widths is lower; returns the records and those base KLs."""
+    of ``rotations`` whose mean KL at the base widths is the lowest; returns the records and the choice
+    (``{"rotation": ..., "base_kl": {str(rotation): [KL per window]}}``)."""
     n = 1 + len(cocktail) * (len(KEY_OPTIONS) + len(VALUE_OPTIONS))
-    bar = tqdm(total=(n + 2) * len(windows), desc="calibrate: layer sensitivity", disable=not progress)
+    bar = tqdm(total=(n + len(rotations)) * len(windows), desc="calibrate: layer sensitivity", disable=not progress)
     base = [BASE] * len(cocktail)
     preps: list[Prepared] = []
-    base_kl: dict[str | None, list[float]] = {r: [] for r in ROTATIONS}
+    base_kl: dict[str | None, list[float]] = {r: [] for r in rotations}
     for w in windows:
         preps.append(prepare(model, tok, w))
-        for r in ROTATIONS:
+        for r in rotations:
             base_kl[r].append(_probe(model, preps[-1], cocktail, r).kl(base))
             bar.update()
-    rotation = min(ROTATIONS, key=lambda r: statistics.fmean(base_kl[r]))
+    rotation = choose_rotation(base_kl, rotations)
     records = []
     for prep in preps:
         probe = _probe(model, prep, cocktail, rotation)
@@ -129,15 +138,37 @@ def sensitivity(model, tok, windows: list[Window], cocktail: list[int], progress
     return records, {"rotation": rotation, "base_kl": {str(r): v for r, v in base_kl.items()}}
 
 
+def choose_rotation(base_kl: dict[str | None, list[float]], rotations: Sequence[str | None] = ROTATIONS) -> str | None:
+    """The rotation of ``base_kl`` (rotation -> KL per calibration window) with the lowest mean KL; every one of
+    ``rotations`` must be there, with one KL per window."""
+    missing = [r for r in rotations if not base_kl.get(r)]
+    if missing:
+        raise ValueError(f"base_kl: needs the KLs of every rotation in {list(rotations)}, missing {missing}")
+    return min(rotations, key=lambda r: statistics.fmean(base_kl[r]))
+
+
+def caps_rotations(choice: dict) -> list[str | None]:
+    """The storages the caps candidates are built with: the sensitivity's rotation and, when that is a rotated one
+    and no rotation was compared too, no rotation. The three rotated kinds hold the same matrix bytes, so the base KL
+    at equal widths compares them fairly; against no rotation the matrices' bytes count against the target (on
+    Gemma 3 270M, head dim 256, ~0.04x at 2K tokens), so both go to the held-out measurement at the target."""
+    rotation = choice["rotation"]
+    return [rotation, None] if rotation is not None and "None" in choice["base_kl"] else [rotation]
+
+
 def reused_sensitivity(earlier: dict, windows: list[str], cocktail: list[int]) -> tuple[list, dict]:
     """The sensitivity records and rotation choice of an earlier result, checked to be of the same calibration texts
-    and Cocktail layers."""
+    and Cocktail layers. The records were measured under its rotation, so that rotation is kept (a result from before
+    the four-way comparison compared only ``"hadamard"`` and none)."""
     if earlier.get("calibration_windows") != windows or earlier.get("cocktail_layers") != cocktail:
         raise ValueError(
             f"sensitivity_from was measured on texts {earlier.get('calibration_windows')} and layers "
             f"{earlier.get('cocktail_layers')}, not on these ({windows}, {cocktail}): give the same texts and model"
         )
-    return earlier["sensitivity"], earlier["settings"]["rotation_choice"]
+    choice = earlier["settings"]["rotation_choice"]
+    if choice.get("rotation") not in ROTATIONS:
+        raise ValueError(f"sensitivity_from: its rotation must be one of {ROTATIONS}, got {choice.get('rotation')!r}")
+    return earlier["sensitivity"], choice
 
 
 def validate_all(model, tok, preps: list[Prepared], cands: list[Candidate], target: float, progress: bool) -> list:
@@ -180,13 +211,15 @@ def calibrate_model(
     encoder: str | None = None,
     progress: bool = True,
     sensitivity_from: dict | None = None,
+    rotations: Sequence[str | None] = ROTATIONS,
 ) -> CalibrationResult:
     """Calibrate a config for ``model`` on ``texts`` (strings or ``(name, text)`` pairs) whose Cocktail layers'
     KV bytes are at most ``target`` times their FP16 bytes on the held-out texts. See the module docstring.
     ``encoder``: the retrieval encoder of ``search_scorers`` "encoder" and of the returned config.
     ``sensitivity_from``: an earlier result's ``to_dict()`` on the same model and texts, whose sensitivity is reused
-    (another target without measuring it again)."""
-    _check_args(target, search_scorers)
+    (another target without measuring it again). ``rotations``: the storage rotations compared (default all four;
+    a subset, e.g. ``(None, "hadamard")``, reproduces a narrower comparison)."""
+    _check_args(target, search_scorers, rotations)
     t0 = time.perf_counter()
     cal, val = split_windows(
         tokenizer, _texts(texts), calibration_texts, validation_texts, window, question_tokens, continuation_tokens
@@ -198,7 +231,7 @@ def calibrate_model(
         )
     timings = {}
     if sensitivity_from is None:
-        records, rotation_choice = sensitivity(model, tokenizer, cal, cocktail, progress)
+        records, rotation_choice = sensitivity(model, tokenizer, cal, cocktail, progress, rotations)
     else:
         records, rotation_choice = reused_sensitivity(sensitivity_from, [w.name for w in cal], cocktail)
     timings["sensitivity"] = time.perf_counter() - t0
@@ -206,7 +239,8 @@ def calibrate_model(
     preps = [prepare(model, tokenizer, w) for w in tqdm(val, desc="calibrate: held-out prefills", disable=not progress)]
     head_dim = preps[0].prefill.layers[cocktail[0]].keys.shape[-1]
     num_layers = len(preps[0].prefill.layers)
-    space = CapsSpace(deltas, cocktail, num_layers, head_dim, rotation_choice["rotation"])
+    spaces = {r: CapsSpace(deltas, cocktail, num_layers, head_dim, r) for r in caps_rotations(rotation_choice)}
+    rotation_choice = {**rotation_choice, "caps_rotations": [str(r) for r in spaces]}
 
     fit_bar = tqdm(desc="calibrate: bytes of candidate settings", disable=not progress, unit="fill")
 
@@ -215,17 +249,19 @@ def calibrate_model(
         return bytes_ratio(tokenizer, preps[0], cfg)
 
     t1 = time.perf_counter()
-    caps = caps_candidates(space, ratio_of, target)
+    caps = [c for space in spaces.values() for c in caps_candidates(space, ratio_of, target)]
     if not caps:
+        cheapest = min(ratio_of(sp.config(sp.budgets[0], 8, 0.0)) for sp in spaces.values())
         raise TargetUnreachable(
             f"target={target!r}: even every layer at 2-bit keys and values takes "
-            f"{ratio_of(space.config(space.budgets[0], 8, 0.0)):.3f}x the FP16 bytes here; give a larger target"
+            f"{cheapest:.3f}x the FP16 bytes here; give a larger target"
         )
     timings["fit_caps"] = time.perf_counter() - t1
     measured = validate_all(model, tokenizer, preps, [*caps, *baselines(head_dim)], target, progress)
     if search_scorers:
         best_caps = min((c for c in caps), key=lambda c: measured[caps.index(c)]["kld"])
         t2 = time.perf_counter()
+        space = spaces[best_caps.info["rotation"]]
         search = search_candidates(space, best_caps, ratio_of, target, search_scorers, encoder)
         timings["fit_search"] = time.perf_counter() - t2
         measured += validate_all(model, tokenizer, preps, search, target, progress)

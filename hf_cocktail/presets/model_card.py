@@ -130,6 +130,9 @@ def _method(config: Any) -> str:
     )
 
 
+ROTATED = {"hadamard_keys": "Keys (not values) are", "hadamard_values": "Values (not keys) are"}
+
+
 def _storage(config: Any) -> str:
     """How the packed chunks are stored: groups, rotation, the values' code width, the scales' bits."""
     stored = (
@@ -138,7 +141,8 @@ def _storage(config: Any) -> str:
     )
     rotation = getattr(config, "rotation", None)
     if rotation:
-        stored += f" Keys and values are stored rotated (`{rotation}`, an orthonormal per-head transform)."
+        what = ROTATED.get(rotation, "Keys and values are")
+        stored += f" {what} stored rotated (`{rotation}`, an orthonormal per-head transform)."
     value_bits = getattr(config, "value_bits", None)
     if value_bits is not None:
         stored += f" Values get at most {value_bits} bits (`value_bits={value_bits}`; keys keep their chunk's bits)."
