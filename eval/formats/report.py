@@ -1,0 +1,137 @@
+"""The study's results: means over windows per (format, bits, side) with honest bits per element, written as
+``results.json``, ``summary.md`` and one PNG per model (KLD against bits per element, INT4 today as the reference)."""
+
+from __future__ import annotations
+
+import os
+import statistics
+
+from .codecs import bits_per_element
+
+REFERENCE = ("today", 4)  # the reference line: today's INT4
+BUDGET_BITS = 4.0  # 0.25x of FP16's 16 bits per element
+
+
+def aggregate(records: list[dict], settings: dict) -> list[dict]:
+    """One row per (format, bits, side): mean KLD and top-1 over the windows, mean outlier fractions, bits per
+    element (keys and values averaged for side ``"kv"``) and its ratio to FP16."""
+    geo = {k: settings[k] for k in ("chunk_size", "group_size", "head_dim", "scale_bits")}
+    rows: dict[tuple, dict] = {}
+    for rec in records:
+        for s in rec["settings"]:
+            row = rows.setdefault((s["format"], s["bits"], s["side"]), {"kld": [], "top1": [], "k": [], "v": []})
+            row["kld"].append(s["kld"])
+            row["top1"].append(s["top1"])
+            for one, frac in s["outliers"].items():
+                row[one].append(frac)
+    out = []
+    for (fmt, bits, side), r in rows.items():
+        per_side = [bits_per_element(bits, one, statistics.fmean(r[one]), **geo) for one in side]
+        bpe = statistics.fmean(per_side)
+        out.append(
+            {
+                "format": fmt,
+                "bits": bits,
+                "side": side,
+                "bits_per_element": bpe,
+                "ratio_to_fp16": bpe / 16,
+                "outliers": {one: statistics.fmean(r[one]) for one in side},
+                "kld": statistics.fmean(r["kld"]),
+                "kld_per_window": r["kld"],
+                "top1": statistics.fmean(r["top1"]),
+            }
+        )
+    return out
+
+
+def reference(rows: list[dict], side: str) -> dict | None:
+    """INT4 today's row of ``side``."""
+    return next((r for r in rows if (r["format"], r["bits"]) == REFERENCE and r["side"] == side), None)
+
+
+def within_budget(rows: list[dict]) -> list[dict]:
+    """The ``"kv"`` rows at <= 4.0 bits per element (0.25x FP16) whose KLD is <= INT4 today's, best first."""
+    ref = reference(rows, "kv")
+    if ref is None:
+        return []
+    ok = [r for r in rows if r["side"] == "kv" and r["bits_per_element"] <= BUDGET_BITS and r["kld"] <= ref["kld"]]
+    return sorted(ok, key=lambda r: r["kld"])
+
+
+def _table(rows: list[dict], side: str) -> list[str]:
+    ref = reference(rows, side)
+    lines = [
+        "| format | bits | bits/element | x FP16 | mean KLD | / INT4 today | top-1 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted((r for r in rows if r["side"] == side), key=lambda r: (r["bits"], r["bits_per_element"])):
+        rel = f"{r['kld'] / ref['kld']:.2f}" if ref and ref["kld"] > 0 else "-"
+        lines.append(
+            f"| {r['format']} | {r['bits']} | {r['bits_per_element']:.3f} | {r['ratio_to_fp16']:.3f} | "
+            f"{r['kld']:.5f} | {rel} | {r['top1']:.3f} |"
+        )
+    return lines
+
+
+SIDE_TITLES = {"k": "keys quantized (values FP16)", "v": "values quantized (keys FP16)", "kv": "keys and values"}
+
+
+def model_section(model: str, settings: dict, records: list[dict], rows: list[dict], png: str) -> list[str]:
+    checks = [r["fp16_copy_kld"] for r in records]
+    rope_err = max(r["rope_round_trip_max_abs_err"] for r in records)
+    lines = [
+        f"## {model}",
+        "",
+        f"{len(records)} windows ({', '.join(r['window'] for r in records)}), {records[0]['context_tokens']}+ context "
+        f"tokens each; quantized layers {settings['layers']} (H_kv={settings['num_kv_heads']}, D="
+        f"{settings['head_dim']}); C={settings['chunk_size']}, G={settings['group_size']}, "
+        f"scale_bits={settings['scale_bits']}. Checks: the unchanged copy's KLD max {max(checks):.2e}; RoPE undone and "
+        f"redone without quantization: max |error| {rope_err:.2e}.",
+        "",
+    ]
+    best = within_budget(rows)
+    ref = reference(rows, "kv")
+    if ref is not None:
+        lines.append(
+            f"INT4 today (keys and values): {ref['bits_per_element']:.3f} bits/element ({ref['ratio_to_fp16']:.3f}x), "
+            f"KLD {ref['kld']:.5f}. At <= {BUDGET_BITS} bits/element ({BUDGET_BITS / 16}x) with KLD <= that: "
+            + (
+                ", ".join(f"{r['format']} INT{r['bits']} ({r['bits_per_element']:.3f}, {r['kld']:.5f})" for r in best)
+                or "none"
+            )
+            + "."
+        )
+        lines.append("")
+    lines.append(f"![KLD vs bits per element]({os.path.basename(png)})")
+    for side in ("kv", "k", "v"):
+        lines += ["", f"### {SIDE_TITLES[side]}", "", *_table(rows, side)]
+    return lines + [""]
+
+
+def plot(model: str, rows: list[dict], path: str) -> None:
+    """KLD (log) against bits per element, one panel per side, one line per format, INT4 today dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8), sharey=True)
+    for ax, side in zip(axes, ("kv", "k", "v")):
+        mine = [r for r in rows if r["side"] == side]
+        for fmt in dict.fromkeys(r["format"] for r in mine):
+            pts = sorted((r["bits_per_element"], r["kld"]) for r in mine if r["format"] == fmt)
+            ax.plot(*zip(*pts), marker="o", label=fmt)
+        ref = reference(rows, side)
+        if ref is not None:
+            ax.axhline(ref["kld"], color="k", ls="--", lw=1, label="INT4 today")
+        ax.axvline(BUDGET_BITS, color="grey", ls=":", lw=1, label="0.25x FP16")
+        ax.set_yscale("log")
+        ax.set_xlabel("bits per element (codes + params + outliers)")
+        ax.set_title(SIDE_TITLES[side])
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("mean KL(P_fp16 || P) (nats)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{model}: context K/V formats, fake quantization")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,195 @@
+"""eval.formats, the format study: RoPE undone and redone exactly with the cos/sin the model applies to each layer,
+the dense-and-sparse split, the round trips of every format, the bytes per element and one tiny end-to-end window."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from eval.formats.codecs import FORMATS, Format, bits_per_element, round_trip, split_outliers
+from eval.formats.measure import WindowProbe, measure_window, settings
+from eval.formats.report import aggregate, within_budget
+from eval.formats.rope import apply_rope, layer_cos_sin, undo_rope
+from hf_cocktail import CocktailConfig
+from hf_cocktail.calibrate.fake_quant import FakeQuantizer
+from hf_cocktail.calibrate.sensitivity import cocktail_layer_indices
+from hf_cocktail.calibrate.texts import Window
+from hf_cocktail.calibrate.validate import prepare
+from hf_cocktail.integration.compat import cache_kwargs
+from tests.conftest import make_tiny_gemma3, make_tiny_llama, random_text
+
+
+def applied_cos_sin(model, layer: int, input_ids: torch.Tensor):
+    """The ``position_embeddings`` the model passes to layer ``layer``'s attention in a forward of ``input_ids``."""
+    seen = {}
+
+    def grab(module, args, kwargs):
+        seen["cs"] = kwargs["position_embeddings"]
+
+    h = model.model.layers[layer].self_attn.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(input_ids=input_ids)
+    finally:
+        h.remove()
+    return seen["cs"]
+
+
+@pytest.mark.parametrize("make", [make_tiny_gemma3, make_tiny_llama])
+def test_layer_cos_sin_is_what_each_layer_applies(make):
+    model = make()
+    T = 40
+    ids = torch.randint(3, 100, (1, T))
+    for layer in range(model.config.num_hidden_layers):
+        cos, sin = applied_cos_sin(model, layer, ids)
+        mine = layer_cos_sin(model, layer, torch.arange(T))
+        assert torch.equal(mine[0], cos[0].float()) and torch.equal(mine[1], sin[0].float())
+
+
+def test_gemma3_global_and_sliding_layers_have_their_own_rope_theta():
+    model = make_tiny_gemma3()
+    pos = torch.arange(50)
+    types = model.config.layer_types
+    for layer in (types.index("full_attention"), types.index("sliding_attention")):
+        theta = model.config.rope_parameters[types[layer]]["rope_theta"]
+        D = model.config.head_dim
+        inv = 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+        ang = pos[:, None].double() * inv
+        cos, _ = layer_cos_sin(model, layer, pos)
+        torch.testing.assert_close(cos.double(), torch.cat([ang, ang], -1).cos(), atol=1e-5, rtol=0)
+    g, s = (layer_cos_sin(model, types.index(t), pos)[0] for t in ("full_attention", "sliding_attention"))
+    assert not torch.allclose(g, s)
+
+
+def test_undo_rope_then_apply_is_exact_on_a_models_stored_keys():
+    model = make_tiny_gemma3()
+    T = 64
+    ids = torch.randint(3, 100, (1, T))
+    dyn = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, **cache_kwargs(model, dyn), use_cache=True)
+    for layer in cocktail_layer_indices(model.config):
+        k = dyn.layers[layer].keys[0]  # (H_kv, T, D)
+        cos, sin = layer_cos_sin(model, layer, torch.arange(T))
+        pre = undo_rope(k, cos, sin)
+        assert (apply_rope(pre, cos, sin) - k).abs().max() <= 4 * torch.finfo(torch.float32).eps * k.abs().max()
+        # the pre-RoPE keys are what RoPE was applied to: rotating them by transformers' formula gives k back
+        assert not torch.allclose(pre, k)
+
+
+def test_apply_rope_matches_transformers():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    model = make_tiny_llama()
+    k = torch.randn(1, 2, 30, model.config.head_dim)
+    cos, sin = layer_cos_sin(model, 0, torch.arange(30))
+    _, ref = apply_rotary_pos_emb(k, k, cos[None], sin[None])
+    torch.testing.assert_close(apply_rope(k[0], cos, sin), ref[0], atol=0, rtol=0)
+
+
+def test_split_outliers_keeps_the_planted_spikes_and_leaves_the_rest():
+    torch.manual_seed(0)
+    H, N, D, C, G = 2, 70, 64, 32, 32
+    x = torch.randn(H, N, D)
+    spikes = [(0, 3, 5), (1, 40, 17), (0, 69, 63)]
+    for h, t, d in spikes:
+        x[h, t, d] = 50.0
+    for side in ("k", "v"):
+        dense, mask = split_outliers(x, 0.01, side, C, G)
+        for s in range(0, N, C):  # round(0.01 * c * D) per chunk and head: 20, 20, round(3.84) = 4
+            c = min(C, N - s)
+            assert mask[:, s : s + c].sum(dim=(1, 2)).tolist() == [round(0.01 * c * D)] * H
+        assert all(mask[h, t, d] for h, t, d in spikes)
+        assert torch.equal(dense[~mask], x[~mask])
+        assert dense.abs().max() < 50.0
+    dense, mask = split_outliers(x, 0.0, "k", C, G)
+    assert not mask.any() and torch.equal(dense, x)
+    with pytest.raises(ValueError, match="fraction"):
+        split_outliers(x, 1.5, "k", C, G)
+    with pytest.raises(ValueError, match="side"):
+        split_outliers(x, 0.01, "q", C, G)
+
+
+def quantizer(D=64):
+    return FakeQuantizer(CocktailConfig(scale_bits=8), 2, D, torch.float32)
+
+
+def test_round_trips():
+    torch.manual_seed(1)
+    fq = quantizer()
+    N, D = 96, 64
+    x = torch.randn(2, N, D)
+    x[0, 10, 3] = 40.0
+    # today: the package's own quantizers, unchanged
+    assert torch.equal(round_trip(fq, x, 4, "k", FORMATS["today"])[0], fq.keys(x, 4))
+    assert torch.equal(round_trip(fq, x, 2, "v", FORMATS["today"])[0], fq.values(x, 2))
+    # outliers come back as their fp16 values; the budget is as asked
+    for side in ("k", "v"):
+        y, frac = round_trip(fq, x, 2, side, FORMATS["sparse1"])
+        _, mask = split_outliers(x, 0.01, side, 32, 32)
+        assert torch.equal(y[mask], x[mask].half().float())
+        assert frac == pytest.approx(float(mask.float().mean()))
+    # spikes widen the min-max range: dense-and-sparse has less error
+    err = {f: (round_trip(fq, x, 3, "k", FORMATS[f])[0] - x).abs().mean() for f in ("today", "sparse1")}
+    assert err["sparse1"] < err["today"]
+    with pytest.raises(ValueError, match="cos and sin"):
+        round_trip(fq, x, 4, "k", FORMATS["pre_rope"])
+
+
+def test_pre_rope_quantizes_keys_whose_channels_rope_spreads():
+    """Keys constant per channel before RoPE: RoPE spreads each channel over a chunk; pre-RoPE there is no spread."""
+    N, D = 64, 64
+    pre = torch.randn(1, 1, D).expand(1, N, D).contiguous() * 3
+    inv = 1.0 / 10000 ** (torch.arange(0, D, 2) / D)
+    ang = torch.arange(N)[:, None] * inv
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    k = apply_rope(pre, cos, sin)
+    fq = FakeQuantizer(CocktailConfig(scale_bits=16, scale_dtype="float32"), 1, D, torch.float32)
+    post_err = (round_trip(fq, k, 2, "k", FORMATS["today"])[0] - k).abs().max()
+    pre_err = (round_trip(fq, k, 2, "k", FORMATS["pre_rope"], cos, sin)[0] - k).abs().max()
+    assert pre_err < 1e-5 < post_err
+    # values are untouched by pre_rope
+    v = torch.randn(1, N, D)
+    assert torch.equal(round_trip(fq, v, 2, "v", FORMATS["pre_rope"], cos, sin)[0], fq.values(v, 2))
+
+
+def test_bits_per_element_hand_computed():
+    # keys, INT3, 8-bit params on C=32 tokens of D=256 channels, 1% outliers:
+    # 3 + (8 + 8) / 32 + 3 * 16 / (32 * 256) + 0.01 * (16 + 16) = 3 + 0.5 + 0.005859375 + 0.32
+    assert bits_per_element(3, "k", 0.01, 32, 32, 256, 8) == pytest.approx(3.825859375)
+    # values, INT4, 16-bit scale and zero per group of G=32 channels: 4 + 32 / 32
+    assert bits_per_element(4, "v", 0.0, 32, 32, 256, 16) == 5.0
+    # values, INT2, 8-bit params per group of 32 with blocks per chunk of C=64 tokens, D=128: 2 + 0.5 + 48 / 8192
+    assert bits_per_element(2, "v", 0.0, 64, 32, 128, 8) == pytest.approx(2.505859375)
+    with pytest.raises(ValueError, match="scale_bits"):
+        bits_per_element(2, "v", 0.0, 32, 32, 64, 4)
+
+
+def test_settings_grid():
+    fmts = [FORMATS["today"], FORMATS["pre_rope"]]
+    grid = settings(fmts, [2, 4])
+    assert ("pre_rope", "v") not in {(f.name, s) for f, _, s in grid}
+    assert len(grid) == 2 * 2 + 1 * 2 + 2 * 2
+
+
+def test_one_tiny_window_end_to_end(tiny_tokenizer):
+    model = make_tiny_gemma3()
+    w = Window("tiny", "<s> " + random_text(150, seed=3), " w1 w2 w3 what is the code ?", tuple(range(10, 26)))
+    prep = prepare(model, tiny_tokenizer, w)
+    layers = cocktail_layer_indices(model.config)
+    probe = WindowProbe(model, prep, layers, quantizer())
+    grid = settings([FORMATS["today"], Format("pre_rope+sparse1", True, 0.01)], [2, 4])
+    rec = measure_window(probe, grid)
+    assert rec["fp16_copy_kld"] < 1e-9
+    assert rec["rope_round_trip_max_abs_err"] < 1e-4
+    by = {(s["format"], s["bits"], s["side"]): s for s in rec["settings"]}
+    assert all(s["kld"] > 0 for s in by.values())
+    assert by[("today", 4, "kv")]["kld"] < by[("today", 2, "kv")]["kld"]
+    assert by[("pre_rope+sparse1", 2, "kv")]["outliers"]["k"] > 0
+    meta = {"chunk_size": 32, "group_size": 32, "head_dim": 64, "scale_bits": 8}
+    rows = aggregate([rec, rec], meta)
+    today4 = next(r for r in rows if (r["format"], r["bits"], r["side"]) == ("today", 4, "kv"))
+    assert today4["bits_per_element"] == pytest.approx(4 + 0.5 + 48 / (32 * 64))
+    assert today4["kld"] == pytest.approx(by[("today", 4, "kv")]["kld"])
+    assert all(r["bits_per_element"] <= 4.0 for r in within_budget(rows))
