@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from eval.formats.codecs import FORMATS, Format, bits_per_element, round_trip, split_outliers
 from eval.formats.measure import WindowProbe, measure_window, settings
 from eval.formats.report import aggregate, within_budget
 from eval.formats.rope import apply_rope, layer_cos_sin, undo_rope
+from eval.formats.variants import FORMATS, Format, bits_per_element, round_trip, split_outliers
 from hf_cocktail import CocktailConfig
 from hf_cocktail.calibrate.fake_quant import FakeQuantizer
 from hf_cocktail.calibrate.sensitivity import cocktail_layer_indices

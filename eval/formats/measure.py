@@ -4,7 +4,7 @@ The window (:func:`hf_cocktail.calibrate.texts.make_window`: context, question, 
 once at full precision (:func:`hf_cocktail.calibrate.validate.prepare`). A setting's cache is a copy of that prefill
 whose context keys/values (``[start, end)`` of the context tokens, as ``CocktailCache`` splits the prompt) of the
 layers a ``CocktailCache`` quantizes (:func:`hf_cocktail.calibrate.sensitivity.cocktail_layer_indices`: every layer
-of a full-attention model, the global layers of Gemma 3) are replaced by their round trip (:mod:`.codecs`); the
+of a full-attention model, the global layers of Gemma 3) are replaced by their round trip (:mod:`.variants`); the
 other layers, the question and the continuation stay at full precision. Side ``"k"`` changes the keys only, ``"v"``
 the values only, ``"kv"`` both.
 
@@ -23,8 +23,8 @@ from hf_cocktail.calibrate.divergence import kl_and_top1, teacher_force
 from hf_cocktail.calibrate.fake_quant import FakeQuantizer
 from hf_cocktail.calibrate.validate import Prepared
 
-from .codecs import Format, round_trip
 from .rope import apply_rope, layer_cos_sin, undo_rope
+from .variants import Format, round_trip
 
 SETTING_SIDES = ("k", "v", "kv")
 
@@ -32,7 +32,7 @@ SETTING_SIDES = ("k", "v", "kv")
 def settings(formats: list[Format], bits: list[int]) -> list[tuple[Format, int, str]]:
     """Every ``(format, bits, side)`` measured: keys-only formats (pre-RoPE without outliers changes nothing on the
     values) are not measured on the values alone."""
-    out = []
+    out: list[tuple[Format, int, str]] = []
     for side in SETTING_SIDES:
         for fmt in formats:
             if side == "v" and fmt.pre_rope:

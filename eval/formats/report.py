@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 import statistics
 
-from .codecs import bits_per_element
+from ..reporting import pyplot
+from .variants import bits_per_element
 
 REFERENCE = ("today", 4)  # the reference line: today's INT4
 BUDGET_BITS = 4.0  # 0.25x of FP16's 16 bits per element
@@ -110,11 +111,7 @@ def model_section(model: str, settings: dict, records: list[dict], rows: list[di
 
 def plot(model: str, rows: list[dict], path: str) -> None:
     """KLD (log) against bits per element, one panel per side, one line per format, INT4 today dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8), sharey=True)
     for ax, side in zip(axes, ("kv", "k", "v")):
         mine = [r for r in rows if r["side"] == side]

@@ -117,15 +117,17 @@ def round_trip(
     """``(x's round trip in fmt at bits (fp32, x's shape), the fraction of entries kept as outliers)``; ``x (H_kv, N,
     D)`` are stored keys (``side="k"``, post-RoPE: ``cos``/``sin (N, D)`` needed when ``fmt.pre_rope``) or values."""
     check_side(side)
-    pre_rope = fmt.pre_rope and side == "k"
-    if pre_rope and (cos is None or sin is None):
-        raise ValueError(f"format {fmt.name!r} quantizes keys before RoPE: pass the layer's cos and sin")
-    y = undo_rope(x, cos, sin) if pre_rope else x.float()
+    rope = None
+    if fmt.pre_rope and side == "k":
+        if cos is None or sin is None:
+            raise ValueError(f"format {fmt.name!r} quantizes keys before RoPE: pass the layer's cos and sin")
+        rope = (cos, sin)
+    y = undo_rope(x, *rope) if rope else x.float()
     cfg = fq.config
     dense, mask = split_outliers(y, fmt.outliers, side, cfg.chunk_size, cfg.group_size)
     q = fq.keys(dense, bits) if side == "k" else fq.values(dense, bits)
     q = torch.where(mask, as_fp16(y), q)
-    return (apply_rope(q, cos, sin) if pre_rope else q), float(mask.float().mean())
+    return (apply_rope(q, *rope) if rope else q), float(mask.float().mean())
 
 
 def param_bits(side: str, chunk_size: int, group_size: int, head_dim: int, scale_bits: int) -> float:
