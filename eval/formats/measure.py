@@ -57,13 +57,15 @@ class WindowProbe:
         src = self.prep.prefill.layers[layer]
         return (src.keys if side == "k" else src.values)[0, :, s:e]
 
-    def rope_round_trip_error(self) -> float:
-        """Max |apply_rope(undo_rope(k)) - k| over the quantized layers' context keys (no quantization)."""
-        errs = []
+    def rope_round_trip_error(self) -> tuple[float, float]:
+        """Max |apply_rope(undo_rope(k)) - k| over the quantized layers' context keys (no quantization), and the max
+        |k| beside it."""
+        errs, mags = [], []
         for i in self.layers:
             k = self.stored(i, "k")
             errs.append(float((apply_rope(undo_rope(k, *self.rope[i]), *self.rope[i]) - k).abs().max()))
-        return max(errs)
+            mags.append(float(k.abs().max()))
+        return max(errs), max(mags)
 
     def context(self, layer: int, side: str, fmt: Format, bits: int) -> tuple[torch.Tensor, float]:
         """The round trip of ``layer``'s context ``side`` in ``fmt`` at ``bits`` (model dtype) and its outlier
@@ -111,9 +113,11 @@ def measure_window(
         "window": probe.prep.window.name,
         "context_tokens": probe.prep.span[1] - probe.prep.span[0],
         "fp16_copy_kld": probe.kl(None)["kld"],
-        "rope_round_trip_max_abs_err": probe.rope_round_trip_error(),
+        "rope_round_trip_max_abs_err": None,
+        "keys_max_abs": None,
         "settings": [],
     }
+    record["rope_round_trip_max_abs_err"], record["keys_max_abs"] = probe.rope_round_trip_error()
     for fmt, bits, side in grid:
         record["settings"].append({"format": fmt.name, "bits": bits, "side": side, **probe.kl(fmt, bits, side)})
         tick()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 
@@ -11,6 +12,8 @@ from .variants import bits_per_element
 
 REFERENCE = ("today", 4)  # the reference line: today's INT4
 BUDGET_BITS = 4.0  # 0.25x of FP16's 16 bits per element
+SIDE_TITLES = {"k": "keys quantized (values FP16)", "v": "values quantized (keys FP16)", "kv": "keys and values"}
+SIDE_ORDER = ("kv", "k", "v")
 
 
 def aggregate(records: list[dict], settings: dict) -> list[dict]:
@@ -59,6 +62,38 @@ def within_budget(rows: list[dict]) -> list[dict]:
     return sorted(ok, key=lambda r: r["kld"])
 
 
+def bits_to_match(rows: list[dict], fmt: str, side: str, target: float) -> float | None:
+    """The bits per element at which ``fmt`` reaches KLD ``target`` on ``side``: log(KLD) interpolated linearly in
+    bits per element between the measured widths; ``None`` when no measured width reaches it, the fewest measured
+    bits when every width does (an upper bound)."""
+    pts = sorted((r["bits_per_element"], r["kld"]) for r in rows if r["format"] == fmt and r["side"] == side)
+    if not pts or pts[-1][1] > target:
+        return None
+    if pts[0][1] <= target:
+        return pts[0][0]
+    for (b0, k0), (b1, k1) in zip(pts, pts[1:]):
+        if k0 > target >= k1:
+            if k1 <= 0:
+                return b1
+            t = (math.log(k0) - math.log(target)) / (math.log(k0) - math.log(k1))
+            return b0 + t * (b1 - b0)
+    return None
+
+
+def match_lines(rows: list[dict]) -> list[str]:
+    """Per side, every format's bits per element at INT4 today's KLD (:func:`bits_to_match`)."""
+    lines = ["| format | " + " | ".join(SIDE_TITLES[s] for s in SIDE_ORDER) + " |", "|---" * 4 + "|"]
+    for fmt in dict.fromkeys(r["format"] for r in rows):
+        cells = []
+        for side in SIDE_ORDER:
+            ref = reference(rows, side)
+            b = bits_to_match(rows, fmt, side, ref["kld"]) if ref else None
+            measured = any(r["format"] == fmt and r["side"] == side for r in rows)
+            cells.append("-" if not measured else "not reached" if b is None else f"{b:.2f}")
+        lines.append(f"| {fmt} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def _table(rows: list[dict], side: str) -> list[str]:
     ref = reference(rows, side)
     lines = [
@@ -74,12 +109,11 @@ def _table(rows: list[dict], side: str) -> list[str]:
     return lines
 
 
-SIDE_TITLES = {"k": "keys quantized (values FP16)", "v": "values quantized (keys FP16)", "kv": "keys and values"}
-
-
 def model_section(model: str, settings: dict, records: list[dict], rows: list[dict], png: str) -> list[str]:
     checks = [r["fp16_copy_kld"] for r in records]
     rope_err = max(r["rope_round_trip_max_abs_err"] for r in records)
+    mags = [r["keys_max_abs"] for r in records if r.get("keys_max_abs") is not None]
+    rope_rel = f" (keys up to {max(mags):.3g} in magnitude)" if mags else ""
     lines = [
         f"## {model}",
         "",
@@ -87,7 +121,7 @@ def model_section(model: str, settings: dict, records: list[dict], rows: list[di
         f"tokens each; quantized layers {settings['layers']} (H_kv={settings['num_kv_heads']}, D="
         f"{settings['head_dim']}); C={settings['chunk_size']}, G={settings['group_size']}, "
         f"scale_bits={settings['scale_bits']}. Checks: the unchanged copy's KLD max {max(checks):.2e}; RoPE undone and "
-        f"redone without quantization: max |error| {rope_err:.2e}.",
+        f"redone without quantization: max |error| {rope_err:.2e}{rope_rel}.",
         "",
     ]
     best = within_budget(rows)
@@ -104,7 +138,14 @@ def model_section(model: str, settings: dict, records: list[dict], rows: list[di
         )
         lines.append("")
     lines.append(f"![KLD vs bits per element]({os.path.basename(png)})")
-    for side in ("kv", "k", "v"):
+    lines += [
+        "",
+        "Bits per element at which each format reaches INT4 today's KLD (same side; log-KLD interpolated "
+        "between the measured widths):",
+        "",
+        *match_lines(rows),
+    ]
+    for side in SIDE_ORDER:
         lines += ["", f"### {SIDE_TITLES[side]}", "", *_table(rows, side)]
     return lines + [""]
 
@@ -113,7 +154,7 @@ def plot(model: str, rows: list[dict], path: str) -> None:
     """KLD (log) against bits per element, one panel per side, one line per format, INT4 today dashed."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8), sharey=True)
-    for ax, side in zip(axes, ("kv", "k", "v")):
+    for ax, side in zip(axes, SIDE_ORDER):
         mine = [r for r in rows if r["side"] == side]
         for fmt in dict.fromkeys(r["format"] for r in mine):
             pts = sorted((r["bits_per_element"], r["kld"]) for r in mine if r["format"] == fmt)
