@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from eval.formats.measure import WindowProbe, measure_window, settings
+from eval.formats.measure import Setting, WindowProbe, measure_window, settings
 from eval.formats.report import aggregate, bits_to_match, within_budget
 from eval.formats.rope import apply_rope, layer_cos_sin, undo_rope
 from eval.formats.variants import FORMATS, Format, bits_per_element, round_trip, split_outliers
@@ -168,9 +168,11 @@ def test_bits_per_element_hand_computed():
 
 def test_settings_grid():
     fmts = [FORMATS["today"], FORMATS["pre_rope"]]
-    grid = settings(fmts, [2, 4])
-    assert ("pre_rope", "v") not in {(f.name, s) for f, _, s in grid}
-    assert len(grid) == 2 * 2 + 1 * 2 + 2 * 2
+    grid = settings(fmts, [2, 4], pairs=[(4, 3)])
+    assert ("pre_rope", "v") not in {(st.fmt.name, st.side) for st in grid}
+    assert len(grid) == 2 * 2 + 1 * 2 + 2 * 2 + 2
+    assert grid[-1].key == ("pre_rope", 4, 3, "kv")
+    assert Setting(FORMATS["today"], 2, "k").key == ("today", 2, 2, "k")
 
 
 def test_one_tiny_window_end_to_end(tiny_tokenizer):
@@ -179,28 +181,33 @@ def test_one_tiny_window_end_to_end(tiny_tokenizer):
     prep = prepare(model, tiny_tokenizer, w)
     layers = cocktail_layer_indices(model.config)
     probe = WindowProbe(model, prep, layers, quantizer())
-    grid = settings([FORMATS["today"], Format("pre_rope+sparse1", True, 0.01)], [2, 4])
+    grid = settings([FORMATS["today"], Format("pre_rope+sparse1", True, 0.01)], [2, 4], pairs=[(4, 2)])
     rec = measure_window(probe, grid)
     assert rec["fp16_copy_kld"] < 1e-9
     assert rec["rope_round_trip_max_abs_err"] <= 1e-6 * rec["keys_max_abs"]
-    by = {(s["format"], s["bits"], s["side"]): s for s in rec["settings"]}
+    by = {(s["format"], s["bits"], s["value_bits"], s["side"]): s for s in rec["settings"]}
     assert all(s["kld"] > 0 for s in by.values())
-    assert by[("today", 4, "kv")]["kld"] < by[("today", 2, "kv")]["kld"]
-    assert by[("pre_rope+sparse1", 2, "kv")]["outliers"]["k"] > 0
+    assert by[("today", 4, 4, "kv")]["kld"] < by[("today", 4, 2, "kv")]["kld"] < by[("today", 2, 2, "kv")]["kld"]
+    assert by[("pre_rope+sparse1", 2, 2, "kv")]["outliers"]["k"] > 0
     meta = {"chunk_size": 32, "group_size": 32, "head_dim": 64, "scale_bits": 8}
-    rows = aggregate([rec, rec], meta)
-    today4 = next(r for r in rows if (r["format"], r["bits"], r["side"]) == ("today", 4, "kv"))
-    assert today4["bits_per_element"] == pytest.approx(4 + 0.5 + 48 / (32 * 64))
-    assert today4["kld"] == pytest.approx(by[("today", 4, "kv")]["kld"])
+    other = {**rec, "window": "other"}
+    rows = aggregate([rec, other], meta)
+    row = {(r["format"], r["bits"], r["value_bits"], r["side"]): r for r in rows}
+    assert row[("today", 4, 4, "kv")]["bits_per_element"] == pytest.approx(4 + 0.5 + 48 / (32 * 64))
+    assert row[("today", 4, 2, "kv")]["bits_per_element"] == pytest.approx(3 + 0.5 + 48 / (32 * 64))
+    assert row[("today", 4, 4, "kv")]["kld"] == pytest.approx(by[("today", 4, 4, "kv")]["kld"])
+    assert list(row[("today", 4, 4, "kv")]["kld_per_window"]) == ["tiny", "other"]
     assert all(r["bits_per_element"] <= 4.0 for r in within_budget(rows))
 
 
 def test_bits_to_match_interpolates_log_kld():
     rows = [
-        {"format": "f", "side": "kv", "bits_per_element": b, "kld": k}
-        for b, k in ((2.5, 1e-2), (3.5, 1e-3), (4.5, 1e-4))
+        {"format": "f", "side": "kv", "bits": w, "value_bits": w, "bits_per_element": b, "kld": k}
+        for w, b, k in ((2, 2.5, 1e-2), (3, 3.5, 1e-3), (4, 4.5, 1e-4))
     ]
-    assert bits_to_match(rows, "f", "kv", 1e-3) == pytest.approx(3.5)
+    rows.append({"format": "f", "side": "kv", "bits": 4, "value_bits": 2, "bits_per_element": 3.5, "kld": 1e-9})
+    assert bits_to_match(rows, "f", "kv", 1e-3) == pytest.approx(3.5)  # the 4/2 row is not on the uniform curve
+    assert bits_to_match(rows, "f", "kv", 1e-6) is None
     assert bits_to_match(rows, "f", "kv", 10**-3.5) == pytest.approx(4.0)
     assert bits_to_match(rows, "f", "kv", 1e-5) is None
     assert bits_to_match(rows, "f", "kv", 1.0) == 2.5  # every width reaches it: the fewest bits measured

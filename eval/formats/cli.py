@@ -35,12 +35,12 @@ from ..models import load_model_and_tokenizer, set_threads
 from ..paths import ESSAY_DIR, REPO_ROOT
 from ..records import append_jsonl, check_settings, iter_jsonl, write_json
 from ..run_info import command_line, git_commit, hardware_info
-from .measure import WindowProbe, measure_window, settings
+from .measure import WindowProbe, measure_window, record_key, settings
 from .report import aggregate, model_section, plot
 from .variants import FORMATS
 
 MODULE = "eval.formats"
-SETTINGS_KEYS = ("model", "texts", "window", "question_tokens", "continuation_tokens", "config", "bits", "formats")
+SETTINGS_KEYS = ("model", "texts", "window", "question_tokens", "continuation_tokens", "config")  # settings may grow
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--continuation-tokens", type=int, default=32)
     p.add_argument("--bits", default="2,3,4", help="code widths, comma-separated")
     p.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of {list(FORMATS)}")
+    p.add_argument(
+        "--pairs", default="", help="also keys and values at other widths, 'K:V' comma-separated (e.g. 4:3,4:2)"
+    )
     p.add_argument("--config", default='{"scale_bits": 8}', help="CocktailConfig fields (JSON) of today's storage")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--report-only", action="store_true", help="rewrite the summary from the records, measure nothing")
@@ -80,11 +83,22 @@ def held_out_texts() -> list[str]:
     return [os.path.join(ESSAY_DIR, f) for f in sorted(os.listdir(ESSAY_DIR)) if f.endswith(".txt") and f not in used]
 
 
+def _pair(text: str) -> tuple[int, int]:
+    try:
+        kb, vb = (int(x) for x in text.split(":"))
+    except ValueError as e:
+        raise UsageError(f"--pairs: each pair is 'K:V' (key bits:value bits), got {text!r}") from e
+    if kb not in (2, 3, 4) or vb not in (2, 3, 4):
+        raise UsageError(f"--pairs: widths must be of 2, 3, 4, got {text!r}")
+    return kb, vb
+
+
 def _args(argv) -> argparse.Namespace:
     args = _parser().parse_args(argv)
     args.bits = parse_int_list(args.bits, "--bits")
     if bad := [b for b in args.bits if b not in (2, 3, 4)]:
         raise UsageError(f"--bits must be of 2, 3, 4, got {bad}")
+    args.pairs = [_pair(p) for p in args.pairs.split(",") if p.strip()]
     args.formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     if bad := [f for f in args.formats if f not in FORMATS]:
         raise UsageError(f"--formats must be of {list(FORMATS)}, got {bad}")
@@ -126,8 +140,6 @@ def run_model(args, model_dir: str) -> None:
         "question_tokens": args.question_tokens,
         "continuation_tokens": args.continuation_tokens,
         "config": args.config_dict,
-        "bits": args.bits,
-        "formats": args.formats,
         "layers": layers,
         "num_kv_heads": H,
         "head_dim": D,
@@ -138,13 +150,15 @@ def run_model(args, model_dir: str) -> None:
     check_settings(model_dir, meta, SETTINGS_KEYS)
     write_json(os.path.join(model_dir, "settings.json"), meta)
     path = os.path.join(model_dir, "records.jsonl")
-    done = {r["window"] for r in iter_jsonl(path)} if os.path.isfile(path) else set()
-    grid = settings([FORMATS[f] for f in args.formats], args.bits)
-    todo = [w for w in windows if w.name not in done]
-    with tqdm(total=len(todo) * len(grid), desc=f"{args.model_name} settings") as bar:
-        for w in todo:
+    old = list(iter_jsonl(path)) if os.path.isfile(path) else []
+    done = {record_key(r["window"], s) for r in old for s in r["settings"]}
+    grid = settings([FORMATS[f] for f in args.formats], args.bits, args.pairs)
+    todo = [(w, [st for st in grid if (w.name, *st.key) not in done]) for w in windows]
+    todo = [(w, sts) for w, sts in todo if sts]
+    with tqdm(total=sum(len(sts) for _, sts in todo), desc=f"{args.model_name} settings") as bar:
+        for w, sts in todo:
             probe = WindowProbe(model, prepare(model, tok, w), layers, fq)
-            append_jsonl(path, measure_window(probe, grid, bar.update))
+            append_jsonl(path, measure_window(probe, sts, bar.update))
 
 
 def write_report(out_dir: str, run: dict) -> None:

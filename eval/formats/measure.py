@@ -14,7 +14,8 @@ Shapes: cache keys/values ``(1, H_kv, T, D)``; logits ``(n, V)``.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -29,16 +30,43 @@ from .variants import Format, round_trip
 SETTING_SIDES = ("k", "v", "kv")
 
 
-def settings(formats: list[Format], bits: list[int]) -> list[tuple[Format, int, str]]:
-    """Every ``(format, bits, side)`` measured: keys-only formats (pre-RoPE without outliers changes nothing on the
-    values) are not measured on the values alone."""
-    out: list[tuple[Format, int, str]] = []
+@dataclass(frozen=True)
+class Setting:
+    """One measurement: ``fmt`` on ``side`` (``"k"``, ``"v"`` or ``"kv"``) at ``bits``; with ``side="kv"``,
+    ``value_bits`` (default ``bits``) gives the values another width than the keys."""
+
+    fmt: Format
+    bits: int
+    side: str
+    value_bits: int | None = None
+
+    def width(self, one: str) -> int:
+        """The code width of ``one`` (``"k"`` or ``"v"``)."""
+        return self.value_bits if one == "v" and self.value_bits is not None else self.bits
+
+    @property
+    def key(self) -> tuple[str, int, int, str]:
+        """``(format, key bits, value bits, side)``, how records name it."""
+        return (self.fmt.name, self.width("k"), self.width("v"), self.side)
+
+
+def settings(formats: list[Format], bits: list[int], pairs: Sequence[tuple[int, int]] = ()) -> list[Setting]:
+    """Every setting measured: each format at each width on each side (keys-only formats, pre-RoPE without
+    outliers, are not measured on the values alone, where they change nothing) and, on both sides, each
+    ``(key_bits, value_bits)`` pair of ``pairs``."""
+    out: list[Setting] = []
     for side in SETTING_SIDES:
         for fmt in formats:
             if side == "v" and fmt.pre_rope:
                 continue
-            out.extend((fmt, b, side) for b in bits)
+            out.extend(Setting(fmt, b, side) for b in bits)
+    out.extend(Setting(fmt, kb, "kv", vb) for fmt in formats for kb, vb in pairs)
     return out
+
+
+def record_key(window: str, s: dict) -> tuple:
+    """A record's setting ``s`` as :attr:`Setting.key`, with its window (older records lack ``value_bits``)."""
+    return (window, s["format"], s["bits"], s.get("value_bits", s["bits"]), s["side"])
 
 
 class WindowProbe:
@@ -77,36 +105,34 @@ class WindowProbe:
             self._memo[key] = (y.to(x.dtype), frac)
         return self._memo[key]
 
-    def cache(self, fmt: Format | None, bits: int, side: str) -> tuple[DynamicCache, dict[str, float]]:
-        """A copy of the prefill with the quantized layers' context ``side`` in ``fmt`` (``None``: unchanged), and
-        the mean outlier fraction of the keys and of the values."""
+    def cache(self, setting: Setting | None) -> tuple[DynamicCache, dict[str, float]]:
+        """A copy of the prefill with the quantized layers' context as ``setting`` stores it (``None``: unchanged),
+        and the mean outlier fraction of the keys and of the values."""
         cache = DynamicCache(config=self.model.config)
         s, e = self.prep.span
         fracs: dict[str, list[float]] = {"k": [], "v": []}
         for i, src in enumerate(self.prep.prefill.layers):
-            if i not in self.layers or fmt is None:
+            if i not in self.layers or setting is None:
                 cache.layers[i] = copy.deepcopy(src)
                 continue
             kv = {"k": src.keys.clone(), "v": src.values.clone()}
-            for one in side:
-                y, frac = self.context(i, one, fmt, bits)
+            for one in setting.side:
+                y, frac = self.context(i, one, setting.fmt, setting.width(one))
                 kv[one][0, :, s:e] = y
                 fracs[one].append(frac)
             cache.update(kv["k"], kv["v"], i)
         return cache, {k: sum(v) / len(v) for k, v in fracs.items() if v}
 
     @torch.no_grad()
-    def kl(self, fmt: Format | None, bits: int = 16, side: str = "kv") -> dict:
+    def kl(self, setting: Setting | None) -> dict:
         """``{"kld", "top1", "outliers"}``: mean KL and top-1 agreement over the continuation, outlier fractions."""
-        cache, fracs = self.cache(fmt, bits, side)
+        cache, fracs = self.cache(setting)
         logits = teacher_force(self.model, cache, self.prep.continuation, False)
         kl, agree = kl_and_top1(self.prep.ref_logits, logits)
         return {"kld": float(kl.mean()), "top1": float(agree.double().mean()), "outliers": fracs}
 
 
-def measure_window(
-    probe: WindowProbe, grid: list[tuple[Format, int, str]], tick: Callable[[], None] = lambda: None
-) -> dict:
+def measure_window(probe: WindowProbe, grid: list[Setting], tick: Callable[[], None] = lambda: None) -> dict:
     """One record: the unchanged copy's KL (a check: 0 up to rounding), the RoPE round trip's max error and every
     setting's :meth:`WindowProbe.kl`."""
     record = {
@@ -118,7 +144,8 @@ def measure_window(
         "settings": [],
     }
     record["rope_round_trip_max_abs_err"], record["keys_max_abs"] = probe.rope_round_trip_error()
-    for fmt, bits, side in grid:
-        record["settings"].append({"format": fmt.name, "bits": bits, "side": side, **probe.kl(fmt, bits, side)})
+    for st in grid:
+        fields = {"format": st.fmt.name, "bits": st.width("k"), "value_bits": st.width("v"), "side": st.side}
+        record["settings"].append({**fields, **probe.kl(st)})
         tick()
     return record

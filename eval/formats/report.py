@@ -8,6 +8,7 @@ import os
 import statistics
 
 from ..reporting import pyplot
+from .measure import record_key
 from .variants import bits_per_element
 
 REFERENCE = ("today", 4)  # the reference line: today's INT4
@@ -17,40 +18,53 @@ SIDE_ORDER = ("kv", "k", "v")
 
 
 def aggregate(records: list[dict], settings: dict) -> list[dict]:
-    """One row per (format, bits, side): mean KLD and top-1 over the windows, mean outlier fractions, bits per
-    element (keys and values averaged for side ``"kv"``) and its ratio to FP16."""
+    """One row per (format, key bits, value bits, side): mean KLD and top-1 over the windows, mean outlier fractions,
+    bits per element (keys and values averaged for side ``"kv"``) and its ratio to FP16."""
     geo = {k: settings[k] for k in ("chunk_size", "group_size", "head_dim", "scale_bits")}
     rows: dict[tuple, dict] = {}
     for rec in records:
         for s in rec["settings"]:
-            row = rows.setdefault((s["format"], s["bits"], s["side"]), {"kld": [], "top1": [], "k": [], "v": []})
+            key = record_key(rec["window"], s)[1:]
+            row = rows.setdefault(key, {"kld": [], "top1": [], "k": [], "v": [], "windows": []})
             row["kld"].append(s["kld"])
             row["top1"].append(s["top1"])
+            row["windows"].append(rec["window"])
             for one, frac in s["outliers"].items():
                 row[one].append(frac)
     out = []
-    for (fmt, bits, side), r in rows.items():
-        per_side = [bits_per_element(bits, one, statistics.fmean(r[one]), **geo) for one in side]
-        bpe = statistics.fmean(per_side)
+    for (fmt, kbits, vbits, side), r in rows.items():
+        width = {"k": kbits, "v": vbits}
+        bpe = statistics.fmean(bits_per_element(width[one], one, statistics.fmean(r[one]), **geo) for one in side)
         out.append(
             {
                 "format": fmt,
-                "bits": bits,
+                "bits": kbits,
+                "value_bits": vbits,
                 "side": side,
                 "bits_per_element": bpe,
                 "ratio_to_fp16": bpe / 16,
                 "outliers": {one: statistics.fmean(r[one]) for one in side},
                 "kld": statistics.fmean(r["kld"]),
-                "kld_per_window": r["kld"],
+                "kld_per_window": dict(zip(r["windows"], r["kld"])),
                 "top1": statistics.fmean(r["top1"]),
             }
         )
     return out
 
 
+def uniform(row: dict) -> bool:
+    """Keys and values at one width (or one side only)."""
+    return row["side"] != "kv" or row["bits"] == row["value_bits"]
+
+
+def widths(row: dict) -> str:
+    """``"4"``, or ``"4/3"`` for keys at 4 bits and values at 3."""
+    return str(row["bits"]) if uniform(row) else f"{row['bits']}/{row['value_bits']}"
+
+
 def reference(rows: list[dict], side: str) -> dict | None:
     """INT4 today's row of ``side``."""
-    return next((r for r in rows if (r["format"], r["bits"]) == REFERENCE and r["side"] == side), None)
+    return next((r for r in rows if (r["format"], r["bits"]) == REFERENCE and r["side"] == side and uniform(r)), None)
 
 
 def within_budget(rows: list[dict]) -> list[dict]:
@@ -66,7 +80,9 @@ def bits_to_match(rows: list[dict], fmt: str, side: str, target: float) -> float
     """The bits per element at which ``fmt`` reaches KLD ``target`` on ``side``: log(KLD) interpolated linearly in
     bits per element between the measured widths; ``None`` when no measured width reaches it, the fewest measured
     bits when every width does (an upper bound)."""
-    pts = sorted((r["bits_per_element"], r["kld"]) for r in rows if r["format"] == fmt and r["side"] == side)
+    pts = sorted(
+        (r["bits_per_element"], r["kld"]) for r in rows if r["format"] == fmt and r["side"] == side and uniform(r)
+    )
     if not pts or pts[-1][1] > target:
         return None
     if pts[0][1] <= target:
@@ -97,13 +113,13 @@ def match_lines(rows: list[dict]) -> list[str]:
 def _table(rows: list[dict], side: str) -> list[str]:
     ref = reference(rows, side)
     lines = [
-        "| format | bits | bits/element | x FP16 | mean KLD | / INT4 today | top-1 |",
+        "| format | bits (keys/values) | bits/element | x FP16 | mean KLD | / INT4 today | top-1 |",
         "|---|---|---|---|---|---|---|",
     ]
-    for r in sorted((r for r in rows if r["side"] == side), key=lambda r: (r["bits"], r["bits_per_element"])):
+    for r in sorted((r for r in rows if r["side"] == side), key=lambda r: (r["bits_per_element"], r["format"])):
         rel = f"{r['kld'] / ref['kld']:.2f}" if ref and ref["kld"] > 0 else "-"
         lines.append(
-            f"| {r['format']} | {r['bits']} | {r['bits_per_element']:.3f} | {r['ratio_to_fp16']:.3f} | "
+            f"| {r['format']} | {widths(r)} | {r['bits_per_element']:.3f} | {r['ratio_to_fp16']:.3f} | "
             f"{r['kld']:.5f} | {rel} | {r['top1']:.3f} |"
         )
     return lines
@@ -111,15 +127,17 @@ def _table(rows: list[dict], side: str) -> list[str]:
 
 def model_section(model: str, settings: dict, records: list[dict], rows: list[dict], png: str) -> list[str]:
     checks = [r["fp16_copy_kld"] for r in records]
+    names = list(dict.fromkeys(r["window"] for r in records))
+    tokens = [r["context_tokens"] for r in records]
     rope_err = max(r["rope_round_trip_max_abs_err"] for r in records)
     mags = [r["keys_max_abs"] for r in records if r.get("keys_max_abs") is not None]
     rope_rel = f" (keys up to {max(mags):.3g} in magnitude)" if mags else ""
     lines = [
         f"## {model}",
         "",
-        f"{len(records)} windows ({', '.join(r['window'] for r in records)}), {records[0]['context_tokens']}+ context "
-        f"tokens each; quantized layers {settings['layers']} (H_kv={settings['num_kv_heads']}, D="
-        f"{settings['head_dim']}); C={settings['chunk_size']}, G={settings['group_size']}, "
+        f"{len(names)} windows ({', '.join(names)}), {min(tokens)}-{max(tokens)} context tokens each; quantized "
+        f"layers {settings['layers']} (H_kv={settings['num_kv_heads']}, D={settings['head_dim']}); "
+        f"C={settings['chunk_size']}, G={settings['group_size']}, "
         f"scale_bits={settings['scale_bits']}. Checks: the unchanged copy's KLD max {max(checks):.2e}; RoPE undone and "
         f"redone without quantization: max |error| {rope_err:.2e}{rope_rel}.",
         "",
@@ -131,7 +149,7 @@ def model_section(model: str, settings: dict, records: list[dict], rows: list[di
             f"INT4 today (keys and values): {ref['bits_per_element']:.3f} bits/element ({ref['ratio_to_fp16']:.3f}x), "
             f"KLD {ref['kld']:.5f}. At <= {BUDGET_BITS} bits/element ({BUDGET_BITS / 16}x) with KLD <= that: "
             + (
-                ", ".join(f"{r['format']} INT{r['bits']} ({r['bits_per_element']:.3f}, {r['kld']:.5f})" for r in best)
+                ", ".join(f"{r['format']} INT{widths(r)} ({r['bits_per_element']:.3f}, {r['kld']:.5f})" for r in best)
                 or "none"
             )
             + "."
@@ -157,8 +175,11 @@ def plot(model: str, rows: list[dict], path: str) -> None:
     for ax, side in zip(axes, SIDE_ORDER):
         mine = [r for r in rows if r["side"] == side]
         for fmt in dict.fromkeys(r["format"] for r in mine):
-            pts = sorted((r["bits_per_element"], r["kld"]) for r in mine if r["format"] == fmt)
-            ax.plot(*zip(*pts), marker="o", label=fmt)
+            pts = sorted((r["bits_per_element"], r["kld"]) for r in mine if r["format"] == fmt and uniform(r))
+            (line,) = ax.plot(*zip(*pts), marker="o", label=fmt)
+            for r in (r for r in mine if r["format"] == fmt and not uniform(r)):
+                ax.plot(r["bits_per_element"], r["kld"], marker="x", ls="", color=line.get_color())
+                ax.annotate(widths(r), (r["bits_per_element"], r["kld"]), fontsize=6, color=line.get_color())
         ref = reference(rows, side)
         if ref is not None:
             ax.axhline(ref["kld"], color="k", ls="--", lw=1, label="INT4 today")
