@@ -110,17 +110,35 @@ def match_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+def lower_than_today(rows: list[dict], row: dict) -> str:
+    """``"w/n"``: on how many of the n windows both measured ``row``'s KLD is below today's at the same widths."""
+    today = next(
+        (
+            r
+            for r in rows
+            if r["format"] == "today"
+            and (r["bits"], r["value_bits"], r["side"]) == (row["bits"], row["value_bits"], row["side"])
+        ),
+        None,
+    )
+    if today is None or row is today:
+        return "-"
+    both = [w for w in row["kld_per_window"] if w in today["kld_per_window"]]
+    wins = sum(row["kld_per_window"][w] < today["kld_per_window"][w] for w in both)
+    return f"{wins}/{len(both)}"
+
+
 def _table(rows: list[dict], side: str) -> list[str]:
     ref = reference(rows, side)
     lines = [
-        "| format | bits (keys/values) | bits/element | x FP16 | mean KLD | / INT4 today | top-1 |",
-        "|---|---|---|---|---|---|---|",
+        "| format | bits (keys/values) | bits/element | x FP16 | mean KLD | / INT4 today | < today, windows | top-1 |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted((r for r in rows if r["side"] == side), key=lambda r: (r["bits_per_element"], r["format"])):
         rel = f"{r['kld'] / ref['kld']:.2f}" if ref and ref["kld"] > 0 else "-"
         lines.append(
             f"| {r['format']} | {widths(r)} | {r['bits_per_element']:.3f} | {r['ratio_to_fp16']:.3f} | "
-            f"{r['kld']:.5f} | {rel} | {r['top1']:.3f} |"
+            f"{r['kld']:.5f} | {rel} | {lower_than_today(rows, r)} | {r['top1']:.3f} |"
         )
     return lines
 
@@ -169,17 +187,21 @@ def model_section(model: str, settings: dict, records: list[dict], rows: list[di
 
 
 def plot(model: str, rows: list[dict], path: str) -> None:
-    """KLD (log) against bits per element, one panel per side, one line per format, INT4 today dashed."""
+    """KLD (log) against bits per element, one panel per side, one line per format (its mixed widths as crosses),
+    INT4 today dashed."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8), sharey=True)
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = {f: cycle[i % len(cycle)] for i, f in enumerate(dict.fromkeys(r["format"] for r in rows))}
     for ax, side in zip(axes, SIDE_ORDER):
         mine = [r for r in rows if r["side"] == side]
         for fmt in dict.fromkeys(r["format"] for r in mine):
             pts = sorted((r["bits_per_element"], r["kld"]) for r in mine if r["format"] == fmt and uniform(r))
-            (line,) = ax.plot(*zip(*pts), marker="o", label=fmt)
+            color = colors[fmt]
+            ax.plot(*zip(*pts), marker="o", label=fmt, color=color)
             for r in (r for r in mine if r["format"] == fmt and not uniform(r)):
-                ax.plot(r["bits_per_element"], r["kld"], marker="x", ls="", color=line.get_color())
-                ax.annotate(widths(r), (r["bits_per_element"], r["kld"]), fontsize=6, color=line.get_color())
+                ax.plot(r["bits_per_element"], r["kld"], marker="x", ls="", color=color)
+                ax.annotate(widths(r), (r["bits_per_element"], r["kld"]), fontsize=6, color=color)
         ref = reference(rows, side)
         if ref is not None:
             ax.axhline(ref["kld"], color="k", ls="--", lw=1, label="INT4 today")
