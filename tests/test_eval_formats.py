@@ -3,14 +3,18 @@ the dense-and-sparse split, the round trips of every format, the bytes per eleme
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import DynamicCache
 
+from eval.formats.cli import write_report
 from eval.formats.measure import Setting, WindowProbe, measure_window, settings
 from eval.formats.report import aggregate, bits_to_match, within_budget
 from eval.formats.rope import apply_rope, layer_cos_sin, undo_rope
 from eval.formats.variants import FORMATS, Format, bits_per_element, round_trip, split_outliers
+from eval.records import append_jsonl
 from hf_cocktail import CocktailConfig
 from hf_cocktail.calibrate.fake_quant import FakeQuantizer
 from hf_cocktail.calibrate.sensitivity import cocktail_layer_indices
@@ -175,7 +179,7 @@ def test_settings_grid():
     assert Setting(FORMATS["today"], 2, "k").key == ("today", 2, 2, "k")
 
 
-def test_one_tiny_window_end_to_end(tiny_tokenizer):
+def test_one_tiny_window_end_to_end(tiny_tokenizer, tmp_path):
     model = make_tiny_gemma3()
     w = Window("tiny", "<s> " + random_text(150, seed=3), " w1 w2 w3 what is the code ?", tuple(range(10, 26)))
     prep = prepare(model, tiny_tokenizer, w)
@@ -198,6 +202,18 @@ def test_one_tiny_window_end_to_end(tiny_tokenizer):
     assert row[("today", 4, 4, "kv")]["kld"] == pytest.approx(by[("today", 4, 4, "kv")]["kld"])
     assert list(row[("today", 4, 4, "kv")]["kld_per_window"]) == ["tiny", "other"]
     assert all(r["bits_per_element"] <= 4.0 for r in within_budget(rows))
+    # the report of a results folder: summary.md, results.json, the PNG
+    folder = tmp_path / "tiny-gemma3"
+    folder.mkdir()
+    (folder / "settings.json").write_text(json.dumps({**meta, "layers": layers, "num_kv_heads": 1}))
+    append_jsonl(str(folder / "records.jsonl"), rec)
+    append_jsonl(str(folder / "runs.jsonl"), {"command": "python -m eval.formats ...", "commit": "abc", "runtime_s": 1})
+    write_report(str(tmp_path))
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## tiny-gemma3" in summary and "`python -m eval.formats ...` (commit abc" in summary
+    assert "| today | 4/2 |" in summary
+    assert (tmp_path / "formats_tiny-gemma3.png").stat().st_size > 0
+    assert json.loads((tmp_path / "results.json").read_text())["models"]["tiny-gemma3"]["rows"]
 
 
 def test_bits_to_match_interpolates_log_kld():

@@ -143,7 +143,11 @@ def _table(rows: list[dict], side: str) -> list[str]:
     return lines
 
 
-def model_section(model: str, settings: dict, records: list[dict], rows: list[dict], png: str) -> list[str]:
+def model_section(
+    model: str, settings: dict, records: list[dict], rows: list[dict], png: str, runs: list[dict]
+) -> list[str]:
+    """The summary's section of one model: the setup and checks, the measuring commands, the budget question, the
+    PNG, the bits to match INT4 today and one table per side."""
     checks = [r["fp16_copy_kld"] for r in records]
     names = list(dict.fromkeys(r["window"] for r in records))
     tokens = [r["context_tokens"] for r in records]
@@ -158,6 +162,10 @@ def model_section(model: str, settings: dict, records: list[dict], rows: list[di
         f"C={settings['chunk_size']}, G={settings['group_size']}, "
         f"scale_bits={settings['scale_bits']}. Checks: the unchanged copy's KLD max {max(checks):.2e}; RoPE undone and "
         f"redone without quantization: max |error| {rope_err:.2e}{rope_rel}.",
+        "",
+        "Measured by:",
+        "",
+        *(f"- `{r['command']}` (commit {r['commit']}, {r['runtime_s']} s)" for r in runs),
         "",
     ]
     best = within_budget(rows)
