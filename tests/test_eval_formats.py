@@ -11,6 +11,7 @@ from transformers import DynamicCache
 
 from eval.formats.cli import write_report
 from eval.formats.measure import Setting, WindowProbe, measure_window, settings
+from eval.formats.ranges import chunk_ranges, fast_channels, layer_line
 from eval.formats.report import aggregate, bits_to_match, within_budget
 from eval.formats.rope import apply_rope, layer_cos_sin, undo_rope
 from eval.formats.variants import FORMATS, Format, bits_per_element, round_trip, split_outliers
@@ -228,3 +229,18 @@ def test_bits_to_match_interpolates_log_kld():
     assert bits_to_match(rows, "f", "kv", 1e-5) is None
     assert bits_to_match(rows, "f", "kv", 1.0) == 2.5  # every width reaches it: the fewest bits measured
     assert bits_to_match(rows, "f", "k", 1e-3) is None
+
+
+def test_ranges_diagnostic_on_keys_constant_before_rope():
+    """Keys constant per channel before RoPE: no range before; after, the fast pairs' channels spread."""
+    model = make_tiny_llama()
+    N, D = 64, model.config.head_dim
+    pos = torch.arange(N)
+    cos, sin = layer_cos_sin(model, 0, pos)
+    k = apply_rope(torch.randn(2, 1, D).expand(2, N, D), cos, sin)
+    fast = fast_channels(cos, sin, 32)
+    inv = 1.0 / model.config.rope_parameters["rope_theta"] ** (torch.arange(0, D, 2) / D)
+    assert torch.equal(fast, (32 * inv > 1.0).repeat(2))
+    assert chunk_ranges(undo_rope(k, cos, sin), 32).max() < 1e-5
+    r = layer_line(model, 0, k, pos, 32)
+    assert r["fast_pairs"] == int((32 * inv > 1.0).sum()) and r["range_ratio"] > 100
