@@ -39,7 +39,8 @@ from .report import aggregate, model_section, plot
 from .variants import FORMATS
 
 MODULE = "eval.formats"
-SETTINGS_KEYS = ("model", "texts", "window", "question_tokens", "continuation_tokens", "config")  # settings may grow
+# what a resumed folder must share; the windows and the settings measured may grow (records name both)
+SETTINGS_KEYS = ("model", "window", "question_tokens", "continuation_tokens", "config")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -117,6 +118,15 @@ def load(name: str):
     return load_model_and_tokenizer(name)
 
 
+def _saved(model_dir: str) -> dict:
+    """The folder's ``settings.json`` (``{}`` before the first run)."""
+    path = os.path.join(model_dir, "settings.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
 def run_model(args, model_dir: str) -> None:
     """Measure every window not yet in ``model_dir/records.jsonl``."""
     model, tok = load(args.model)
@@ -147,6 +157,7 @@ def run_model(args, model_dir: str) -> None:
         "scale_bits": cfg.scale_bits,
     }
     check_settings(model_dir, meta, SETTINGS_KEYS)
+    meta["texts"] = list(dict.fromkeys([*_saved(model_dir).get("texts", []), *meta["texts"]]))
     write_json(os.path.join(model_dir, "settings.json"), meta)
     path = os.path.join(model_dir, "records.jsonl")
     old = list(iter_jsonl(path)) if os.path.isfile(path) else []
