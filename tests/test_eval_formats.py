@@ -4,6 +4,7 @@ the dense-and-sparse split, the round trips of every format, the bytes per eleme
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -244,3 +245,15 @@ def test_ranges_diagnostic_on_keys_constant_before_rope():
     assert chunk_ranges(undo_rope(k, cos, sin), 32).max() < 1e-5
     r = layer_line(model, 0, k, pos, 32)
     assert r["fast_pairs"] == int((32 * inv > 1.0).sum()) and r["range_ratio"] > 100
+
+
+def test_held_out_texts_skip_every_calibration_text():
+    from eval.formats.cli import calibration_texts, held_out_texts
+    from eval.paths import ESSAY_DIR
+
+    used = calibration_texts()
+    assert {"unions.txt", "worked.txt"} <= used  # model_cards/*/calibration.json read these
+    if not os.path.isdir(ESSAY_DIR):
+        pytest.skip("no ../shared/data")
+    held = [os.path.basename(p) for p in held_out_texts()]
+    assert held and not used & set(held) and held == sorted(held)
