@@ -188,7 +188,7 @@ def write_report(out_dir: str) -> None:
         png = os.path.join(out_dir, f"formats_{name}.png")
         plot(name, rows, png)
         sections += model_section(name, meta, records, rows, png, runs)
-        results["models"][name] = {"settings": meta, "runs": runs, "rows": rows, "records": records}
+        results["models"][name] = {"settings": meta, "runs": runs, "rows": rows}  # records: <model>/records.jsonl
     write_json(os.path.join(out_dir, "results.json"), results)
     head = [
         "# Context KV formats: KLD from FP16 against bits per element (fake quantization)",
