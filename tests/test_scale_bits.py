@@ -34,20 +34,25 @@ def test_params8_of_a_constant_block_are_zero_scales():
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
-def test_params8_cover_each_group_within_one_code_step(bits):
-    """Decoded zeros lie at most one z_step below the group's min; decoded scales cover the group's max and exceed
-    what it needs by at most 2 ** (1 / 16) (fp32 storage: no rounding of the block's numbers)."""
+def test_params8_are_the_nearest_codes(bits):
+    """Decoded zeros lie within half a z_step of the group's min, decoded scales within a factor 2 ** (1 / 32) of
+    what the group's max needs from that zero (fp32 storage: no rounding of the block's numbers), and both are the
+    nearest: the neighbouring codes are farther."""
     g = torch.Generator().manual_seed(bits)
     mn = torch.randn(40, 64, generator=g) * 3
     mx = mn + torch.rand(40, 64, generator=g) * 4 + 0.01
     sc, zc, block = params8.encode_params8(mn, mx, bits, torch.float32)
     scale, zero = params8.decode_params8(sc, zc, block)
     z_step = block[:, 2:3]
-    assert bool((zero <= mn + 1e-5).all()) and bool((zero >= mn - z_step - 1e-5).all())
+    assert bool(((zero - mn).abs() <= z_step / 2 + 1e-5).all())
     qmax = (1 << bits) - 1
-    need = (mx - zero) / qmax
-    assert bool((scale * qmax + zero >= mx - 1e-4).all())
-    assert bool((scale <= need * 2 ** (1 / 16) * (1 + 1e-5)).all())
+    need = (mx - zero) / qmax  # a group whose max lies below its rounded zero needs none: code 255, the least scale
+    coded = need > block[:, :1] * 2**-15  # the groups whose need the table's 256 codes reach
+    assert bool((scale[~coded] <= block[:, :1].expand_as(scale)[~coded] * 2**-15).all())
+    log_err = torch.log2(scale[coded] / need[coded])
+    assert bool((log_err.abs() <= 1 / 32 + 1e-5).all())
+    assert float((zero - mn).abs().mean()) < float(z_step.mean()) / 3  # not all rounded one way (floor: ~1/2)
+    assert -0.005 < float(log_err.mean()) < 0.005  # as many scales rounded down as up (rounding up: ~+1/32)
 
 
 def _store(scale_bits, rotation=None, B=2, T=72, H=2, D=32, C=8, G=16, scale_dtype=torch.float16, seed=0):
