@@ -16,12 +16,21 @@ RESULTS = "eval/results"
 # (title, the report under eval/results/, what it measures): the sections of docs/results.md, in order
 REPORTS = (
     ("SmolLM2-135M-Instruct: KL divergence from FP16, 2K LongBench windows and needles", "kld/summary.md"),
-    ("SmolLM2-135M-Instruct: the calibrated preset, same windows", "kld_calibrated_v2/summary.md"),
+    ("SmolLM2-135M-Instruct: the calibrated preset, same windows", "kld_calibrated_v3/summary.md"),
+    (
+        "SmolLM2-135M-Instruct: the same preset before its 8-bit scales and zeros were the nearest codes",
+        "kld_calibrated_v2/summary.md",
+    ),
+    ("SmolLM2-135M-Instruct: a preset recalibrated at 0.225x (not adopted)", "kld_calibrated_v4/summary.md"),
     ("SmolLM2-135M-Instruct: KL divergence on 8K windows", "kld_8k/summary.md"),
     ("SmolLM2-135M-Instruct: RULER-style needles (38 cases per variant)", "ruler_24/ruler_summary.md"),
     ("SmolLM2-135M-Instruct: RULER multikey (128 cases)", "ruler_multikey/ruler_summary.md"),
     ("SmolLM2-135M-Instruct: LongBench scores (187 examples)", "longbench_full/summary.md"),
     ("Gemma 3 270M: KL divergence from FP16, 2K LongBench windows and needles", "gemma3_270m/kld/summary.md"),
+    (
+        "Gemma 3 270M: uniform INT4 and the calibrated preset, 8-bit scales and zeros as the nearest codes",
+        "gemma3_270m/kld_nearest/summary.md",
+    ),
     ("Gemma 3 270M: RULER-style needles (32 cases)", "gemma3_270m/ruler/ruler_summary.md"),
     ("Gemma 3 270M: perplexity over the quantized context", "gemma3_270m/ppl/summary.md"),
     ("Gemma 3 270M: chunk search on calibrated caps, low targets", "calibrate_search/gemma-3-270m/summary.md"),
@@ -52,19 +61,19 @@ HEADLINE = (
     (
         "SmolLM2-135M-Instruct",
         (
-            ("uniform INT4", "kld_calibrated_v2/summary.csv", "int4"),
+            ("uniform INT4", "kld_calibrated_v3/summary.csv", "int4"),
             ("`CocktailConfig()` (paper)", "kld/summary.csv", "cocktail"),
             ("`CocktailConfig.recommended()`", "kld/summary.csv", "int4v3_had_g64"),
-            ("calibrated preset", "kld_calibrated_v2/summary.csv", "preset"),
+            ("calibrated preset", "kld_calibrated_v3/summary.csv", "preset"),
         ),
     ),
     (
         "Gemma 3 270M",
         (
-            ("uniform INT4", "gemma3_270m/kld/summary.csv", "int4"),
+            ("uniform INT4", "gemma3_270m/kld_nearest/summary.csv", "int4"),
             ("`CocktailConfig()` (paper)", "gemma3_270m/kld/summary.csv", "cocktail"),
             ("`CocktailConfig.recommended()`", "gemma3_270m/kld/summary.csv", "recommended"),
-            ("calibrated preset", "gemma3_270m/kld/summary.csv", "preset"),
+            ("calibrated preset", "gemma3_270m/kld_nearest/summary.csv", "preset"),
         ),
     ),
 )
