@@ -257,3 +257,22 @@ def test_held_out_texts_skip_every_calibration_text():
         pytest.skip("no ../shared/data")
     held = [os.path.basename(p) for p in held_out_texts()]
     assert held and not used & set(held) and held == sorted(held)
+
+
+def test_params_rounding_covering_encoder_covers_and_the_package_rounds_nearer():
+    """The study's 'covering' 8-bit encoder (the one before the nearest codes) covers every group; the package's
+    nearest codes sit closer to each group's min and needed scale on average."""
+    from eval.formats.params_rounding import covering_params8
+    from hf_cocktail.storage import params8
+
+    g = torch.Generator().manual_seed(0)
+    mn = torch.randn(30, 64, generator=g) * 3
+    mx = mn + torch.rand(30, 64, generator=g) * 4 + 0.01
+    s_cov, z_cov = params8.decode_params8(*covering_params8(mn, mx, 3, torch.float32))
+    s_near, z_near = params8.decode_params8(*params8.encode_params8(mn, mx, 3, torch.float32))
+    assert bool((z_cov <= mn + 1e-6).all()) and bool((s_cov * 7 + z_cov >= mx - 1e-5).all())
+    assert float((z_near - mn).abs().mean()) < float((z_cov - mn).abs().mean())
+    need_cov, need_near = (mx - z_cov) / 7, (mx - z_near) / 7
+    ok = (need_near > 1e-3) & (need_cov > 1e-3)  # (a group whose max is below its rounded zero needs no scale)
+    err_near, err_cov = torch.log2(s_near / need_near)[ok], torch.log2(s_cov / need_cov)[ok]
+    assert float(err_near.abs().mean()) < float(err_cov.abs().mean())
