@@ -9,7 +9,7 @@ groups of the C tokens of one chunk of one head) are stored as 8-bit codes on th
 zero) / (2**bits - 1)``, ``s_max`` the block's largest ``need``: both codes the nearest (a zero within half a
 ``z_step`` of the group's min, a scale within a factor ``2 ** (1/32)`` of what it needs; the group's extremes may
 clip to code 0 or ``2**bits - 1`` by that much). Nearest codes, not codes that always cover the group (the zero
-rounded down, the scale up, as before 2026-12-03), measured 19-28% lower KL divergence from FP16 at equal bytes on
+rounded down, the scale up, as before 2026-12-03), measured 18-28% lower KL divergence from FP16 at equal bytes on
 SmolLM2 and Gemma 3 (``docs/experiments.md``). Both are decoded to fp32 (:func:`decode_params8`) and the codes
 computed from those numbers exactly as above. Key parameters then cost ``16 / C`` bits per element instead of
 ``32 / C``, value parameters ``16 / G`` instead of ``32 / G`` (plus 48 bits per block). Quantized by this reference on
