@@ -1,7 +1,7 @@
 """How 8-bit scales and zeros (``scale_bits=8``) round, measured: the KL divergence from FP16 when every quantized
 layer's context keys/values are stored with fp16 scales and zeros, with 8-bit codes that always cover the group (the
-zero code rounded down, the log-scale code up: the encoder before 2026-12-03, kept here as ``covering_params8``),
-or with the package's encoder (:func:`hf_cocktail.storage.params8.encode_params8`: both codes the nearest).
+zero code rounded down, the log-scale code up: the encoder before 2026-12-03, ``round_offset=0.0``),
+or with the package's default (:func:`hf_cocktail.storage.params8.encode_params8`: both codes the nearest).
 
 Fake quantization through calibrate's :class:`LayerProbe` (every Cocktail layer at one key/value width), on held-out
 PG essays cut as the calibration cuts them. Prints one line per window and the means.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import statistics
 
 import torch
@@ -34,21 +35,9 @@ STORAGES = ("fp16 numbers", "8-bit covering", "8-bit nearest")
 WIDTHS = ((4, 4), (3, 3), (4, 3))
 
 
-def covering_params8(mn: torch.Tensor, mx: torch.Tensor, bits: int, scale_dtype: torch.dtype):
-    """:func:`params8.encode_params8` as it was before the nearest codes: the zero code rounded down and the
-    log-scale code up, so that every group's [min, max] is covered (same decoding, same bytes)."""
-    qmax = (1 << bits) - 1
-    lowest = mn.amin(-1, keepdim=True)
-    z_lo = lowest.to(scale_dtype)
-    zs = ((mn.amax(-1, keepdim=True) - lowest) / 255).to(scale_dtype).float()
-    zc = torch.where(zs > 0, torch.floor((mn - z_lo.float()) / zs), torch.zeros_like(mn)).clamp_(0, 255)
-    need = ((mx - (z_lo.float() + zc * zs)) / qmax).clamp_min(0)
-    s_max = need.amax(-1, keepdim=True).to(scale_dtype)
-    sm = s_max.float()
-    ratio = need / torch.where(sm > 0, sm, torch.ones_like(sm))
-    steps = torch.floor(-params8.SCALE_LOG_STEPS * torch.log2(ratio)).nan_to_num_(255.0, 255.0, 255.0)
-    sc = torch.where(sm > 0, steps, torch.zeros_like(steps)).clamp_(0, 255)
-    return sc.to(torch.uint8), zc.to(torch.uint8), torch.cat([s_max, z_lo, zs.to(scale_dtype)], dim=-1)
+# the encoder before 2026-12-03: the zero code rounded down and the log-scale code up, so that every group's
+# [min, max] is covered (same decoding, same bytes)
+covering_params8 = functools.partial(params8.encode_params8, round_offset=0.0)
 
 
 @contextlib.contextmanager

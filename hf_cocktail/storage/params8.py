@@ -50,11 +50,14 @@ def scale_table(device: torch.device | str) -> torch.Tensor:
     return _scale_table(torch.device(device))
 
 
-def encode_params8(mn: torch.Tensor, mx: torch.Tensor, bits: int, scale_dtype: torch.dtype):
+def encode_params8(mn: torch.Tensor, mx: torch.Tensor, bits: int, scale_dtype: torch.dtype, round_offset: float = 0.5):
     """8-bit codes of the min-max scales and zeros of ``bits``-bit groups (the module docstring).
 
     Args:
         mn, mx: ``(..., K)`` fp32 minima and maxima of K groups; the leading dims index the blocks.
+        round_offset: added before both codes are floored: 0.5, the nearest codes; 0.0, codes that cover every group
+            (the zero rounded down, the scale up: the encoder before 2026-12-03, which
+            ``eval.formats.params_rounding`` compares).
 
     Returns:
         ``scale_codes uint8 (..., K)``, ``zero_codes uint8 (..., K)``, ``block (..., 3)`` in ``scale_dtype``:
@@ -65,14 +68,16 @@ def encode_params8(mn: torch.Tensor, mx: torch.Tensor, bits: int, scale_dtype: t
     z_lo = lowest.to(scale_dtype)
     z_step = ((mn.amax(-1, keepdim=True) - lowest) / 255).to(scale_dtype)
     zs = z_step.float()
-    zc = torch.where(zs > 0, torch.floor((mn - z_lo.float()) / zs + 0.5), torch.zeros_like(mn)).clamp_(0, 255)
+    zc = torch.where(zs > 0, torch.floor((mn - z_lo.float()) / zs + round_offset), torch.zeros_like(mn)).clamp_(0, 255)
     zero = z_lo.float() + zc * zs  # as decode_params8 computes it
     need = ((mx - zero) / qmax).clamp_min(0)
     s_max = need.amax(-1, keepdim=True).to(scale_dtype)
     check_params_finite([z_lo, z_step, s_max], scale_dtype, mx)
     sm = s_max.float()
     ratio = need / torch.where(sm > 0, sm, torch.ones_like(sm))
-    steps = torch.floor(-SCALE_LOG_STEPS * torch.log2(ratio) + 0.5).nan_to_num_(255.0, 255.0, 255.0)  # log2(0): -inf
+    steps = torch.floor(-SCALE_LOG_STEPS * torch.log2(ratio) + round_offset).nan_to_num_(
+        255.0, 255.0, 255.0
+    )  # log2(0): -inf
     sc = torch.where(sm > 0, steps, torch.zeros_like(steps)).clamp_(0, 255)
     return sc.to(torch.uint8), zc.to(torch.uint8), torch.cat([s_max, z_lo, z_step], dim=-1)
 
