@@ -108,3 +108,28 @@ def test_memory_report_gives_the_global_layers_ratio_and_the_whole_caches(tiny_g
     assert rep16["quantized_layers_ratio_to_fp16"] == pytest.approx(
         held16 / rep16["quantized_layers_fp16_equivalent_bytes"], rel=1e-12
     )
+
+
+def test_a_branched_prefill_holds_only_the_window_in_its_sliding_layers(tiny_gemma3, tiny_tokenizer):
+    """After a prefill, the model's own sliding layers hold their window as a view of the whole prompt's keys and
+    values; the branched cache copies the window alone, so its whole-cache ratio counts the window, as the model's own
+    cache does once it decodes."""
+    prompt, ctx, q = make_prompt(120, needle_at=60)
+    shared = DynamicCache(config=tiny_gemma3.config)
+    cache = CocktailCache(_cfg(uniform_bits=4), encoder=FakeEncoder(), model_config=tiny_gemma3.config)
+    inputs = cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q)
+    with torch.no_grad():
+        tiny_gemma3(**inputs, **cache_kwargs(tiny_gemma3, shared))
+    L = inputs["input_ids"].shape[1]
+    window_bytes = (TINY_GEMMA3_WINDOW - 1) * 64 * 4  # one KV head, D=64, fp32
+    assert shared.layers[SLIDING[0]].keys.untyped_storage().nbytes() == L * 64 * 4  # the prefill's view
+    cache.load_prefill(shared)
+    for i in SLIDING:
+        for t in (cache.layers[i].keys, cache.layers[i].values):
+            assert t.untyped_storage().nbytes() == window_bytes
+        torch.testing.assert_close(cache.layers[i].keys, shared.layers[i].keys, rtol=0, atol=0)
+    rep = cache.memory_report()
+    quantized = rep["quantized_layers_ratio_to_fp16"] * rep["quantized_layers_fp16_equivalent_bytes"]
+    native = rep["ratio_to_fp16"] * rep["fp16_equivalent_bytes"] - quantized
+    # the window's K/V and per layer an int64 token count (after a decode step the buffer keeps one token more)
+    assert native == pytest.approx(rep["native_layers_fp16_bytes"] + len(SLIDING) * 8, rel=1e-12)

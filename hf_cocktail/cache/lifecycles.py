@@ -16,10 +16,18 @@ from hf_cocktail.cache.layer import CocktailLayer, LayerState
 from hf_cocktail.cache.prefill_watch import check_head_dims
 
 
+def _views_more(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a view into a larger storage (a sliding layer's window sliced from the whole prefill)."""
+    return t.untyped_storage().nbytes() > t.numel() * t.element_size()
+
+
 def _detached_copy(layer: Any) -> Any:
-    """A deep copy of one of the model's own cache layers, its tensors detached: a prefill run with autograd on
-    leaves tensors with a graph, which ``copy.deepcopy`` refuses."""
-    memo = {id(t): t.detach().clone() for t in vars(layer).values() if isinstance(t, torch.Tensor) and t.requires_grad}
+    """A deep copy of one of the model's own cache layers, its tensors detached (a prefill run with autograd on
+    leaves tensors with a graph, which ``copy.deepcopy`` refuses) and each holding only its own elements: after a
+    prefill a sliding layer's window is a view of the whole prompt's keys/values, which ``copy.deepcopy`` would copy
+    whole (on Gemma 3 270M at 2K tokens, 4x the window)."""
+    tensors = [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+    memo = {id(t): t.detach().clone() for t in tensors if t.requires_grad or _views_more(t)}
     return copy.deepcopy(layer, memo)
 
 
