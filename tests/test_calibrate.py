@@ -191,6 +191,23 @@ def test_sliding_layers_are_not_calibrated_and_keep_a_placeholder_cap(tiny_token
     assert res.measured(res.chosen)["quantized_ratio"] <= 0.35
 
 
+def test_the_bytes_calibration_bounds_are_what_the_caches_report_says(tiny_tokenizer):
+    """The target bounds everything the cache holds for its quantized layers, as ``memory_report()`` gives it to a
+    user: with salient tokens that includes the prefill attention masses the plans keep, beyond the stores."""
+    from hf_cocktail.cache import reports
+    from hf_cocktail.calibrate.validate import filled_cache, prepare, quantized_ratio
+
+    model = make_tiny_llama(layers=2, head_dim=32)
+    texts = [(f"t{i}", random_text(260, seed=7 + i)) for i in range(2)]
+    cal, _ = split_windows(tiny_tokenizer, texts, 1, 1, 200, 16, 8)
+    prep = prepare(model, tiny_tokenizer, cal[0])
+    cfg = CocktailConfig(uniform_bits=4, scale_bits=8, chunk_size=32, group_size=32, salient_tokens=0.05)
+    cache = filled_cache(tiny_tokenizer, prep, cfg)
+    ratio = quantized_ratio(cache)
+    assert ratio == cache.memory_report()["quantized_layers_ratio_to_fp16"]
+    assert ratio > reports.memory_report(cache._stores(), (), ())["ratio_to_fp16"]  # the stores alone
+
+
 def test_bad_inputs_raise_clear_errors(tmp_path, tiny_tokenizer):
     model = make_tiny_llama(layers=1, head_dim=32)
     with pytest.raises(ValueError, match="no files given"):

@@ -7,8 +7,9 @@ every setting's ``CocktailCache`` is then filled from that prefill with ``load_p
 precision during its own prefill and quantizes after it; tested in the eval harness) and the continuation is
 teacher-forced through it. FP16's logits come from the same prefill.
 
-Bytes: ``quantized_ratio`` is the Cocktail (full-attention) layers' bytes over their FP16 bytes (what the target
-bounds); ``cache_ratio`` is ``memory_report()["ratio_to_fp16"]``, the whole cache (sliding layers included).
+Bytes: ``quantized_ratio`` is ``memory_report()["quantized_layers_ratio_to_fp16"]``, all the cache holds for its
+Cocktail (full-attention) layers over their FP16 bytes (what the target bounds); ``cache_ratio`` is
+``memory_report()["ratio_to_fp16"]``, the whole cache (sliding layers included).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from hf_cocktail.cache import reports
 from hf_cocktail.cache.cache import CocktailCache
 from hf_cocktail.calibrate.divergence import kl_and_top1, teacher_force
 from hf_cocktail.calibrate.queries import recording_queries
@@ -78,8 +78,10 @@ def filled_cache(tok, prep: Prepared, config: CocktailConfig, encoder=None) -> C
 
 
 def quantized_ratio(cache: CocktailCache) -> float:
-    """Bytes of the cache's Cocktail layers (codes, scales, full part at FP16 size) over their FP16 bytes."""
-    return float(reports.memory_report(cache._stores(), (), ())["ratio_to_fp16"])
+    """``memory_report()["quantized_layers_ratio_to_fp16"]``: everything the cache holds for its Cocktail layers
+    (codes, scales, the full part at FP16 size, rotation and index tensors, the plans' positions and the salient
+    tokens' attention masses) over their FP16 bytes, what a user's report says of the preset."""
+    return float(cache.memory_report()["quantized_layers_ratio_to_fp16"])
 
 
 def bytes_ratio(tok, prep: Prepared, config: CocktailConfig, encoder=None) -> float:
