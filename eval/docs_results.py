@@ -55,6 +55,10 @@ REPORTS = (
         "Speed: the decode step's profile, calibrated preset, after the glue checked once and the kernel trims",
         "profile_decode_8k_presets_after2.md",
     ),
+    (
+        "Speed: the decode step's profile, after the fused append at the model's precision (busy machine)",
+        "profile_decode_8k_presets_after3.md",
+    ),
 )
 
 # the README's headline: per model, (KLD report, its method id) for uniform INT4 and the three choices
