@@ -9,9 +9,10 @@ and the kernels raise :class:`ImportError` with that reason.
 
 from ._build import available, unavailable_reason
 from .attention import kernel_target, split_precision_attention
-from .quantize import append_tokens8, decode_params8, quantize_pack_keys, quantize_pack_values
+from .quantize import append_tokens, append_tokens8, decode_params8, quantize_pack_keys, quantize_pack_values
 
 __all__ = [
+    "append_tokens",
     "append_tokens8",
     "available",
     "decode_params8",

@@ -203,4 +203,44 @@ def append_tokens8(
     )
 
 
+def append_tokens(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    buffers: tuple[torch.Tensor, torch.Tensor],
+    pos: int,
+    rotation: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
+) -> list[torch.Tensor]:
+    """Write new tokens into a full part's buffers at the model's precision, in place, rotated first where the storage
+    is (fused: bit for bit ``hf_cocktail.storage.rotation.Rotation.rotate_pair`` then ``FullPart.append``'s copies).
+
+    Args:
+        k, v: ``(B, H_kv, L, D)`` float32 / bfloat16 / float16 CPU tensors of one dtype, last dim contiguous.
+        buffers: the key and value buffers ``(B, H_kv, capacity, D)`` (views are fine), a float dtype, last dim
+            contiguous; the tokens are cast to it as ``Tensor.copy_`` does.
+        pos: the first token position written; tokens ``[pos, pos + L)`` must fit in ``capacity``.
+        rotation: as in :func:`append_tokens8` (the same ATen operations as ``Rotation.rotate_pair``).
+
+    Returns:
+        the views of the two buffers' first ``pos + L`` tokens, ``[keys, values]`` (what the part holds after the
+        append).
+
+    Raises:
+        ValueError: a wrong shape, dtype, device or stride, or tokens that do not fit (checked in C++).
+    """
+    if rotation is not None and not (isinstance(rotation, (tuple, list)) and len(rotation) == 2):
+        raise ValueError(
+            f"rotation must be None or a pair (key matrices or None, value matrices or None), got {rotation!r}"
+        )
+    rot_k, rot_v = (None, None) if rotation is None else rotation
+    return extension().append_tokens(
+        k,
+        v,
+        buffers[0],
+        buffers[1],
+        pos,
+        _NO_MATRIX if rot_k is None else rot_k,
+        _NO_MATRIX if rot_v is None else rot_v,
+    )
+
+
 _NO_MATRIX = torch.empty(0)

@@ -41,6 +41,7 @@ REPORTS = (
     ("Speed: decode vs DynamicCache, fp32 (CPU), the kernel's AVX-512 VNNI build", "bench_latency_speed_fp32_vnni.md"),
     ("Speed: the same, a second run 40 minutes later", "bench_latency_speed_fp32_vnni_run2.md"),
     ("Speed: the same, a third run (next session)", "bench_latency_speed_fp32_vnni_run3.md"),
+    ("Speed: 8K, after the fused append at the model's precision (issue 27)", "bench_latency_speed_fp32_vnni_run4.md"),
     ("Speed: decode vs DynamicCache, fp32 (CPU), the kernel's AVX2 build", "bench_latency_speed_fp32.md"),
     ("Speed: decode vs DynamicCache at 32K, fp32 (CPU)", "bench_latency_speed_fp32_32k.md"),
     ("Speed: decode vs DynamicCache, bf16 (CPU)", "bench_latency_speed_bf16.md"),
@@ -53,6 +54,10 @@ REPORTS = (
     (
         "Speed: the decode step's profile, calibrated preset, after the glue checked once and the kernel trims",
         "profile_decode_8k_presets_after2.md",
+    ),
+    (
+        "Speed: the decode step's profile, after the fused append at the model's precision (busy machine)",
+        "profile_decode_8k_presets_after3.md",
     ),
 )
 

@@ -39,4 +39,12 @@ std::vector<at::Tensor> append_tokens8(const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& k_scales, const at::Tensor& v_scales, int64_t pos, const at::Tensor& rot_k,
                     const at::Tensor& rot_v);
 
+// New tokens of a full part at the model's precision (tokens8.cpp): k, v (B, H, L, D) float32 / bfloat16 / float16,
+// last dim contiguous, rotated by rot_k / rot_v as in append_tokens8 (or not: empty tensors), copied into k_buf / v_buf
+// (B, H, capacity, D), float, at token positions [pos, pos + L). Returns the views of the two buffers' first pos + L
+// tokens (keys, values).
+std::vector<at::Tensor> append_tokens(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_buf,
+                                      const at::Tensor& v_buf, int64_t pos, const at::Tensor& rot_k,
+                                      const at::Tensor& rot_v);
+
 }  // namespace cpu_ops_quant

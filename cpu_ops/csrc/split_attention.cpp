@@ -297,6 +297,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("append_tokens8", &cpu_ops_quant::append_tokens8, "fused 8-bit full-part append (see cpu_ops/quantize.py)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("append_tokens", &cpu_ops_quant::append_tokens, "fused full-part append (see cpu_ops/quantize.py)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("decode_params8", &cpu_ops_quant::decode_params8, "8-bit scales and zeros -> numbers (cpu_ops/quantize.py)",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -212,12 +212,13 @@ class CocktailCache(CacheLifecycles, HybridStates, Cache):
         layer = self._layer(layer_idx)
         if not isinstance(layer, CocktailLayer):  # sliding-window / hybrid layers: the model's own cache layer
             return layer.update(key_states, value_states, *args, **kwargs)
-        if layer_idx == self._first_cocktail_idx():
-            if self._watch.armed:
+        watch = self._watch  # (the first layer's checks; a decode step after a watched prefill has none)
+        if (watch.armed or watch.num_layers is None) and layer_idx == self._first_cocktail_idx():
+            if watch.armed:
                 self._check_forward(key_states)
                 if layer.state is LayerState.EMPTY:  # this forward is the prefill: the attention must be seen
-                    check_attention_reader(self.config, self._watch.last_config, self.scores_from_attention())
-            elif self.layers and self._watch.num_layers is None:  # no model config seen: count the layers filled
+                    check_attention_reader(self.config, watch.last_config, self.scores_from_attention())
+            elif self.layers:  # no model config seen: count the layers filled
                 self._check_layer_count(len(self.layers))
         if self._is_prefill_chunk(layer, key_states):
             return self._prefill_chunk(layer, key_states, value_states)

@@ -111,13 +111,19 @@ def quantizers(backend: str, device: torch.device) -> tuple[Callable, Callable]:
 
 
 def attach_fused_writer(store: LayerStore, backend: str) -> None:
-    """An 8-bit full part whose backend resolves to the fused CPU kernels appends new tokens with one call of
-    ``cpu_ops.append_tokens8`` (the codes and scales of the PyTorch reference, written into its buffers)."""
+    """A full part whose backend resolves to the fused CPU kernels appends new tokens with one C++ call: an 8-bit
+    part with ``cpu_ops.append_tokens8`` (the codes and scales of the PyTorch reference, written into its buffers),
+    one at the model's precision with ``cpu_ops.append_tokens`` (the reference's rotation and copies)."""
     full = store.full
-    if isinstance(full, Int8FullPart) and resolve_backend(backend, full.codes.keys.device) == "cpu":
-        import cpu_ops
+    device = full.codes.keys.device if isinstance(full, Int8FullPart) else full.keys.device
+    if resolve_backend(backend, device) != "cpu":
+        return
+    import cpu_ops
 
+    if isinstance(full, Int8FullPart):
         full.write8 = cpu_ops.append_tokens8
+    else:
+        full.write = cpu_ops.append_tokens
 
 
 def _by_bits(fast: Callable, reference: Callable, chosen: str) -> Callable:

@@ -5,6 +5,7 @@ Shapes: B batch, H_q query heads, H_kv key/value heads, L_q query tokens, D head
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -18,8 +19,22 @@ from hf_cocktail.decode.dispatch import split_precision_attention
 ATTN_NAME = "cocktail"
 
 
+# attention modules seen without a ``sliding_window`` attribute: looked up once per module, not at every decode step
+# (a missing attribute goes through ``nn.Module.__getattr__``, about a microsecond per layer and step)
+_WINDOWLESS: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def _module_window(module: torch.nn.Module):
+    if module in _WINDOWLESS:
+        return None
+    window = getattr(module, "sliding_window", None)
+    if window is None:
+        _WINDOWLESS.add(module)
+    return window
+
+
 def _refuse_unsupported(module: torch.nn.Module, layer: CocktailLayer, kwargs: dict[str, Any]) -> None:
-    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    window = kwargs.get("sliding_window") or _module_window(module)
     if window is not None:
         raise ValueError(
             f"layer {getattr(module, 'layer_idx', '?')} uses sliding-window attention (window {window}) but its cache "

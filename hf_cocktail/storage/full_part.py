@@ -24,6 +24,9 @@ from hf_cocktail.storage import quant
 # a fused 8-bit writer (cpu_ops.append_tokens8): (k, v, (key codes, value codes), (key scales, value scales), pos,
 # rotation=(key matrices, value matrices) or None) -> the four buffers' views of their first pos + L tokens
 Write8 = Callable[..., list]
+# a fused writer at the model's precision (cpu_ops.append_tokens): (k, v, (key buffer, value buffer), pos,
+# rotation=(key matrices, value matrices) or None) -> the two buffers' views of their first pos + L tokens
+Write = Callable[..., list]
 HEADROOM_STEP = 16  # tokens of room the first append after the prefill reserves (then: half the tokens appended)
 
 
@@ -35,6 +38,8 @@ class FullPart:
     _start_t: torch.Tensor | None = field(default=None, repr=False)
     _buffers: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)  # (B, H_kv, capacity, D)
     _base: int | None = field(default=None, repr=False)  # the length before the first append (the prefill's)
+    # a fused writer with the signature of cpu_ops.append_tokens (the decode dispatch sets it where it runs), or None
+    write: Write | None = field(default=None, repr=False)
 
     @classmethod
     def from_sequences(cls, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> FullPart:
@@ -51,12 +56,24 @@ class FullPart:
             start.append(s)
         return cls(keys, values, start)
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def append(self, k: torch.Tensor, v: torch.Tensor, rotation: tuple | None = None) -> None:
         """Append ``(B, H_kv, L_new, D)`` new tokens for every sequence. ``keys``/``values`` are views of buffers
         whose room beyond the tokens (:meth:`reserved_bytes`) is proportionate to what was appended, not to the
         prefill: :data:`HEADROOM_STEP` tokens at the first append, then half the tokens appended so far (the appended
-        part grows 1.5x per copy), so a long generation copies the part O(log) times instead of once per step."""
+        part grows 1.5x per copy), so a long generation copies the part O(log) times instead of once per step.
+
+        With :attr:`write` set, one call of the fused writer makes the same copies (and views); ``rotation``: ``(key
+        matrices, value matrices)`` for it to rotate ``k`` and ``v`` first, with the bits of ``Rotation.rotate_pair``
+        (the reference path takes tokens already rotated)."""
         R, n = self.length, k.shape[2]
+        write = self.write
+        if write is not None:
+            if k.stride(-1) != 1 or v.stride(-1) != 1:  # the writer reads rows of D
+                k, v = k.contiguous(), v.contiguous()
+            self.keys, self.values = write(k, v, self.reserve(n), R, rotation)
+            return
+        if rotation is not None:
+            raise ValueError("FullPart.append: rotation= needs the fused writer (write); rotate k, v first")
         buf_k, buf_v = self.reserve(n)
         buf_k.narrow(2, R, n).copy_(k)
         buf_v.narrow(2, R, n).copy_(v)
@@ -141,7 +158,10 @@ class FullPart:
         """The part holding sequences ``indices`` (reordered / repeated) of this one."""
         idx = torch.tensor(indices, dtype=torch.long, device=self.keys.device)
         return FullPart(
-            self.keys.index_select(0, idx), self.values.index_select(0, idx), [self.start[i] for i in indices]
+            self.keys.index_select(0, idx),
+            self.values.index_select(0, idx),
+            [self.start[i] for i in indices],
+            write=self.write,
         )
 
 

@@ -289,13 +289,13 @@ class LayerStore:
     kernel_cache: DerivedCache = field(default_factory=lambda: DerivedCache(), repr=False, compare=False)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append ``(B, H_kv, L_new, D)`` new tokens (rotated like the rest) to the full-precision part. An 8-bit
-        part with a fused writer rotates them inside the writer (the same bits as :meth:`Rotation.rotate_pair`, one
-        call per layer and step)."""
+        """Append ``(B, H_kv, L_new, D)`` new tokens (rotated like the rest) to the full-precision part. A part with a
+        fused writer (8-bit or at the model's precision) rotates them inside the writer (the same bits as
+        :meth:`Rotation.rotate_pair`, one call per layer and step)."""
         rotation, full = self.rotation, self.full
         if rotation is None:
             full.append(k, v)
-        elif isinstance(full, Int8FullPart) and full.write8 is not None:
+        elif (full.write8 if isinstance(full, Int8FullPart) else full.write) is not None:  # a fused writer rotates
             full.append(k, v, (rotation.keys, rotation.values))
         else:
             full.append(*rotation.rotate_pair(k, v))
