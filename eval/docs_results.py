@@ -16,7 +16,15 @@ RESULTS = "eval/results"
 # (title, the report under eval/results/, what it measures): the sections of docs/results.md, in order
 REPORTS = (
     ("SmolLM2-135M-Instruct: KL divergence from FP16, 2K LongBench windows and needles", "kld/summary.md"),
-    ("SmolLM2-135M-Instruct: the calibrated preset, same windows", "kld_calibrated_v3/summary.md"),
+    (
+        "SmolLM2-135M-Instruct: the preset as its calibrate command writes it today, same windows",
+        "kld_calibrated_v6/summary.md",
+    ),
+    (
+        "SmolLM2-135M-Instruct: the command's choice before calibration bounded memory_report()'s bytes (superseded)",
+        "kld_calibrated_v5/summary.md",
+    ),
+    ("SmolLM2-135M-Instruct: the preset before (cf1e14f), nearest 8-bit codes", "kld_calibrated_v3/summary.md"),
     (
         "SmolLM2-135M-Instruct: the same preset before its 8-bit scales and zeros were the nearest codes",
         "kld_calibrated_v2/summary.md",
@@ -28,10 +36,15 @@ REPORTS = (
     ("SmolLM2-135M-Instruct: LongBench scores (187 examples)", "longbench_full/summary.md"),
     ("Gemma 3 270M: KL divergence from FP16, 2K LongBench windows and needles", "gemma3_270m/kld/summary.md"),
     (
-        "Gemma 3 270M: uniform INT4 and the calibrated preset, 8-bit scales and zeros as the nearest codes",
+        "Gemma 3 270M: uniform INT4 and the preset as its calibrate command writes it today",
+        "gemma3_270m/kld_v3/summary.md",
+    ),
+    (
+        "Gemma 3 270M: uniform INT4 and the preset before, 8-bit scales and zeros as the nearest codes",
         "gemma3_270m/kld_nearest/summary.md",
     ),
-    ("Gemma 3 270M: RULER-style needles (32 cases)", "gemma3_270m/ruler/ruler_summary.md"),
+    ("Gemma 3 270M: RULER-style needles, today's preset (64 cases)", "gemma3_270m/ruler_v2/ruler_summary.md"),
+    ("Gemma 3 270M: RULER-style needles, the preset before (32 cases)", "gemma3_270m/ruler/ruler_summary.md"),
     ("Gemma 3 270M: perplexity over the quantized context", "gemma3_270m/ppl/summary.md"),
     ("Gemma 3 270M: chunk search on calibrated caps, low targets", "calibrate_search/gemma-3-270m/summary.md"),
     (
@@ -42,6 +55,10 @@ REPORTS = (
     ("Speed: the same, a second run 40 minutes later", "bench_latency_speed_fp32_vnni_run2.md"),
     ("Speed: the same, a third run (next session)", "bench_latency_speed_fp32_vnni_run3.md"),
     ("Speed: 8K, after the fused append at the model's precision (issue 27)", "bench_latency_speed_fp32_vnni_run4.md"),
+    (
+        "Speed: 8K and 16K, the fused append and the regenerated SmolLM2 preset (one core busy with an evaluation)",
+        "bench_latency_speed_fp32_vnni_run5.md",
+    ),
     ("Speed: decode vs DynamicCache, fp32 (CPU), the kernel's AVX2 build", "bench_latency_speed_fp32.md"),
     ("Speed: decode vs DynamicCache at 32K, fp32 (CPU)", "bench_latency_speed_fp32_32k.md"),
     ("Speed: decode vs DynamicCache, bf16 (CPU)", "bench_latency_speed_bf16.md"),
@@ -66,19 +83,19 @@ HEADLINE = (
     (
         "SmolLM2-135M-Instruct",
         (
-            ("uniform INT4", "kld_calibrated_v3/summary.csv", "int4"),
+            ("uniform INT4", "kld_calibrated_v6/summary.csv", "int4"),
             ("`CocktailConfig()` (paper)", "kld/summary.csv", "cocktail"),
             ("`CocktailConfig.recommended()`", "kld/summary.csv", "int4v3_had_g64"),
-            ("calibrated preset", "kld_calibrated_v3/summary.csv", "preset"),
+            ("calibrated preset", "kld_calibrated_v6/summary.csv", "preset"),
         ),
     ),
     (
         "Gemma 3 270M",
         (
-            ("uniform INT4", "gemma3_270m/kld_nearest/summary.csv", "int4"),
+            ("uniform INT4", "gemma3_270m/kld_v3/summary.csv", "int4"),
             ("`CocktailConfig()` (paper)", "gemma3_270m/kld/summary.csv", "cocktail"),
             ("`CocktailConfig.recommended()`", "gemma3_270m/kld/summary.csv", "recommended"),
-            ("calibrated preset", "gemma3_270m/kld_nearest/summary.csv", "preset"),
+            ("calibrated preset", "gemma3_270m/kld_v3/summary.csv", "preset"),
         ),
     ),
 )
