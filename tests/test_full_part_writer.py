@@ -201,16 +201,9 @@ PRESET_LIKE = dict(  # the SmolLM2 preset's formats: rotated, 8-bit scales, per-
 )
 
 
-@pytest.mark.parametrize(
-    "fields",
-    [dict(chunk_size=8, group_size=16, uniform_bits=4, rotation="hadamard", full_part_bits=8), PRESET_LIKE],
-    ids=["uniform_rotated", "preset_like"],
-)
-def test_decode_on_the_cpu_backend_uses_the_writer_and_equals_the_reference_writer(tiny_tokenizer, monkeypatch, fields):
-    """generate with the writer the dispatch attaches (it rotates the new tokens itself), then with none
-    (monkeypatched away: PyTorch rotation and quantization): the same tokens, bit for bit the same logits and the
-    same stored codes."""
-    cfg = CocktailConfig(**fields)
+def generate_with_and_without_writer(tiny_tokenizer, monkeypatch, cfg: CocktailConfig):
+    """``{"fused": (output, cache), "reference": (output, cache)}``: greedy ``generate`` with the fused writer the
+    dispatch attaches, then with none (monkeypatched away: the PyTorch rotation, quantization and copies)."""
     prompt, ctx, q = make_prompt(100, needle_at=50)
     model = make_tiny_llama(head_dim=32)
     runs = {}
@@ -228,6 +221,20 @@ def test_decode_on_the_cpu_backend_uses_the_writer_and_equals_the_reference_writ
             return_dict_in_generate=True,
         )
         runs[writer] = (out, cache)
+    return runs
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [dict(chunk_size=8, group_size=16, uniform_bits=4, rotation="hadamard", full_part_bits=8), PRESET_LIKE],
+    ids=["uniform_rotated", "preset_like"],
+)
+def test_decode_on_the_cpu_backend_uses_the_writer_and_equals_the_reference_writer(tiny_tokenizer, monkeypatch, fields):
+    """generate with the writer the dispatch attaches (it rotates the new tokens itself), then with none
+    (monkeypatched away: PyTorch rotation and quantization): the same tokens, bit for bit the same logits and the
+    same stored codes."""
+    cfg = CocktailConfig(**fields)
+    runs = generate_with_and_without_writer(tiny_tokenizer, monkeypatch, cfg)
     (fused, fused_cache), (ref, ref_cache) = runs["fused"], runs["reference"]
     assert all(layer.store.full.write8 is cpu_ops.append_tokens8 for layer in fused_cache.layers)
     assert all(layer.store.full.write8 is None for layer in ref_cache.layers)

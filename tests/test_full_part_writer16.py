@@ -8,14 +8,12 @@ import pytest
 import torch
 
 import cpu_ops
-from hf_cocktail import CocktailCache, CocktailConfig
-from hf_cocktail.cache import layer as layer_module
-from hf_cocktail.integration.compat import cache_kwargs
+from hf_cocktail import CocktailConfig
 from hf_cocktail.storage.full_part import FullPart
 from hf_cocktail.storage.rotation import Rotation
 from hf_cocktail.storage.store import LayerStore
 
-from .conftest import FakeEncoder, make_prompt, make_tiny_llama
+from .test_full_part_writer import generate_with_and_without_writer
 
 if not cpu_ops.available():
     if os.environ.get("HF_COCKTAIL_REQUIRE_CPU_OPS") == "1":  # CI: a build failure must fail, not skip
@@ -152,23 +150,7 @@ def test_decode_on_the_cpu_backend_uses_the_writer_and_equals_the_reference_path
     """generate with the writer the dispatch attaches, then with none (monkeypatched away: PyTorch rotation and
     copies): the same tokens, bit for bit the same logits and the same stored full part."""
     cfg = CocktailConfig(**fields)
-    prompt, ctx, q = make_prompt(100, needle_at=50)
-    model = make_tiny_llama(head_dim=32)
-    runs = {}
-    for writer in ("fused", "reference"):
-        if writer == "reference":
-            monkeypatch.setattr(layer_module, "attach_fused_writer", lambda store, backend: None)
-        cache = CocktailCache(cfg, encoder=FakeEncoder())
-        inputs = cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q)
-        out = model.generate(
-            **inputs,
-            **cache_kwargs(model, cache),
-            max_new_tokens=24,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        runs[writer] = (out, cache)
+    runs = generate_with_and_without_writer(tiny_tokenizer, monkeypatch, cfg)
     (fused, fused_cache), (ref, ref_cache) = runs["fused"], runs["reference"]
     assert all(layer.store.full.write is cpu_ops.append_tokens for layer in fused_cache.layers)
     assert all(layer.store.full.write is None for layer in ref_cache.layers)
