@@ -59,6 +59,7 @@ REPORTS = (
         "Speed: 8K and 16K, the fused append and the regenerated SmolLM2 preset (one core busy with an evaluation)",
         "bench_latency_speed_fp32_vnni_run5.md",
     ),
+    ("Speed: 8K, a sixth run 30 minutes later (one core busy)", "bench_latency_speed_fp32_vnni_run6.md"),
     ("Speed: decode vs DynamicCache, fp32 (CPU), the kernel's AVX2 build", "bench_latency_speed_fp32.md"),
     ("Speed: decode vs DynamicCache at 32K, fp32 (CPU)", "bench_latency_speed_fp32_32k.md"),
     ("Speed: decode vs DynamicCache, bf16 (CPU)", "bench_latency_speed_bf16.md"),
