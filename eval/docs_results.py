@@ -60,6 +60,7 @@ REPORTS = (
         "bench_latency_speed_fp32_vnni_run5.md",
     ),
     ("Speed: 8K, a sixth run 30 minutes later (one core busy)", "bench_latency_speed_fp32_vnni_run6.md"),
+    ("Speed: 8K and 16K, a seventh run (CI running on the other core)", "bench_latency_speed_fp32_vnni_run7.md"),
     ("Speed: decode vs DynamicCache, fp32 (CPU), the kernel's AVX2 build", "bench_latency_speed_fp32.md"),
     ("Speed: decode vs DynamicCache at 32K, fp32 (CPU)", "bench_latency_speed_fp32_32k.md"),
     ("Speed: decode vs DynamicCache, bf16 (CPU)", "bench_latency_speed_bf16.md"),
