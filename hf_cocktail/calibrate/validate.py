@@ -77,11 +77,17 @@ def filled_cache(tok, prep: Prepared, config: CocktailConfig, encoder=None) -> C
     return cache
 
 
+def byte_ratios(cache: CocktailCache) -> tuple[float, float]:
+    """``(quantized, whole)`` from one ``memory_report()``: everything the cache holds for its Cocktail layers (codes,
+    scales, the full part at FP16 size, rotation and index tensors, the plans' positions and the salient tokens'
+    attention masses) over their FP16 bytes, what a user's report says of the preset; and the whole cache's ratio."""
+    rep = cache.memory_report()
+    return float(rep["quantized_layers_ratio_to_fp16"]), float(rep["ratio_to_fp16"])
+
+
 def quantized_ratio(cache: CocktailCache) -> float:
-    """``memory_report()["quantized_layers_ratio_to_fp16"]``: everything the cache holds for its Cocktail layers
-    (codes, scales, the full part at FP16 size, rotation and index tensors, the plans' positions and the salient
-    tokens' attention masses) over their FP16 bytes, what a user's report says of the preset."""
-    return float(cache.memory_report()["quantized_layers_ratio_to_fp16"])
+    """``memory_report()["quantized_layers_ratio_to_fp16"]`` (see :func:`byte_ratios`)."""
+    return byte_ratios(cache)[0]
 
 
 def bytes_ratio(tok, prep: Prepared, config: CocktailConfig, encoder=None) -> float:
@@ -93,7 +99,7 @@ def bytes_ratio(tok, prep: Prepared, config: CocktailConfig, encoder=None) -> fl
 def measure(model, tok, prep: Prepared, config: CocktailConfig, encoder=None) -> dict:
     """``{"kld", "top1", "quantized_ratio", "cache_ratio"}`` of ``config`` on one window."""
     cache = filled_cache(tok, prep, config, encoder)
-    q_ratio, c_ratio = quantized_ratio(cache), float(cache.memory_report()["ratio_to_fp16"])
+    q_ratio, c_ratio = byte_ratios(cache)
     kl, agree = kl_and_top1(prep.ref_logits, teacher_force(model, cache, prep.continuation, False))
     return {
         "kld": float(kl.mean()),

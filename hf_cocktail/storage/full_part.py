@@ -149,6 +149,11 @@ class FullPart:
         """``(B, H_kv, R, D)``."""
         return self.keys.shape
 
+    @property
+    def rotates_appends(self) -> bool:
+        """Whether :meth:`append` takes the storage rotation and rotates the new tokens itself (a fused writer set)."""
+        return self.write is not None
+
     def split_path_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """What a decode ``update`` returns on the split path, where attention reads the store, not these: the keys
         and values themselves (views, no copy)."""
@@ -263,6 +268,11 @@ class Int8FullPart:
 
     def index_bytes(self) -> int:
         return self.codes.index_bytes() + self.scales.index_bytes()
+
+    @property
+    def rotates_appends(self) -> bool:
+        """Whether :meth:`append` takes the storage rotation and rotates the new tokens itself (a fused writer set)."""
+        return self.write8 is not None
 
     def select(self, indices: list[int]) -> Int8FullPart:
         return Int8FullPart(self.codes.select(indices), self.scales.select(indices), self.dtype, self.write8)

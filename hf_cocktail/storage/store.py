@@ -295,7 +295,7 @@ class LayerStore:
         rotation, full = self.rotation, self.full
         if rotation is None:
             full.append(k, v)
-        elif (full.write8 if isinstance(full, Int8FullPart) else full.write) is not None:  # a fused writer rotates
+        elif full.rotates_appends:
             full.append(k, v, (rotation.keys, rotation.values))
         else:
             full.append(*rotation.rotate_pair(k, v))
