@@ -27,6 +27,7 @@ from hf_cocktail.calibrate.texts import make_window, read_texts
 from hf_cocktail.calibrate.validate import prepare
 from hf_cocktail.presets.config import CocktailConfig
 from hf_cocktail.storage import params8
+from hf_cocktail.storage.rotation import ROTATIONS
 
 from ..cli import UsageError, run_cli
 from .cli import held_out_texts, load
@@ -73,8 +74,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
     rotation = None if args.rotation == "none" else args.rotation
-    if rotation not in (None, "hadamard", "hadamard_keys", "hadamard_values"):
-        raise UsageError(f"--rotation must be none, hadamard, hadamard_keys or hadamard_values, got {args.rotation!r}")
+    if rotation not in ROTATIONS:
+        raise UsageError(f"--rotation must be none or one of {[r for r in ROTATIONS if r]}, got {args.rotation!r}")
     torch.set_num_threads(args.threads)
     model, tok = load(args.model)
     layers = cocktail_layer_indices(model.config)
