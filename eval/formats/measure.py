@@ -108,28 +108,46 @@ class WindowProbe:
     def cache(self, setting: Setting | None) -> tuple[DynamicCache, dict[str, float]]:
         """A copy of the prefill with the quantized layers' context as ``setting`` stores it (``None``: unchanged),
         and the mean outlier fraction of the keys and of the values."""
-        cache = DynamicCache(config=self.model.config)
-        s, e = self.prep.span
         fracs: dict[str, list[float]] = {"k": [], "v": []}
-        for i, src in enumerate(self.prep.prefill.layers):
-            if i not in self.layers or setting is None:
-                cache.layers[i] = copy.deepcopy(src)
-                continue
-            kv = {"k": src.keys.clone(), "v": src.values.clone()}
+        contexts: dict[int, dict[str, torch.Tensor]] = {}
+        for i in self.layers if setting is not None else ():
+            contexts[i] = {}
             for one in setting.side:
-                y, frac = self.context(i, one, setting.fmt, setting.width(one))
-                kv[one][0, :, s:e] = y
+                contexts[i][one], frac = self.context(i, one, setting.fmt, setting.width(one))
                 fracs[one].append(frac)
-            cache.update(kv["k"], kv["v"], i)
-        return cache, {k: sum(v) / len(v) for k, v in fracs.items() if v}
+        return replaced_cache(self.model, self.prep, contexts), {k: sum(v) / len(v) for k, v in fracs.items() if v}
 
     @torch.no_grad()
     def kl(self, setting: Setting | None) -> dict:
         """``{"kld", "top1", "outliers"}``: mean KL and top-1 agreement over the continuation, outlier fractions."""
         cache, fracs = self.cache(setting)
-        logits = teacher_force(self.model, cache, self.prep.continuation, False)
-        kl, agree = kl_and_top1(self.prep.ref_logits, logits)
-        return {"kld": float(kl.mean()), "top1": float(agree.double().mean()), "outliers": fracs}
+        return {**continuation_kl(self.model, self.prep, cache), "outliers": fracs}
+
+
+def replaced_cache(model, prep: Prepared, contexts: dict[int, dict[str, torch.Tensor]]) -> DynamicCache:
+    """A copy of ``prep``'s FP16 prefill in which layer ``i``'s context keys (``contexts[i]["k"]``) and values
+    (``contexts[i]["v"]``), each ``(H_kv, N, D)`` for the context span, replace the stored ones (cast to the cache's
+    dtype); layers and sides not named are copied unchanged."""
+    cache = DynamicCache(config=model.config)
+    s, e = prep.span
+    for i, src in enumerate(prep.prefill.layers):
+        if i not in contexts:
+            cache.layers[i] = copy.deepcopy(src)
+            continue
+        kv = {"k": src.keys.clone(), "v": src.values.clone()}
+        for one, y in contexts[i].items():
+            kv[one][0, :, s:e] = y.to(kv[one].dtype)
+        cache.update(kv["k"], kv["v"], i)
+    return cache
+
+
+@torch.no_grad()
+def continuation_kl(model, prep: Prepared, cache: DynamicCache) -> dict[str, float]:
+    """``{"kld", "top1"}``: mean KL(P_fp16 || P) and top-1 agreement over ``prep``'s teacher-forced continuation
+    through ``cache``."""
+    logits = teacher_force(model, cache, prep.continuation, False)
+    kl, agree = kl_and_top1(prep.ref_logits, logits)
+    return {"kld": float(kl.mean()), "top1": float(agree.double().mean())}
 
 
 def measure_window(probe: WindowProbe, grid: list[Setting], tick: Callable[[], None] = lambda: None) -> dict:
