@@ -16,6 +16,23 @@ BASE = dict(chunk_size=8, group_size=16, alpha=0.3, beta=0.3, rotation="hadamard
 GEN = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True)
 
 
+@pytest.fixture
+def recorded_masses(monkeypatch):
+    """``masses[layer]``: the salient mass of the first sequence that the last prefill recorded for ``layer`` (a copy
+    taken as it is recorded: the cache keeps the chosen positions in its place)."""
+    import hf_cocktail.cache.cache as cache_module
+
+    masses: dict[int, torch.Tensor] = {}
+    record = cache_module.record_layer_mass
+
+    def spy(plans, query, key, scaling, layer_idx, prompt_end):
+        record(plans, query, key, scaling, layer_idx, prompt_end)
+        masses[layer_idx] = plans[0].layer_mass[layer_idx].clone()
+
+    monkeypatch.setattr(cache_module, "record_layer_mass", spy)
+    return masses
+
+
 def run(tok, config, attn="cocktail", prompt=None, seed=0, **generate_kwargs):
     prompt, ctx, q = prompt or make_prompt(120, needle_at=60)
     model = make_tiny_llama(attn=attn, head_dim=32, seed=seed)
@@ -44,7 +61,7 @@ def test_salient_positions_take_the_top_fraction_of_the_packed_tokens_and_move_t
     assert ties.tolist() == [2, 3]
 
 
-def test_layer_mass_is_the_eager_attention_from_the_tokens_after_the_context(tiny_tokenizer):
+def test_layer_mass_is_the_eager_attention_from_the_tokens_after_the_context(tiny_tokenizer, recorded_masses):
     _, cache, inputs = run(tiny_tokenizer, CocktailConfig(**BASE, salient_tokens=0.1))
     plan = cache._plans[0]
     eager = make_tiny_llama(attn="eager", head_dim=32)
@@ -52,7 +69,28 @@ def test_layer_mass_is_the_eager_attention_from_the_tokens_after_the_context(tin
         att = eager(**inputs, output_attentions=True).attentions  # per layer (B, H_q, L, L)
     for layer in range(2):
         ref = att[layer][0, :, plan.ctx_end :, plan.ctx_start : plan.ctx_end].sum((0, 1))
-        torch.testing.assert_close(plan.layer_mass[layer], ref, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(recorded_masses[layer], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_the_plans_keep_each_layers_salient_positions_instead_of_its_mass(tiny_tokenizer, recorded_masses):
+    _, cache, _ = run(tiny_tokenizer, CocktailConfig(**BASE, salient_tokens=0.1))
+    plan = cache._plans[0]
+    n_ctx = plan.ctx_end - plan.ctx_start
+    n = round(0.1 * sum(p.numel() for part, p in plan.positions.items() if part != "full"))
+    assert plan.layer_mass == {} and sorted(plan.layer_salient) == [0, 1]
+    for layer, kept in plan.layer_salient.items():
+        assert kept.dtype == torch.long and kept.numel() == n
+        assert torch.equal(kept, salient_positions(recorded_masses[layer], plan.positions, plan.ctx_start, 0.1))
+    # the plans' bytes: n int64 positions per layer where there were n_ctx fp32 masses
+    plain = cache.memory_report()["index_bytes"]
+    plan.layer_mass = dict(recorded_masses)
+    assert cache.memory_report()["index_bytes"] - plain == 2 * n_ctx * 4
+    # a new mass (a new prefill of the layer) replaces the positions chosen from the old one
+    from hf_cocktail.planning.salient import record_layer_mass
+
+    q, k = torch.randn(1, 4, 8, 32), torch.randn(1, 2, plan.ctx_end + 8, 32)
+    record_layer_mass([plan], q, k, 0.2, 1, plan.ctx_end + 8)
+    assert sorted(plan.layer_salient) == [0]
 
 
 def test_tail_attention_mass_reads_the_last_queries_and_refuses_too_few():
@@ -74,7 +112,7 @@ def test_tail_attention_mass_reads_the_last_queries_and_refuses_too_few():
     torch.testing.assert_close(tail_attention_mass(q, k, 0.3, pad, *ctx, prompt_end=40), whole)
 
 
-def test_each_layer_keeps_its_own_salient_tokens_at_full_precision(tiny_tokenizer):
+def test_each_layer_keeps_its_own_salient_tokens_at_full_precision(tiny_tokenizer, recorded_masses):
     _, plain, _ = run(tiny_tokenizer, CocktailConfig(**BASE))
     out, cache, _ = run(tiny_tokenizer, CocktailConfig(**BASE, salient_tokens=0.1))
     plan = cache._plans[0]
@@ -85,7 +123,7 @@ def test_each_layer_keeps_its_own_salient_tokens_at_full_precision(tiny_tokenize
     for layer, base in zip(cache.layers, plain.layers):
         assert layer.store.full.length == base.store.full.length + n
         assert sum(s.num_tokens for s in layer.store.segments) == sum(s.num_tokens for s in base.store.segments) - n
-        top = salient_positions(plan.layer_mass[layer.layer_idx], plan.positions, plan.ctx_start, 0.1)
+        top = salient_positions(recorded_masses[layer.layer_idx], plan.positions, plan.ctx_start, 0.1)
         assert cache.layer_positions(layer.layer_idx)[0]["full"].tolist() == sorted(
             plan.positions["full"].tolist() + top.tolist()
         )
@@ -211,19 +249,22 @@ def test_assisted_decoding_keeps_the_salient_tokens_and_logits_of_plain_greedy(t
     prompt's rows only (before the fix, 4-6 of the 28 kept tokens per layer differed and logits moved by ~5e-3)."""
     import hf_cocktail.cache.cache as cache_module
 
+    masses = {}
     ctx = " ".join(make_prompt(120)[1].split())
     tail = " ".join(ctx.split()[10:14])  # the prompt ends with words of the context: prompt lookup finds candidates
     prompt = (f"<s> w1 {ctx} w2 {tail}", ctx, tail)
     forward_lengths = []
     record = cache_module.record_layer_mass
 
-    def spy(plans, query, key, *args):
+    def spy(plans, query, key, scaling, layer_idx, prompt_end):
         forward_lengths.append(key.shape[2])
-        return record(plans, query, key, *args)
+        record(plans, query, key, scaling, layer_idx, prompt_end)
+        masses[layer_idx] = plans[0].layer_mass[layer_idx].clone()
 
     monkeypatch.setattr(cache_module, "record_layer_mass", spy)
     config = CocktailConfig(**BASE, salient_tokens=0.1)
     plain, pcache, _ = run(tiny_tokenizer, config, prompt=prompt)
+    plain_masses = dict(masses)
     forward_lengths.clear()
     draft = make_tiny_llama(attn="sdpa", head_dim=32, layers=1, seed=1)
     kw = dict(prompt_lookup_num_tokens=3) if assisted == "prompt_lookup" else dict(assistant_model=draft)
@@ -231,6 +272,6 @@ def test_assisted_decoding_keeps_the_salient_tokens_and_logits_of_plain_greedy(t
     assert min(forward_lengths) > inputs["input_ids"].shape[1]  # the first forward did hold candidates
     for layer in range(2):
         assert torch.equal(cache.layer_positions(layer)[0]["full"], pcache.layer_positions(layer)[0]["full"])
-        torch.testing.assert_close(cache._plans[0].layer_mass[layer], pcache._plans[0].layer_mass[layer])
+        torch.testing.assert_close(masses[layer], plain_masses[layer])
     assert torch.equal(out.sequences, plain.sequences)
     torch.testing.assert_close(torch.stack(out.logits), torch.stack(plain.logits), atol=1e-5, rtol=1e-5)

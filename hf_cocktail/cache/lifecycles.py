@@ -114,7 +114,7 @@ class CacheLifecycles:
         if plan.pad:
             raise ValueError("requery() needs an unpadded prompt")
         plan.query = query
-        plan.layer_mass = {}  # salient_tokens: the new question's prefill attention decides again
+        plan.layer_mass, plan.layer_salient = {}, {}  # salient_tokens: the new question's prefill attention decides
         self.run_search()
         self._input_ids = ids.clone()
         self.prompt_len = ids.shape[1]

@@ -41,7 +41,7 @@ def plan_tensors(plans: Sequence[Any] | None, input_ids: torch.Tensor | None) ->
     """The tensors a cache's plans hold (token positions, attention masses) and the prepared prompt's ids."""
     out: list[torch.Tensor | None] = [input_ids]
     for plan in plans or []:
-        out += [*plan.positions.values(), *plan.layer_mass.values(), plan.attn_mass]
+        out += [*plan.positions.values(), *plan.layer_mass.values(), *plan.layer_salient.values(), plan.attn_mass]
     return [t for t in out if t is not None]
 
 

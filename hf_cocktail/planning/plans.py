@@ -30,6 +30,7 @@ class SequencePlan:
     query_span: tuple[int, int] = (0, 0)  # token span of the query inside the prompt (scorer="attention")
     attn_mass: torch.Tensor | None = None  # (ctx_end - ctx_start,) attention mass from the query tokens
     layer_mass: dict = field(default_factory=dict)  # salient_tokens: layer -> mass from the tokens after the context
+    layer_salient: dict = field(default_factory=dict)  # salient_tokens: layer -> its salient positions (from the mass)
 
     @property
     def num_chunks(self) -> int:

@@ -107,16 +107,32 @@ def record_layer_mass(
     query rows only (``prompt_end``: its length). ``query (B, H_q, L_q, D)``, ``key (B, H_kv, L, D)``."""
     for b, plan in enumerate(plans):
         mass = tail_attention_mass(query[b], key[b], scaling, plan.pad, plan.ctx_start, plan.ctx_end, prompt_end)
-        plan.layer_mass = {**plan.layer_mass, layer_idx: mass.cpu()}  # a new dict: beam rows share the old one
+        # new dicts: beam rows share the old ones; a new mass replaces the layer's salient positions chosen before
+        plan.layer_mass = {**plan.layer_mass, layer_idx: mass.cpu()}
+        plan.layer_salient = without(plan.layer_salient, layer_idx)
+
+
+def without(d: dict, key) -> dict:
+    """A copy of ``d`` without ``key``."""
+    return {k: v for k, v in d.items() if k != key}
 
 
 def with_salient(positions: dict, plan: SequencePlan, layer_idx: int, fraction: float) -> dict:
-    """Layer ``layer_idx``'s ``positions`` of one sequence with its salient tokens moved to ``"full"``."""
-    mass = plan.layer_mass.get(layer_idx)
-    if mass is None:
-        raise RuntimeError(
-            f"salient_tokens={fraction} keeps the context tokens the question attends to most, read from the "
-            f"prefill attention, and layer {layer_idx} saw none: load the model with attn_implementation='cocktail' "
-            "(or pass prefill_queries to load_prefill)"
-        )
-    return move_to_full(positions, salient_positions(mass, plan.positions, plan.ctx_start, fraction))
+    """Layer ``layer_idx``'s ``positions`` of one sequence with its salient tokens moved to ``"full"``.
+
+    The first call for a layer chooses its salient positions from the layer's prefill mass and keeps them in
+    ``plan.layer_salient`` in place of the mass (``round(fraction * n)`` int64 positions instead of one fp32 per
+    context token: the plans' share of ``memory_report()``); later calls reuse them."""
+    salient = plan.layer_salient.get(layer_idx)
+    if salient is None:
+        mass = plan.layer_mass.get(layer_idx)
+        if mass is None:
+            raise RuntimeError(
+                f"salient_tokens={fraction} keeps the context tokens the question attends to most, read from the "
+                f"prefill attention, and layer {layer_idx} saw none: load the model with "
+                "attn_implementation='cocktail' (or pass prefill_queries to load_prefill)"
+            )
+        salient = salient_positions(mass, plan.positions, plan.ctx_start, fraction)
+        plan.layer_salient = {**plan.layer_salient, layer_idx: salient}
+        plan.layer_mass = without(plan.layer_mass, layer_idx)
+    return move_to_full(positions, salient)
