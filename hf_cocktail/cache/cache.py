@@ -374,10 +374,10 @@ class CocktailCache(CacheLifecycles, HybridStates, Cache):
     def nbytes(self) -> int:
         """Bytes really held by the cache: every tensor of its layers (packed codes, scales/zeros, the full part and
         its room for appended tokens, the rotation matrices counted once, offsets cached on the device, every tensor
-        of the model's own sliding-window / hybrid layers) and of its plans (token positions, attention masses, the
-        prompt's ids); the optional CPU context copy of ``keep_context_copy`` is reported apart by
-        :meth:`memory_report`. Rotation matrices are shared with other caches (:mod:`.rotation`) and counted in
-        each."""
+        of the model's own sliding-window / hybrid layers) and of its plans (token positions, attention masses,
+        salient positions, the prompt's ids); the optional CPU context copy of ``keep_context_copy`` is reported
+        apart by :meth:`memory_report`. Rotation matrices are shared with other caches (:mod:`.rotation`) and
+        counted in each."""
         return self.memory_report()["total_bytes"]
 
     def memory_report(self) -> dict[str, Any]:

@@ -38,7 +38,7 @@ def object_tensors(obj: Any) -> list[torch.Tensor]:
 
 
 def plan_tensors(plans: Sequence[Any] | None, input_ids: torch.Tensor | None) -> list[torch.Tensor]:
-    """The tensors a cache's plans hold (token positions, attention masses) and the prepared prompt's ids."""
+    """The tensors a cache's plans hold (token positions, attention masses, salient positions) and the prompt's ids."""
     out: list[torch.Tensor | None] = [input_ids]
     for plan in plans or []:
         out += [*plan.positions.values(), *plan.layer_mass.values(), *plan.layer_salient.values(), plan.attn_mass]
@@ -57,8 +57,8 @@ def memory_report(
     """Breakdown of every byte the cache holds plus what the model's default cache would hold in FP16 for the same
     tokens. ``total_bytes``: packed codes, scales and zeros, the full part's tokens (``full_precision_bytes``) and
     its room for the next appended tokens (``headroom_bytes``), the rotation matrices (each once), the index tensors
-    (offsets cached on the device, the plans' token positions and attention masses, the prompt's ids:
-    ``index_bytes``, from ``plan_bytes`` and the stores) and the model's own (sliding-window) layers
+    (offsets cached on the device, the plans' token positions, attention masses and salient positions, the
+    prompt's ids: ``index_bytes``, from ``plan_bytes`` and the stores) and the model's own (sliding-window) layers
     (``native_bytes``: every tensor they hold). ``ratio_to_fp16`` divides the same total, with full-precision
     tensors at 2 bytes per element (an FP16 deployment, even for fp32 models; ``native_deployed_bytes``: the native
     layers so counted), by the FP16 key/value bytes of the tokens held (``native_fp16_bytes`` for the native
