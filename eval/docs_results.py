@@ -18,6 +18,18 @@ REPORTS = (
     ("SmolLM2-135M-Instruct: KL divergence from FP16, 2K LongBench windows and needles", "kld/summary.md"),
     (
         "SmolLM2-135M-Instruct: the preset as its calibrate command writes it today, same windows",
+        "kld_calibrated_v9/summary.md",
+    ),
+    (
+        "SmolLM2-135M-Instruct: the preset on 16 essays at a 0.24 target (superseded)",
+        "kld_calibrated_v8/summary.md",
+    ),
+    (
+        "SmolLM2-135M-Instruct: the preset on 10 essays after the salient positions change (superseded)",
+        "kld_calibrated_v7/summary.md",
+    ),
+    (
+        "SmolLM2-135M-Instruct: the command's choice before the plans kept salient positions (superseded)",
         "kld_calibrated_v6/summary.md",
     ),
     (
@@ -37,19 +49,32 @@ REPORTS = (
     ("Gemma 3 270M: KL divergence from FP16, 2K LongBench windows and needles", "gemma3_270m/kld/summary.md"),
     (
         "Gemma 3 270M: uniform INT4 and the preset as its calibrate command writes it today",
+        "gemma3_270m/kld_v4/summary.md",
+    ),
+    (
+        "Gemma 3 270M: uniform INT4 and the command's choice before the plans kept salient positions (superseded)",
         "gemma3_270m/kld_v3/summary.md",
     ),
     (
         "Gemma 3 270M: uniform INT4 and the preset before, 8-bit scales and zeros as the nearest codes",
         "gemma3_270m/kld_nearest/summary.md",
     ),
-    ("Gemma 3 270M: RULER-style needles, today's preset (64 cases)", "gemma3_270m/ruler_v2/ruler_summary.md"),
-    ("Gemma 3 270M: RULER-style needles, the preset before (32 cases)", "gemma3_270m/ruler/ruler_summary.md"),
+    ("Gemma 3 270M: RULER-style needles, today's preset (64 cases)", "gemma3_270m/ruler_v3/ruler_summary.md"),
+    ("Gemma 3 270M: RULER-style needles, the preset before (64 cases)", "gemma3_270m/ruler_v2/ruler_summary.md"),
+    ("Gemma 3 270M: RULER-style needles, an earlier preset (32 cases)", "gemma3_270m/ruler/ruler_summary.md"),
     ("Gemma 3 270M: perplexity over the quantized context", "gemma3_270m/ppl/summary.md"),
     ("Gemma 3 270M: chunk search on calibrated caps, low targets", "calibrate_search/gemma-3-270m/summary.md"),
     (
         "SmolLM2-135M-Instruct: chunk search on calibrated caps, low targets",
         "calibrate_search/smollm2-135m-instruct/summary.md",
+    ),
+    (
+        "Gemma 3 270M: code widths by importance, fake quantization (a format no store holds yet)",
+        "formats/widths/gemma-3-270m/summary.md",
+    ),
+    (
+        "SmolLM2-135M-Instruct: code widths by importance, fake quantization (a format no store holds yet)",
+        "formats/widths/smollm2-135m-instruct/summary.md",
     ),
     ("Speed: decode vs DynamicCache, fp32 (CPU), the kernel's AVX-512 VNNI build", "bench_latency_speed_fp32_vnni.md"),
     ("Speed: the same, a second run 40 minutes later", "bench_latency_speed_fp32_vnni_run2.md"),
@@ -61,6 +86,18 @@ REPORTS = (
     ),
     ("Speed: 8K, a sixth run 30 minutes later (one core busy)", "bench_latency_speed_fp32_vnni_run6.md"),
     ("Speed: 8K and 16K, a seventh run (CI running on the other core)", "bench_latency_speed_fp32_vnni_run7.md"),
+    (
+        "Speed: 8K and 16K on the Intel machine, the SmolLM2 preset regenerated again (one core busy)",
+        "bench_latency_speed_fp32_vnni_run8.md",
+    ),
+    (
+        "Speed: 8K and 16K on the Intel machine, the preset on 16 essays at 0.24",
+        "bench_latency_speed_fp32_vnni_run9.md",
+    ),
+    ("Speed: 8K and 16K on the Intel machine, today's SmolLM2 preset", "bench_latency_speed_fp32_vnni_run10.md"),
+    ("Speed: 32K on the Intel machine, fp32", "bench_latency_speed_fp32_32k_v2.md"),
+    ("Speed: bf16 on the Intel machine", "bench_latency_speed_bf16_v2.md"),
+    ("Speed: Gemma 3 270M on the Intel machine, its regenerated preset", "bench_latency_speed_gemma3_v2.md"),
     ("Speed: decode vs DynamicCache, fp32 (CPU), the kernel's AVX2 build", "bench_latency_speed_fp32.md"),
     ("Speed: decode vs DynamicCache at 32K, fp32 (CPU)", "bench_latency_speed_fp32_32k.md"),
     ("Speed: decode vs DynamicCache, bf16 (CPU)", "bench_latency_speed_bf16.md"),
@@ -85,19 +122,19 @@ HEADLINE = (
     (
         "SmolLM2-135M-Instruct",
         (
-            ("uniform INT4", "kld_calibrated_v6/summary.csv", "int4"),
+            ("uniform INT4", "kld_calibrated_v9/summary.csv", "int4"),
             ("`CocktailConfig()` (paper)", "kld/summary.csv", "cocktail"),
             ("`CocktailConfig.recommended()`", "kld/summary.csv", "int4v3_had_g64"),
-            ("calibrated preset", "kld_calibrated_v6/summary.csv", "preset"),
+            ("calibrated preset", "kld_calibrated_v9/summary.csv", "preset"),
         ),
     ),
     (
         "Gemma 3 270M",
         (
-            ("uniform INT4", "gemma3_270m/kld_v3/summary.csv", "int4"),
+            ("uniform INT4", "gemma3_270m/kld_v4/summary.csv", "int4"),
             ("`CocktailConfig()` (paper)", "gemma3_270m/kld/summary.csv", "cocktail"),
             ("`CocktailConfig.recommended()`", "gemma3_270m/kld/summary.csv", "recommended"),
-            ("calibrated preset", "gemma3_270m/kld_v3/summary.csv", "preset"),
+            ("calibrated preset", "gemma3_270m/kld_v4/summary.csv", "preset"),
         ),
     ),
 )
@@ -125,7 +162,14 @@ def _section(title: str, rel: str, root: str) -> list[str]:
         return head + ["", "Not measured yet (no report in the repository).", ""]
     body = open(path, encoding="utf-8").read().strip().split("\n")
     body = [re.sub(r"^#+ ", "#### ", line) if line.startswith("#") else line for line in body]
-    return head + [""] + _labelled("\n".join(body)).split("\n") + [""]
+    return head + [""] + _labelled(_images_from_docs("\n".join(body), rel)).split("\n") + [""]
+
+
+def _images_from_docs(text: str, rel: str) -> str:
+    """``text`` with each image a report links beside itself (``![..](name.png)``) linked from ``docs/`` instead."""
+    folder = os.path.dirname(rel)
+    where = "/".join(p for p in ("..", RESULTS, folder) if p)
+    return re.sub(r"!\[([^\]]*)\]\((?!https?:|/|\.\.)([^)]+)\)", rf"![\1]({where}/\2)", text)
 
 
 def results_md(root: str = ROOT) -> str:

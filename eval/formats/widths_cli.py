@@ -57,6 +57,7 @@ MODULE = "eval.formats.widths_cli"
 PARAM_BITS = 1.0  # fp16 scale + zero per C = 32 key tokens / G = 32 value channels: 32 / 32 bits per element
 PARAM_BITS_8 = 0.5  # the same with the package's 8-bit parameters (scale_bits=8)
 REFERENCE = "uniform K4/V4"
+WINDOW_TOKENS, QUESTION_TOKENS, CONTINUATION_TOKENS = 2048, 64, 32  # as eval.formats cuts its windows
 
 
 def _pairs(text: str, arg: str) -> list[tuple[float, float]]:
@@ -101,9 +102,10 @@ def card_texts(model_name: str) -> list[str]:
 
 
 def windows(tok, paths: list[str], n: int) -> list:
+    """The first ``n`` windows of ``paths`` long enough, cut as calibration cuts them."""
     out = []
     for name, text in read_texts(paths):
-        w = make_window(tok, name, text, 2048, 64, 32)
+        w = make_window(tok, name, text, WINDOW_TOKENS, QUESTION_TOKENS, CONTINUATION_TOKENS)
         if w is not None and len(out) < n:
             out.append(w)
     return out
