@@ -132,10 +132,15 @@ def test_one_tiny_window_end_to_end(tiny_tokenizer, tmp_path):
     assert by["widths 234 K4/V4"]["kld"] == pytest.approx(by["uniform K4/V4"]["kld"], rel=1e-6)
     assert by["widths 2348 K3/V3"]["key_bits"] <= 3.0
     rows = aggregate([rec, {**rec, "window": "other"}])
-    assert {r["setting"]: r["windows"] for r in rows}["uniform K3/V3"] == 2
+    by_row = {r["setting"]: r for r in rows}
+    assert by_row["uniform K3/V3"]["windows"] == 2
+    d = by_row["uniform K3/V3"]["vs_reference"]
+    want = by["uniform K3/V3"]["kld"] - by["uniform K4/V4"]["kld"]
+    assert d["mean"] == pytest.approx(want) and d["lo"] == pytest.approx(want) and (d["lower"], d["n"]) == (0, 2)
     meta = {"calibration": ["calib"], "texts": ["held"], "layers": layers, "chunk_size": 32, "group_size": 32}
     write_summary(str(tmp_path), "tiny", meta, rows, [{"command": "python -m x", "commit": "abc", "runtime_s": 1}])
     plot(str(tmp_path), "tiny", rows)
     summary = (tmp_path / "summary.md").read_text()
     assert "| widths 2348 K3/V3 |" in summary and "`python -m x` (commit abc" in summary
+    assert f"{want:+.5f} [{want:+.5f}, {want:+.5f}], 0/2 lower" in summary
     assert (tmp_path / "widths.png").stat().st_size > 0

@@ -39,6 +39,7 @@ from ..paths import REPO_ROOT
 from ..records import append_jsonl, iter_jsonl, write_json
 from ..reporting import pyplot
 from ..run_info import command_line, git_commit, hardware_info
+from ..stats import bootstrap_mean
 from .cli import held_out_texts, load
 from .measure import continuation_kl, replaced_cache
 from .widths import (
@@ -205,14 +206,19 @@ def histograms(calib: Calibration, args) -> dict:
 
 
 def aggregate(records: list[dict]) -> list[dict]:
-    """Mean KLD, top-1 and code widths per setting over the windows, with bits per element."""
-    by: dict[str, list[dict]] = {}
+    """Mean KLD, top-1 and code widths per setting over the windows, with bits per element, and the paired
+    difference from :data:`REFERENCE` (mean, 95% bootstrap interval over the windows, windows lower)."""
+    by: dict[str, dict[str, dict]] = {}
     for rec in records:
         for s in rec["settings"]:
-            by.setdefault(s["setting"], []).append(s)
+            by.setdefault(s["setting"], {})[rec["window"]] = s
+    ref = by.get(REFERENCE, {})
     rows = []
-    for name, ss in by.items():
+    for name, per_window in by.items():
+        ss = list(per_window.values())
         code = (statistics.fmean(s["key_bits"] for s in ss) + statistics.fmean(s["value_bits"] for s in ss)) / 2
+        diffs = [s["kld"] - ref[w]["kld"] for w, s in per_window.items() if w in ref]
+        mean, lo, hi = bootstrap_mean({"windows": diffs})
         rows.append(
             {
                 "setting": name,
@@ -222,9 +228,18 @@ def aggregate(records: list[dict]) -> list[dict]:
                 "bits_per_element_params8": code + PARAM_BITS_8,
                 "kld": statistics.fmean(s["kld"] for s in ss),
                 "top1": statistics.fmean(s["top1"] for s in ss),
+                "vs_reference": {"mean": mean, "lo": lo, "hi": hi, "lower": sum(d < 0 for d in diffs), "n": len(diffs)},
             }
         )
     return sorted(rows, key=lambda r: (r["code_bits"], r["kld"]))
+
+
+def paired_cell(row: dict) -> str:
+    """``"+0.00012 [+0.00003, +0.00020], 2/12 lower"``, or ``"-"`` for the reference itself or without one."""
+    d = row["vs_reference"]
+    if row["setting"] == REFERENCE or d["mean"] is None:
+        return "-"
+    return f"{d['mean']:+.5f} [{d['lo']:+.5f}, {d['hi']:+.5f}], {d['lower']}/{d['n']} lower"
 
 
 def write_summary(model_dir: str, model: str, meta: dict, rows: list[dict], runs: list[dict]) -> None:
@@ -244,15 +259,19 @@ def write_summary(model_dir: str, model: str, meta: dict, rows: list[dict], runs
         "",
         "![KLD vs code bits](widths.png)",
         "",
-        "| setting | code bits (mean K, V) | bits/element | mean KLD | / " + REFERENCE + " | top-1 | bits/element, "
-        "8-bit params | x FP16, 8-bit params |",
-        "|---|---|---|---|---|---|---|---|",
+        "| setting | code bits (mean K, V) | bits/element | mean KLD | / "
+        + REFERENCE
+        + " | minus "
+        + REFERENCE
+        + ", paired [95% CI] | top-1 | bits/element, 8-bit params | x FP16, 8-bit params |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         rel = f"{r['kld'] / ref['kld']:.2f}" if ref and ref["kld"] > 0 else "-"
         lines.append(
             f"| {r['setting']} | {r['code_bits']:.3f} | {r['bits_per_element']:.3f} | {r['kld']:.5f} | {rel} | "
-            f"{r['top1']:.3f} | {r['bits_per_element_params8']:.3f} | {r['bits_per_element_params8'] / 16:.3f} |"
+            f"{paired_cell(r)} | {r['top1']:.3f} | {r['bits_per_element_params8']:.3f} | "
+            f"{r['bits_per_element_params8'] / 16:.3f} |"
         )
     with open(os.path.join(model_dir, "summary.md"), "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
