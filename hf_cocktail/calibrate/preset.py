@@ -92,7 +92,9 @@ def measurements_markdown(result: CalibrationResult) -> str:
         + f"Calibration texts: {', '.join(result.calibration_windows)}. "
         "Held-out texts: "
         f"{', '.join(result.validation_windows)}. A few held-out texts give a rough mean: the evaluation harness "
-        "(`eval/`) measures presets on more prompts.",
+        "(`eval/`) measures presets on more prompts. The bytes are these windows': prompts whose template and "
+        f"question are longer than {s['question_tokens']} tokens keep more tokens at full precision and land above "
+        "them (calibrate with a lower `--target-bytes` to leave room).",
     ]
     return "\n".join(lines)
 
