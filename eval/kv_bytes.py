@@ -44,11 +44,16 @@ def full_attention_layers(model_config) -> list[int]:
     return [i for i, n in enumerate(layer_token_counts(cfg, huge)) if n == huge]
 
 
-def _per_token_layer_bytes(model_config, batch: int = 1) -> int:
-    """FP16 bytes of one token's key and value in one layer."""
+def kv_geometry(model_config) -> tuple[int, int]:
+    """``(H_kv, D)``: the key/value heads and the head dim of the model's (text) attention."""
     cfg = _text_config(model_config)
     heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def _per_token_layer_bytes(model_config, batch: int = 1) -> int:
+    """FP16 bytes of one token's key and value in one layer."""
+    heads, head_dim = kv_geometry(model_config)
     return int(2 * batch * heads * head_dim * 2)
 
 

@@ -17,7 +17,15 @@ from eval.formats.widths import (
     query_weights,
     values_round_trip,
 )
-from eval.formats.widths_cli import Calibration, aggregate, measure_window, parse_args, plot, write_summary
+from eval.formats.widths_cli import (
+    Calibration,
+    aggregate,
+    measure_window,
+    parse_args,
+    plot,
+    rotated_quantizer,
+    write_summary,
+)
 from hf_cocktail.calibrate.sensitivity import cocktail_layer_indices
 from hf_cocktail.calibrate.texts import Window
 from hf_cocktail.calibrate.validate import prepare
@@ -113,11 +121,12 @@ def test_one_tiny_window_end_to_end(tiny_tokenizer, tmp_path):
     calib_w = Window("calib", "<s> " + random_text(150, seed=4), " w1 w2 what is the code ?", tuple(range(10, 26)))
     held_w = Window("held", "<s> " + random_text(150, seed=3), " w1 w2 w3 what is the code ?", tuple(range(10, 26)))
     layers = cocktail_layer_indices(model.config)
-    calib = Calibration(model, [prepare(model, tiny_tokenizer, calib_w)], layers, 32, 32, rotation="hadamard")
+    calib = Calibration(model, [prepare(model, tiny_tokenizer, calib_w)], layers, 32, 32)
     args = parse_args(
         ["--width-sets", "234,2348", "--budgets", "4:4,3:3", "--uniform", "4:4,3:3", "--rotation", "hadamard"]
     )
-    rec = measure_window(model, prepare(model, tiny_tokenizer, held_w), calib, args)
+    rotated = rotated_quantizer(model, "hadamard", 32, 32)
+    rec = measure_window(model, prepare(model, tiny_tokenizer, held_w), calib, args, rotated)
     by = {s["setting"]: s for s in rec["settings"]}
     assert set(by) == {
         "uniform K4/V4",

@@ -30,6 +30,7 @@ from hf_cocktail.calibrate.validate import prepare
 from hf_cocktail.offline_models import canonical_name, load_offline_model
 
 from ..cli import UsageError, parse_int_list
+from ..kv_bytes import kv_geometry
 from ..models import load_model_and_tokenizer, set_threads
 from ..paths import ESSAY_DIR, REPO_ROOT
 from ..records import append_jsonl, check_settings, iter_jsonl, write_json
@@ -131,9 +132,7 @@ def run_model(args, model_dir: str) -> None:
     """Measure every window not yet in ``model_dir/records.jsonl``."""
     model, tok = load(args.model)
     cfg = CocktailConfig(**args.config_dict)
-    text_cfg = model.config.get_text_config(decoder=True)
-    D = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
-    H = text_cfg.num_key_value_heads
+    H, D = kv_geometry(model.config)
     layers = cocktail_layer_indices(model.config)
     fq = FakeQuantizer(cfg, H, D, model.dtype)
     texts = read_texts(args.texts or held_out_texts())

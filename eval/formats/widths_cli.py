@@ -34,6 +34,7 @@ from hf_cocktail.offline_models import canonical_name
 from hf_cocktail.storage.quant import SUPPORTED_BITS
 
 from ..cli import UsageError
+from ..kv_bytes import kv_geometry
 from ..models import set_threads
 from ..paths import REPO_ROOT
 from ..records import append_jsonl, iter_jsonl, write_json
@@ -116,18 +117,14 @@ class Calibration:
     """Per quantized layer: the query and output weights and the summed per-unit errors over the calibration
     windows, from which each (width set, budget) choice is made once."""
 
-    def __init__(self, model, preps: list[Prepared], layers: list[int], C: int, G: int, rotation: str | None = None):
-        tc = model.config.get_text_config(decoder=True)
-        H = tc.num_key_value_heads
-        D = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    def __init__(self, model, preps: list[Prepared], layers: list[int], C: int, G: int):
+        H, D = kv_geometry(model.config)
         blocks = model.get_decoder().layers
         self.layers, self.C, self.G, self.preps = layers, C, G, preps
         self.wq = {i: query_weights([p.queries[i] for p in preps], H) for i in layers}
         self.wo = {i: output_weights(blocks[i].self_attn.o_proj.weight, H, D) for i in layers}
         self._errors: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        # the package's own rotated round trip at fp16 parameters, for the uniform rows beside
-        cfg = CocktailConfig(rotation=rotation, scale_bits=16, chunk_size=C, group_size=G, scale_dtype="float16")
-        self.rotated = FakeQuantizer(cfg, H, D, model.dtype) if rotation else None
+        self._choices: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def errors(self, layer: int, widths: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         key = (layer, widths)
@@ -140,8 +137,21 @@ class Calibration:
         return self._errors[key]
 
     def choice(self, layer: int, widths: tuple[int, ...], kb: float, vb: float) -> tuple[torch.Tensor, torch.Tensor]:
-        kd, vd = self.errors(layer, widths)
-        return allocate(kd, widths, kb), allocate(vd, widths, vb)
+        """The key and value width choices of ``layer`` (made once, then reused for every window)."""
+        key = (layer, widths, kb, vb)
+        if key not in self._choices:
+            kd, vd = self.errors(layer, widths)
+            self._choices[key] = (allocate(kd, widths, kb), allocate(vd, widths, vb))
+        return self._choices[key]
+
+
+def rotated_quantizer(model, rotation: str | None, C: int, G: int) -> FakeQuantizer | None:
+    """The package's own ``rotation`` round trip at fp16 parameters, for the uniform rows beside (``None``: none)."""
+    if rotation is None:
+        return None
+    H, D = kv_geometry(model.config)
+    cfg = CocktailConfig(rotation=rotation, scale_bits=16, chunk_size=C, group_size=G, scale_dtype="float16")
+    return FakeQuantizer(cfg, H, D, model.dtype)
 
 
 def context(prep: Prepared, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,8 +165,9 @@ def setting_name(widths: tuple[int, ...] | None, kb: float, vb: float) -> str:
     return f"uniform K{kb:g}/V{vb:g}" if widths is None else f"widths {''.join(map(str, widths))} K{kb:g}/V{vb:g}"
 
 
-def measure_window(model, prep: Prepared, calib: Calibration, args) -> dict:
-    """One record: every uniform and allocated setting's KLD, top-1 and mean code widths on ``prep``."""
+def measure_window(model, prep: Prepared, calib: Calibration, args, rotated: FakeQuantizer | None = None) -> dict:
+    """One record: every uniform and allocated setting's KLD, top-1 and mean code widths on ``prep``; ``rotated``
+    (:func:`rotated_quantizer`) adds the uniform widths in the package's rotated storage."""
     C, G = args.chunk_size, args.group_size
     ctx = {i: context(prep, i) for i in calib.layers}
     rows = []
@@ -166,10 +177,9 @@ def measure_window(model, prep: Prepared, calib: Calibration, args) -> dict:
         }
         kl = continuation_kl(model, prep, replaced_cache(model, prep, contexts))
         rows.append({"setting": setting_name(None, kb, vb), "key_bits": kb, "value_bits": vb, **kl})
-        if calib.rotated is not None:
+        if rotated is not None:
             contexts = {
-                i: {"k": calib.rotated.keys(k, int(kb)), "v": calib.rotated.values(v, int(vb))}
-                for i, (k, v) in ctx.items()
+                i: {"k": rotated.keys(k, int(kb)), "v": rotated.values(v, int(vb))} for i, (k, v) in ctx.items()
             }
             kl = continuation_kl(model, prep, replaced_cache(model, prep, contexts))
             name = f"uniform {args.rotation} K{kb:g}/V{vb:g}"
@@ -321,7 +331,8 @@ def main(argv=None) -> int:
     calib_wins = windows(tok, args.calib_texts or card_texts(name), args.n_calib)
     held = windows(tok, held_out_texts(), args.n_texts)
     preps = [prepare(model, tok, w) for w in calib_wins]
-    calib = Calibration(model, preps, layers, args.chunk_size, args.group_size, args.rotation)
+    calib = Calibration(model, preps, layers, args.chunk_size, args.group_size)
+    rotated = rotated_quantizer(model, args.rotation, args.chunk_size, args.group_size)
     model_dir = os.path.join(args.out_dir, name)
     os.makedirs(model_dir, exist_ok=True)
     path = os.path.join(model_dir, "records.jsonl")
@@ -340,7 +351,7 @@ def main(argv=None) -> int:
     }
     write_json(os.path.join(model_dir, "settings.json"), meta)
     for w in tqdm(held, desc=f"{name} windows"):
-        append_jsonl(path, measure_window(model, prepare(model, tok, w), calib, args))
+        append_jsonl(path, measure_window(model, prepare(model, tok, w), calib, args, rotated))
     runs_path = os.path.join(model_dir, "runs.jsonl")
     if os.path.isfile(runs_path):
         os.remove(runs_path)
