@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -14,9 +15,10 @@ from hf_cocktail import CocktailConfig
 from hf_cocktail.calibrate import calibrate_model, run
 from hf_cocktail.calibrate.candidates import largest_fitting, rotation_suffix
 from hf_cocktail.calibrate.cli import main
+from hf_cocktail.calibrate.recall import recall_window
 from hf_cocktail.calibrate.sensitivity import cocktail_layer_indices
 from hf_cocktail.calibrate.solve import layer_deltas, solve
-from hf_cocktail.calibrate.texts import read_texts, split_windows
+from hf_cocktail.calibrate.texts import Window, read_texts, split_windows
 
 from .conftest import make_tiny_llama, random_text
 from .test_architectures import make_model
@@ -44,6 +46,33 @@ def test_option_deltas_add_the_key_and_value_deltas_measured_around_the_base():
     (d,) = layer_deltas([rec], [(4, 3)])
     assert d[(4, 3)] == 0.0 and d[(3, 2)] == pytest.approx(0.3) and d[(4, 4)] == pytest.approx(-0.05)
     assert d[(2, 2)] == pytest.approx(0.7) and (3, 4) not in d  # values above keys are not an option
+
+
+def test_the_score_is_the_mean_of_both_klds_over_uniform_int4s():
+    measured = [
+        {"name": "uniform INT4", "kld": 0.002, "recall_kld": 0.01},
+        {"name": "a", "kld": 0.001, "recall_kld": 0.03},  # half INT4's held-out KLD, three times its recall KLD
+        {"name": "b", "kld": 0.003, "recall_kld": 0.005},
+    ]
+    run.add_scores(measured)
+    assert [m["score"] for m in measured] == pytest.approx([1.0, 1.75, 1.0])
+    with pytest.raises(ValueError, match="uniform INT4"):
+        run.add_scores(measured[1:])
+
+
+def test_a_recall_probe_hides_its_needles_in_the_context_and_asks_one(tiny_tokenizer):
+    window = Window("essay.txt", "First sentence. Second one here. Third and last. Fourth.", " what next", (5, 6))
+    probe = recall_window(tiny_tokenizer, window, needles=3)
+    assert probe == recall_window(tiny_tokenizer, window, needles=3)  # deterministic in the name
+    needle = r"One of the special magic numbers for (\w+) is: (\d{7})\. "
+    found = re.findall(needle, probe.context)
+    assert len(found) == 3 and re.sub(needle, "", probe.context) == window.context
+    asked = re.search(r"number for (\w+) mentioned", probe.question).group(1)
+    value = dict(found)[asked]
+    assert list(probe.continuation) == tiny_tokenizer(f" is {value}.", add_special_tokens=False)["input_ids"]
+    assert probe.context.index(found[0][0]) < probe.context.index("Second") < probe.context.index(found[-1][0])
+    with pytest.raises(ValueError, match="needles"):
+        recall_window(tiny_tokenizer, window, needles=0)
 
 
 def test_largest_fitting_bisects_to_the_largest_value_within_the_target():
@@ -83,12 +112,15 @@ def test_the_command_writes_a_preset_whose_widths_are_the_solve_of_its_measured_
     chosen = next(c for c in record["candidates"] if c["name"] == record["chosen"])
     assert chosen["quantized_ratio"] <= 0.3 and chosen["kind"] == "caps"
     fitting = [c for c in record["candidates"] if c["fits"] and c["kind"] != "baseline"]
-    assert chosen["kld"] == min(c["kld"] for c in fitting)
+    assert chosen["score"] == min(c["score"] for c in fitting)
+    int4 = next(c for c in record["candidates"] if c["name"] == "uniform INT4")
+    ratios = (chosen["kld"] / int4["kld"], chosen["recall_kld"] / int4["recall_kld"])
+    assert chosen["score"] == pytest.approx(sum(ratios) / 2)
     # the chosen caps are the solve of the recorded sensitivity at the chosen budget
     picks, _ = solve(layer_deltas(record["sensitivity"], [(4, 3)]), chosen["budget"])
     assert [list(p) for p in config.layer_bits] == [list(p) for p in picks]
-    # every candidate was measured on both held-out texts, with the real cache's bytes
-    assert all(len(c["kld_per_window"]) == 2 for c in record["candidates"])
+    # every candidate was measured on both held-out texts and their recall probes, with the real cache's bytes
+    assert all(len(c["kld_per_window"]) == len(c["recall_kld_per_window"]) == 2 for c in record["candidates"])
     assert {c["name"] for c in record["candidates"]} >= {"uniform INT4", "recommended()"}
     # the storage rotation: all four compared on both calibration texts, the lowest mean base KL stored
     choice = record["settings"]["rotation_choice"]
@@ -247,4 +279,4 @@ def test_the_model_presets_are_what_the_calibrate_command_chose(preset):
     assert CocktailConfig.from_pretrained(folder) == CocktailConfig.from_dict(record["config"])
     chosen = next(c for c in record["candidates"] if c["name"] == record["chosen"])
     assert chosen["fits"] and chosen["quantized_ratio"] <= record["target_bytes"]
-    assert chosen["kld"] == min(c["kld"] for c in record["candidates"] if c["fits"] and c["kind"] != "baseline")
+    assert chosen["score"] == min(c["score"] for c in record["candidates"] if c["fits"] and c["kind"] != "baseline")

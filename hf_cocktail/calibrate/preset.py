@@ -45,8 +45,11 @@ def hardware() -> dict[str, Any]:
 def _row(c: dict, chosen: str) -> str:
     name = f"**{c['name']}** (chosen)" if c["name"] == chosen else c["name"]
     per = ", ".join(f"{k:.4f}" for k in c["kld_per_window"])
+    recall = f"{c['recall_kld']:.4f} | {c['recall_top1']:.3f}" if "recall_kld" in c else "- | -"
+    score = f"{c['score']:.2f}" if "score" in c else "-"
     return (
-        f"| {name} | {c['quantized_ratio']:.3f}x | {c['cache_ratio']:.3f}x | {c['kld']:.4f} | {c['top1']:.3f} | {per} |"
+        f"| {name} | {c['quantized_ratio']:.3f}x | {c['cache_ratio']:.3f}x | {c['kld']:.4f} | {c['top1']:.3f} | "
+        f"{recall} | {score} | {per} |"
     )
 
 
@@ -72,7 +75,8 @@ def rotation_line(choice: dict | None, chosen: str | None) -> str:
 def measurements_markdown(result: CalibrationResult) -> str:
     """The held-out table: every candidate's bytes and KL divergence from FP16, the chosen one first."""
     s = result.settings
-    order = sorted(result.candidates, key=lambda c: (c["name"] != result.chosen, c["kind"] != "baseline", c["kld"]))
+    rank = "score" if all("score" in c for c in result.candidates) else "kld"
+    order = sorted(result.candidates, key=lambda c: (c["name"] != result.chosen, c["kind"] != "baseline", c[rank]))
     lines = [
         f"Measured by `python -m hf_cocktail.calibrate` (hf-cocktail {__version__}) on "
         f"{len(result.validation_windows)} held-out texts (not the {len(result.calibration_windows)} the layer "
@@ -80,12 +84,16 @@ def measurements_markdown(result: CalibrationResult) -> str:
         f"form, its last {s['question_tokens'] + s['continuation_tokens']} tokens split into a {s['question_tokens']}"
         f"-token question (kept at full precision, the query of the chunk search and of the salient tokens) and a "
         f"{s['continuation_tokens']}-token continuation, teacher-forced; KLD is KL(P_fp16 || P) averaged over the "
-        f"continuation, then over the texts. Bytes: the quantized (full-attention) layers' bytes over their FP16 "
+        f"continuation, then over the texts. Recall: per held-out text a probe of the same context with 4 key-value "
+        "needles inserted (RULER's multi-key needle in completion form), one asked, KLD over its answer. Score: the "
+        "mean of the two KLDs, each over uniform INT4's (what calibration minimizes; below 1 is closer to FP16 than "
+        "uniform INT4). Bytes: the quantized (full-attention) layers' bytes over their FP16 "
         f"bytes (the target: <= {result.target:g}x), and the whole cache's (`memory_report()['ratio_to_fp16']`, the "
-        "model's own sliding-window layers included).",
+        "model's own sliding-window layers included), on the held-out texts.",
         "",
-        "| setting | quantized layers' bytes | whole cache | mean KLD | top-1 | KLD per held-out text |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| setting | quantized layers' bytes | whole cache | mean KLD | top-1 | recall KLD | recall top-1 | score | "
+        "KLD per held-out text |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *[_row(c, result.chosen) for c in order],
         "",
         rotation_line(s.get("rotation_choice"), result.config.rotation)

@@ -10,8 +10,10 @@
    that rotation and, when it is a rotated one, also unrotated (the rotation's matrices count in the bytes), per storage
    variant (8-bit full part or not, 0 / 1 / 2% salient tokens), and, with ``search_scorers``, the query-aware chunk
    search on top of the best of them; bytes measured with the real cache.
-4. Every candidate and the baselines (uniform INT4, ``recommended()``) are measured on the held-out windows with the
-   real cache (:mod:`.validate`); the lowest mean KL divergence whose mean bytes ratio is within the target wins.
+4. Every candidate and the baselines (uniform INT4, ``recommended()``) are measured with the real cache
+   (:mod:`.validate`) on the held-out windows and on their recall probes (:mod:`.recall`: key-value needles in the
+   same context, one asked); among those whose mean bytes ratio on the held-out windows is within the target, the
+   lowest ``score`` wins: the mean of the two KL divergences, each over uniform INT4's (:func:`add_scores`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from hf_cocktail.calibrate.candidates import (
     storage,
 )
 from hf_cocktail.calibrate.fake_quant import FakeQuantizer
+from hf_cocktail.calibrate.recall import recall_window
 from hf_cocktail.calibrate.sensitivity import LayerProbe, cocktail_layer_indices, probe_deltas
 from hf_cocktail.calibrate.solve import layer_deltas
 from hf_cocktail.calibrate.texts import Window, split_windows
@@ -171,16 +174,23 @@ def reused_sensitivity(earlier: dict, windows: list[str], cocktail: list[int]) -
     return earlier["sensitivity"], choice
 
 
-def validate_all(model, tok, preps: list[Prepared], cands: list[Candidate], target: float, progress: bool) -> list:
-    """Every candidate measured on every held-out window: one record per candidate."""
-    bar = tqdm(total=len(cands) * len(preps), desc="calibrate: validate", disable=not progress, dynamic_ncols=True)
+def validate_all(
+    model, tok, preps: list[Prepared], recall: list[Prepared], cands: list[Candidate], target: float, progress: bool
+) -> list:
+    """Every candidate measured on every held-out window and its recall probe: one record per candidate (the bytes
+    and ``fits`` from the held-out windows, ``recall_*`` from the probes)."""
+    total = len(cands) * (len(preps) + len(recall))
+    bar = tqdm(total=total, desc="calibrate: validate", disable=not progress, dynamic_ncols=True)
     out = []
     for c in cands:
-        per = []
+        per, probes = [], []
         for p in preps:
             per.append(measure(model, tok, p, c.config))
             bar.update()
-        s = summarize(per)
+        for p in recall:
+            probes.append(measure(model, tok, p, c.config))
+            bar.update()
+        s, r = summarize(per), summarize(probes)
         out.append(
             {
                 "name": c.name,
@@ -188,12 +198,29 @@ def validate_all(model, tok, preps: list[Prepared], cands: list[Candidate], targ
                 "budget": c.budget,
                 **c.info,
                 **s,
+                "recall_kld": r["kld"],
+                "recall_top1": r["top1"],
+                "recall_kld_per_window": r["kld_per_window"],
                 "fits": s["quantized_ratio"] <= target,
                 "config": c.config.to_dict(),
             }
         )
     bar.close()
     return out
+
+
+def add_scores(measured: list[dict], reference: str = "uniform INT4") -> None:
+    """Give every record its ``score``, what calibration minimizes: the mean of its held-out KLD and its recall KLD,
+    each over ``reference``'s (a scale-free mix: 1.0 is the reference's fidelity on both)."""
+    ref = next((m for m in measured if m["name"] == reference), None)
+    if ref is None:
+        raise ValueError(f"add_scores: no {reference!r} record among {[m['name'] for m in measured]}")
+    for m in measured:
+        m["score"] = (_over(m["kld"], ref["kld"]) + _over(m["recall_kld"], ref["recall_kld"])) / 2
+
+
+def _over(value: float, reference: float) -> float:
+    return value / reference if reference > 0 else value
 
 
 def calibrate_model(
@@ -236,7 +263,10 @@ def calibrate_model(
         records, rotation_choice = reused_sensitivity(sensitivity_from, [w.name for w in cal], cocktail)
     timings["sensitivity"] = time.perf_counter() - t0
     deltas = layer_deltas(records, [BASE])
-    preps = [prepare(model, tokenizer, w) for w in tqdm(val, desc="calibrate: held-out prefills", disable=not progress)]
+    probes = [recall_window(tokenizer, w) for w in val]
+    bar = tqdm([*val, *probes], desc="calibrate: held-out prefills", disable=not progress)
+    prepared = [prepare(model, tokenizer, w) for w in bar]
+    preps, recall = prepared[: len(val)], prepared[len(val) :]
     head_dim = preps[0].prefill.layers[cocktail[0]].keys.shape[-1]
     num_layers = len(preps[0].prefill.layers)
     spaces = {r: CapsSpace(deltas, cocktail, num_layers, head_dim, r) for r in caps_rotations(rotation_choice)}
@@ -257,19 +287,21 @@ def calibrate_model(
             f"{cheapest:.3f}x the FP16 bytes here; give a larger target"
         )
     timings["fit_caps"] = time.perf_counter() - t1
-    measured = validate_all(model, tokenizer, preps, [*caps, *baselines(head_dim)], target, progress)
+    measured = validate_all(model, tokenizer, preps, recall, [*caps, *baselines(head_dim)], target, progress)
+    add_scores(measured)
     if search_scorers:
-        best_caps = min((c for c in caps), key=lambda c: measured[caps.index(c)]["kld"])
+        best_caps = min((c for c in caps), key=lambda c: measured[caps.index(c)]["score"])
         t2 = time.perf_counter()
         space = spaces[best_caps.info["rotation"]]
         search = search_candidates(space, best_caps, ratio_of, target, search_scorers, encoder)
         timings["fit_search"] = time.perf_counter() - t2
-        measured += validate_all(model, tokenizer, preps, search, target, progress)
+        measured += validate_all(model, tokenizer, preps, recall, search, target, progress)
+        add_scores(measured)
     fit_bar.close()
     fitting = [m for m in measured if m["fits"] and m["kind"] != "baseline"] or [m for m in measured if m["fits"]]
     if not fitting:
         raise TargetUnreachable(f"target={target!r}: no candidate's held-out bytes ratio is within it: {measured}")
-    best = min(fitting, key=lambda m: m["kld"])
+    best = min(fitting, key=lambda m: m["score"])
     timings["total"] = time.perf_counter() - t0
     settings = {
         "target": target,
@@ -297,6 +329,7 @@ def calibrate_model(
 
 
 def calibrate(model, tokenizer, texts, target: float = 0.25, **kwargs: Any) -> CocktailConfig:
-    """The config :func:`calibrate_model` chooses: the lowest held-out KL divergence from FP16 whose Cocktail layers
-    hold at most ``target`` times their FP16 KV bytes."""
+    """The config :func:`calibrate_model` chooses: the lowest held-out KL divergence from FP16 (on the held-out texts
+    and their recall probes, each relative to uniform INT4's) whose Cocktail layers hold at most ``target`` times
+    their FP16 KV bytes."""
     return calibrate_model(model, tokenizer, texts, target, **kwargs).config

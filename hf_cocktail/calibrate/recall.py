@@ -1,0 +1,68 @@
+"""Recall probes: a held-out window's context with key-value needles inserted, the question asking one of them.
+
+The continuation KL of an essay (:mod:`.texts`) measures how a setting disturbs the model continuing the text; it
+does not see retrieval from deep in the quantized context, which is what long-context prompts ask for (on Gemma 3
+270M two settings within 5% of each other in continuation KL lost 0.8 and 5.1 points on RULER-style needles). A
+recall probe is RULER's multi-key needle in completion form, built from the user's own text:
+
+* ``needles`` sentences ``"One of the special magic numbers for {key} is: {value}."`` inserted into the window's
+  context at evenly spread depths (at the sentence end nearest each depth, else at a space), keys from
+  :data:`KEYS`, values 7-digit numbers, both drawn from a generator seeded by the window's name;
+* the question ``"What is the special magic number for {key} mentioned in the provided text? The special magic
+  number for {key} mentioned in the provided text"`` for one of them (kept at full precision, the query of the chunk
+  search and of the salient tokens);
+* the continuation ``" is {value}."`` (token ids), teacher-forced: the KL over it includes the prediction of every
+  digit of the value.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+
+from hf_cocktail.calibrate.texts import Window
+
+KEYS = (
+    "harbor", "lantern", "meadow", "copper", "falcon", "orchard", "glacier", "violin",
+    "quarry", "saddle", "thimble", "walnut", "beacon", "cobalt", "juniper", "marble",
+)  # fmt: skip
+NEEDLE = "One of the special magic numbers for {key} is: {value}."
+QUESTION = (
+    "\n\nWhat is the special magic number for {key} mentioned in the provided text? "
+    "The special magic number for {key} mentioned in the provided text"
+)
+ANSWER = " is {value}."
+
+
+def insertion_points(context: str, n: int) -> list[int]:
+    """``n`` character offsets of ``context`` at depths ``(i + 0.5) / n``: just after the sentence end (``". "``)
+    nearest each depth, else after the nearest space, else the depth itself; sorted, not necessarily distinct."""
+    depths = [round(len(context) * (i + 0.5) / n) for i in range(n)]
+    ends = [j + 2 for j in _all(context, ". ")] or [j + 1 for j in _all(context, " ")]
+    if not ends:
+        return depths
+    return sorted(min(ends, key=lambda j: abs(j - d)) for d in depths)
+
+
+def _all(text: str, sub: str) -> list[int]:
+    out, j = [], text.find(sub)
+    while j >= 0:
+        out.append(j)
+        j = text.find(sub, j + 1)
+    return out
+
+
+def recall_window(tok, window: Window, needles: int = 4) -> Window:
+    """The recall probe of ``window`` (see the module docstring): its context with ``needles`` needles, the question
+    for one of them and the answer's token ids as the continuation. Deterministic in ``window.name``."""
+    if not 1 <= needles <= len(KEYS):
+        raise ValueError(f"needles must be in [1, {len(KEYS)}], got {needles!r}")
+    rng = random.Random(zlib.crc32(window.name.encode("utf-8")))
+    keys = rng.sample(KEYS, needles)
+    values = [str(rng.randrange(1_000_000, 10_000_000)) for _ in keys]
+    context = window.context
+    for at, key, value in reversed(list(zip(insertion_points(context, needles), keys, values))):
+        context = context[:at] + NEEDLE.format(key=key, value=value) + " " + context[at:]
+    asked = rng.randrange(needles)
+    answer = tok(ANSWER.format(value=values[asked]), add_special_tokens=False)["input_ids"]
+    return Window(f"{window.name} (recall)", context, QUESTION.format(key=keys[asked]), tuple(answer))
