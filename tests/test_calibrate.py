@@ -64,10 +64,10 @@ def test_a_recall_probe_hides_its_needles_in_the_context_and_asks_one(tiny_token
     window = Window("essay.txt", "First sentence. Second one here. Third and last. Fourth.", " what next", (5, 6))
     probe = recall_window(tiny_tokenizer, window, needles=3)
     assert probe == recall_window(tiny_tokenizer, window, needles=3)  # deterministic in the name
-    needle = r"One of the special magic numbers for (\w+) is: (\d{7})\. "
+    needle = r"Remember this: the access code of the (\w+) account is (\d{7})\. "
     found = re.findall(needle, probe.context)
     assert len(found) == 3 and re.sub(needle, "", probe.context) == window.context
-    asked = re.search(r"number for (\w+) mentioned", probe.question).group(1)
+    asked = re.search(r"code of the (\w+) account\?", probe.question).group(1)
     value = dict(found)[asked]
     assert list(probe.continuation) == tiny_tokenizer(f" is {value}.", add_special_tokens=False)["input_ids"]
     assert probe.context.index(found[0][0]) < probe.context.index("Second") < probe.context.index(found[-1][0])

@@ -5,12 +5,11 @@ does not see retrieval from deep in the quantized context, which is what long-co
 270M two settings within 5% of each other in continuation KL lost 0.8 and 5.1 points on RULER-style needles). A
 recall probe is RULER's multi-key needle in completion form, built from the user's own text:
 
-* ``needles`` sentences ``"One of the special magic numbers for {key} is: {value}."`` inserted into the window's
-  context at evenly spread depths (at the sentence end nearest each depth, else at a space), keys from
+* ``needles`` sentences ``"Remember this: the access code of the {key} account is {value}."`` inserted into the
+  window's context at evenly spread depths (at the sentence end nearest each depth, else at a space), keys from
   :data:`KEYS`, values 7-digit numbers, both drawn from a generator seeded by the window's name;
-* the question ``"What is the special magic number for {key} mentioned in the provided text? The special magic
-  number for {key} mentioned in the provided text"`` for one of them (kept at full precision, the query of the chunk
-  search and of the salient tokens);
+* the question ``"Question: what is the access code of the {key} account?\nAnswer: the access code of the {key}
+  account"`` for one of them (kept at full precision, the query of the chunk search and of the salient tokens);
 * the continuation ``" is {value}."`` (token ids), teacher-forced: the KL over it includes the prediction of every
   digit of the value.
 """
@@ -26,11 +25,8 @@ KEYS = (
     "harbor", "lantern", "meadow", "copper", "falcon", "orchard", "glacier", "violin",
     "quarry", "saddle", "thimble", "walnut", "beacon", "cobalt", "juniper", "marble",
 )  # fmt: skip
-NEEDLE = "One of the special magic numbers for {key} is: {value}."
-QUESTION = (
-    "\n\nWhat is the special magic number for {key} mentioned in the provided text? "
-    "The special magic number for {key} mentioned in the provided text"
-)
+NEEDLE = "Remember this: the access code of the {key} account is {value}."
+QUESTION = "\n\nQuestion: what is the access code of the {key} account?\nAnswer: the access code of the {key} account"
 ANSWER = " is {value}."
 
 
