@@ -1,20 +1,22 @@
 """Calibrate a Cocktail preset for any model on your own texts (``python -m hf_cocktail.calibrate``).
 
 ``calibrate(model, tokenizer, texts, target=0.25)`` returns the :class:`~hf_cocktail.CocktailConfig` with the lowest
-KL divergence from FP16 on held-out texts whose quantized layers hold at most ``target`` times their FP16 KV bytes;
+KL divergence from FP16 on held-out texts and on recall probes made from them (key-value needles in the same context,
+one asked; each KL relative to uniform INT4's) whose quantized layers hold at most ``target`` times their FP16 KV bytes;
 ``calibrate_model`` returns every measurement too (:class:`CalibrationResult`); ``write_preset`` writes the folder.
 
-Cost, counted in forward passes (defaults: 4 calibration and 4 held-out texts of 2048 tokens, L Cocktail layers): 8
-prefills of 2048 tokens; 4 x (4 + 1 + 4 L) forwards of 32 tokens over a 2048-token cache for the sensitivity (the
-rotation check: the base widths under each of the four storage rotations; the base, then 2 key and 2 value widths per
-layer); ~30 cache fills (quantization only, no forward) to fit the caps' budgets to the target; 4 x (6 + 2) forwards of
-32 tokens to validate the candidates (when a rotated storage has the lowest base KL, the caps are fitted and validated
-unrotated too: twice the fills, 4 x (12 + 2) forwards; with ``--search``: ~7 fills and 4 forwards more per scorer and
-low width). Measured on the 2-core CPU of the project (fp32, 1 thread, shared with other jobs at load 8-11):
+Cost, counted in forward passes (defaults: 4 calibration and 4 held-out texts of 2048 tokens, L Cocktail layers): 12
+prefills of ~2048 tokens (the held-out texts' recall probes too); 4 x (4 + 1 + 4 L) forwards of 32 tokens over a
+2048-token cache for the sensitivity (the rotation check: the base widths under each of the four storage rotations; the
+base, then 2 key and 2 value widths per layer); ~30 cache fills (quantization only, no forward) to fit the caps' budgets
+to the target; 8 x (6 + 2) forwards of 32 tokens (the probes' ~10) to validate the candidates on the held-out texts and
+their probes (when a rotated storage has the lowest base KL, the caps are fitted and validated unrotated too: twice
+the fills, 8 x (12 + 2) forwards; with ``--search``: ~7 fills and 8 forwards more per scorer and low width). Measured
+on the 2-core CPU of the project (fp32, 1 thread, shared with other jobs at load 8-11):
 SmolLM2-135M (L = 30) 1473 s and 1897 s (the sensitivity 913 s and 1252 s of it); Gemma 3 270M (L = 3) 943 s and 1257 s
 (dominated by the prefills, the 262K-token vocabulary and a first-use kernel build), with the four rotations compared
-162-320 s (2026-12-03, load 2-4). For an 8B model (L = 32) on one H100-class GPU the same count is ~560 forwards of 32
-tokens, each bound by reading the 16 GB of weights (~10 ms), and 8 prefills of ~0.1 s: about 10 s of GPU time plus
+162-320 s (2026-12-03, load 2-4). For an 8B model (L = 32) on one H100-class GPU the same count is ~620 forwards of 32
+tokens, each bound by reading the 16 GB of weights (~10 ms), and 12 prefills of ~0.1 s: about 10 s of GPU time plus
 loading the model; an estimate from the count, not measured.
 """
 
