@@ -34,13 +34,13 @@ def insertion_points(context: str, n: int) -> list[int]:
     """``n`` character offsets of ``context`` at depths ``(i + 0.5) / n``: just after the sentence end (``". "``)
     nearest each depth, else after the nearest space, else the depth itself; sorted, not necessarily distinct."""
     depths = [round(len(context) * (i + 0.5) / n) for i in range(n)]
-    ends = [j + 2 for j in _all(context, ". ")] or [j + 1 for j in _all(context, " ")]
+    ends = [j + 2 for j in _offsets_of(context, ". ")] or [j + 1 for j in _offsets_of(context, " ")]
     if not ends:
         return depths
     return sorted(min(ends, key=lambda j: abs(j - d)) for d in depths)
 
 
-def _all(text: str, sub: str) -> list[int]:
+def _offsets_of(text: str, sub: str) -> list[int]:
     out, j = [], text.find(sub)
     while j >= 0:
         out.append(j)
