@@ -15,9 +15,10 @@ the fills, 8 x (12 + 2) forwards; with ``--search``: ~7 fills and 8 forwards mor
 on the 2-core CPU of the project (fp32, 1 thread, shared with other jobs at load 8-11):
 SmolLM2-135M (L = 30) 1473 s and 1897 s (the sensitivity 913 s and 1252 s of it); Gemma 3 270M (L = 3) 943 s and 1257 s
 (dominated by the prefills, the 262K-token vocabulary and a first-use kernel build), with the four rotations compared
-162-320 s (2026-12-03, load 2-4). For an 8B model (L = 32) on one H100-class GPU the same count is ~620 forwards of 32
-tokens, each bound by reading the 16 GB of weights (~10 ms), and 12 prefills of ~0.1 s: about 10 s of GPU time plus
-loading the model; an estimate from the count, not measured.
+162-320 s (2026-12-03, load 2-4); with the recall probes, 4 calibration and 8 held-out essays, both models at once
+on the 2 cores: SmolLM2 481 s, Gemma 3 329 s (2026-12-04). For an 8B model (L = 32) on one H100-class GPU the same
+count is ~620 forwards of 32 tokens, each bound by reading the 16 GB of weights (~10 ms), and 12 prefills of ~0.1 s:
+about 10 s of GPU time plus loading the model; an estimate from the count, not measured.
 """
 
 from hf_cocktail.calibrate.preset import write_preset
