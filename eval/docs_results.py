@@ -17,7 +17,11 @@ RESULTS = "eval/results"
 REPORTS = (
     ("SmolLM2-135M-Instruct: KL divergence from FP16, 2K LongBench windows and needles", "kld/summary.md"),
     (
-        "SmolLM2-135M-Instruct: the preset as its calibrate command writes it today, same windows",
+        "SmolLM2-135M-Instruct: the preset as its calibrate command writes it today (recall probes), same windows",
+        "kld_calibrated_v10/summary.md",
+    ),
+    (
+        "SmolLM2-135M-Instruct: the command's choice before the recall probes (superseded)",
         "kld_calibrated_v9/summary.md",
     ),
     (
@@ -43,12 +47,21 @@ REPORTS = (
     ),
     ("SmolLM2-135M-Instruct: a preset recalibrated at 0.225x (not adopted)", "kld_calibrated_v4/summary.md"),
     ("SmolLM2-135M-Instruct: KL divergence on 8K windows", "kld_8k/summary.md"),
+    ("SmolLM2-135M-Instruct: RULER-style needles, today's preset (64 cases)", "ruler_calibrated/ruler_summary.md"),
+    (
+        "SmolLM2-135M-Instruct: RULER-style needles, the choice before the recall probes (the same 64 cases)",
+        "ruler_calibrated/previous_preset/ruler_summary.md",
+    ),
     ("SmolLM2-135M-Instruct: RULER-style needles (38 cases per variant)", "ruler_24/ruler_summary.md"),
     ("SmolLM2-135M-Instruct: RULER multikey (128 cases)", "ruler_multikey/ruler_summary.md"),
     ("SmolLM2-135M-Instruct: LongBench scores (187 examples)", "longbench_full/summary.md"),
     ("Gemma 3 270M: KL divergence from FP16, 2K LongBench windows and needles", "gemma3_270m/kld/summary.md"),
     (
-        "Gemma 3 270M: uniform INT4 and the preset as its calibrate command writes it today",
+        "Gemma 3 270M: uniform INT4 and the preset as its calibrate command writes it today (recall probes)",
+        "gemma3_270m/kld_v5/summary.md",
+    ),
+    (
+        "Gemma 3 270M: uniform INT4 and the command's choice before the recall probes (superseded)",
         "gemma3_270m/kld_v4/summary.md",
     ),
     (
@@ -59,8 +72,12 @@ REPORTS = (
         "Gemma 3 270M: uniform INT4 and the preset before, 8-bit scales and zeros as the nearest codes",
         "gemma3_270m/kld_nearest/summary.md",
     ),
-    ("Gemma 3 270M: RULER-style needles, today's preset (64 cases)", "gemma3_270m/ruler_v3/ruler_summary.md"),
-    ("Gemma 3 270M: RULER-style needles, the preset before (64 cases)", "gemma3_270m/ruler_v2/ruler_summary.md"),
+    ("Gemma 3 270M: RULER-style needles, today's preset (128 cases)", "gemma3_270m/ruler_v4/ruler_summary.md"),
+    (
+        "Gemma 3 270M: RULER-style needles, the choice before the recall probes (64 cases)",
+        "gemma3_270m/ruler_v3/ruler_summary.md",
+    ),
+    ("Gemma 3 270M: RULER-style needles, the preset before that (64 cases)", "gemma3_270m/ruler_v2/ruler_summary.md"),
     ("Gemma 3 270M: RULER-style needles, an earlier preset (32 cases)", "gemma3_270m/ruler/ruler_summary.md"),
     ("Gemma 3 270M: perplexity over the quantized context", "gemma3_270m/ppl/summary.md"),
     ("Gemma 3 270M: chunk search on calibrated caps, low targets", "calibrate_search/gemma-3-270m/summary.md"),
@@ -122,19 +139,19 @@ HEADLINE = (
     (
         "SmolLM2-135M-Instruct",
         (
-            ("uniform INT4", "kld_calibrated_v9/summary.csv", "int4"),
+            ("uniform INT4", "kld_calibrated_v10/summary.csv", "int4"),
             ("`CocktailConfig()` (paper)", "kld/summary.csv", "cocktail"),
             ("`CocktailConfig.recommended()`", "kld/summary.csv", "int4v3_had_g64"),
-            ("calibrated preset", "kld_calibrated_v9/summary.csv", "preset"),
+            ("calibrated preset", "kld_calibrated_v10/summary.csv", "preset"),
         ),
     ),
     (
         "Gemma 3 270M",
         (
-            ("uniform INT4", "gemma3_270m/kld_v4/summary.csv", "int4"),
+            ("uniform INT4", "gemma3_270m/kld_v5/summary.csv", "int4"),
             ("`CocktailConfig()` (paper)", "gemma3_270m/kld/summary.csv", "cocktail"),
             ("`CocktailConfig.recommended()`", "gemma3_270m/kld/summary.csv", "recommended"),
-            ("calibrated preset", "gemma3_270m/kld_v4/summary.csv", "preset"),
+            ("calibrated preset", "gemma3_270m/kld_v5/summary.csv", "preset"),
         ),
     ),
 )
