@@ -15,7 +15,7 @@ from hf_cocktail import CocktailConfig
 from hf_cocktail.calibrate import calibrate_model, run
 from hf_cocktail.calibrate.candidates import largest_fitting, rotation_suffix
 from hf_cocktail.calibrate.cli import main
-from hf_cocktail.calibrate.recall import recall_window
+from hf_cocktail.calibrate.recall import insertion_points, recall_window
 from hf_cocktail.calibrate.sensitivity import cocktail_layer_indices
 from hf_cocktail.calibrate.solve import layer_deltas, solve
 from hf_cocktail.calibrate.texts import Window, read_texts, split_windows
@@ -60,19 +60,55 @@ def test_the_score_is_the_mean_of_both_klds_over_uniform_int4s():
         run.add_scores(measured[1:])
 
 
-def test_a_recall_probe_hides_its_needles_in_the_context_and_asks_one(tiny_tokenizer):
-    window = Window("essay.txt", "First sentence. Second one here. Third and last. Fourth.", " what next", (5, 6))
-    probe = recall_window(tiny_tokenizer, window, needles=3)
-    assert probe == recall_window(tiny_tokenizer, window, needles=3)  # deterministic in the name
+class _CharTokenizer:
+    """One id per character, except that a word after a space takes the space's id with it (``" is"`` alone and
+    after ``"account"`` differ), as word-start markers do; ``decode`` inverts it."""
+
+    def __call__(self, text, add_special_tokens=False):
+        ids, i = [], 0
+        while i < len(text):
+            if text[i] == " " and i + 1 < len(text) and text[i + 1] != " ":
+                ids.append(1000 + ord(text[i + 1]))
+                i += 2
+            else:
+                ids.append(ord(text[i]))
+                i += 1
+        return {"input_ids": ids if i == 0 or text[0] != " " else [7, *ids]}  # a lone leading space: a marker first
+
+    def decode(self, ids):
+        return "".join(" " + chr(i - 1000) if i >= 1000 else chr(i) for i in ids if i != 7)
+
+
+def test_a_recall_probe_hides_its_needles_in_the_context_and_asks_one():
+    tok = _CharTokenizer()
+    text = "First sentence. Second one here. Third and last. Fourth one. Fifth. Sixth and the end."
+    window = Window("essay.txt", text, " what next", (5, 6))
+    probe = recall_window(tok, window, needles=3)
     needle = r"Remember this: the access code of the (\w+) account is (\d{7})\. "
     found = re.findall(needle, probe.context)
     assert len(found) == 3 and re.sub(needle, "", probe.context) == window.context
+    # just after the sentence ends nearest the depths 1/6, 1/2 and 5/6 of the 86 characters (14, 43, 72)
+    assert re.findall(needle + r"(\w+)", probe.context) == [
+        (k, v, w) for (k, v), w in zip(found, ["Second", "Fourth", "Sixth"])
+    ]
     asked = re.search(r"code of the (\w+) account\?", probe.question).group(1)
-    value = dict(found)[asked]
-    assert list(probe.continuation) == tiny_tokenizer(f" is {value}.", add_special_tokens=False)["input_ids"]
-    assert probe.context.index(found[0][0]) < probe.context.index("Second") < probe.context.index(found[-1][0])
+    assert tok.decode(probe.continuation) == f" is {dict(found)[asked]}."
+    # the answer's ids as they follow the question, not those of the answer alone (which start with a marker)
+    assert probe.continuation[0] != tok(" is", add_special_tokens=False)["input_ids"][0]
+    # seeded by the window's name: the same name the same probe, other names other needles
+    assert probe == recall_window(tok, window, needles=3)
+    others = {recall_window(tok, Window(f"essay {i}", text, " what next", (5, 6)), needles=3).context for i in range(4)}
+    assert len(others | {probe.context}) == 5
     with pytest.raises(ValueError, match="needles"):
-        recall_window(tiny_tokenizer, window, needles=0)
+        recall_window(tok, window, needles=0)
+
+
+def test_needles_go_to_sentence_ends_near_their_depth_else_to_spaces():
+    text = "a" * 40 + ". " + " ".join(["word"] * 40)
+    points = insertion_points(text, 4)
+    assert points[0] == 42  # the one sentence end lies near the first depth (0.125 of 242 chars)
+    assert all(text[p - 1] == " " for p in points[1:]) and len(set(points)) == 4  # the others at spaces near theirs
+    assert insertion_points("nospace", 2) == [2, 5]
 
 
 def test_largest_fitting_bisects_to_the_largest_value_within_the_target():
@@ -221,6 +257,23 @@ def test_sliding_layers_are_not_calibrated_and_keep_a_placeholder_cap(tiny_token
     bits = res.config.layer_bits
     assert len(bits) == 4 and bits[0] == bits[2] == (4, 4)
     assert res.measured(res.chosen)["quantized_ratio"] <= 0.35
+
+
+def test_the_chunk_search_builds_on_the_lowest_scoring_caps_and_competes_by_score(tiny_tokenizer):
+    model = make_tiny_llama(layers=2, head_dim=32)
+    texts = [random_text(260, seed=300 + i) for i in range(2)]
+    res = calibrate_model(
+        model, tiny_tokenizer, texts, 0.4, calibration_texts=1, validation_texts=1, progress=False,
+        search_scorers=("bm25",), rotations=(None,), **SMALL,
+    )  # fmt: skip
+    caps = [c for c in res.candidates if c["kind"] == "caps"]
+    search = [c for c in res.candidates if c["kind"] == "search"]
+    assert search, "no search candidate fitted the target"
+    best = min(caps, key=lambda c: c["score"])
+    assert all((c["full_part_bits"], c["salient"]) == (best["full_part_bits"], best["salient"]) for c in search)
+    fitting = [c for c in res.candidates if c["fits"] and c["kind"] != "baseline"]
+    assert res.measured(res.chosen)["score"] == min(c["score"] for c in fitting)
+    assert all(len(c["recall_kld_per_window"]) == 1 for c in res.candidates)
 
 
 def test_the_bytes_calibration_bounds_are_what_the_caches_report_says(tiny_tokenizer):

@@ -45,11 +45,9 @@ def hardware() -> dict[str, Any]:
 def _row(c: dict, chosen: str) -> str:
     name = f"**{c['name']}** (chosen)" if c["name"] == chosen else c["name"]
     per = ", ".join(f"{k:.4f}" for k in c["kld_per_window"])
-    recall = f"{c['recall_kld']:.4f} | {c['recall_top1']:.3f}" if "recall_kld" in c else "- | -"
-    score = f"{c['score']:.2f}" if "score" in c else "-"
     return (
         f"| {name} | {c['quantized_ratio']:.3f}x | {c['cache_ratio']:.3f}x | {c['kld']:.4f} | {c['top1']:.3f} | "
-        f"{recall} | {score} | {per} |"
+        f"{c['recall_kld']:.4f} | {c['recall_top1']:.3f} | {c['score']:.3f} | {per} |"
     )
 
 
@@ -75,8 +73,7 @@ def rotation_line(choice: dict | None, chosen: str | None) -> str:
 def measurements_markdown(result: CalibrationResult) -> str:
     """The held-out table: every candidate's bytes and KL divergence from FP16, the chosen one first."""
     s = result.settings
-    rank = "score" if all("score" in c for c in result.candidates) else "kld"
-    order = sorted(result.candidates, key=lambda c: (c["name"] != result.chosen, c["kind"] != "baseline", c[rank]))
+    order = sorted(result.candidates, key=lambda c: (c["name"] != result.chosen, c["kind"] != "baseline", c["score"]))
     lines = [
         f"Measured by `python -m hf_cocktail.calibrate` (hf-cocktail {__version__}) on "
         f"{len(result.validation_windows)} held-out texts (not the {len(result.calibration_windows)} the layer "
@@ -84,7 +81,8 @@ def measurements_markdown(result: CalibrationResult) -> str:
         f"form, its last {s['question_tokens'] + s['continuation_tokens']} tokens split into a {s['question_tokens']}"
         f"-token question (kept at full precision, the query of the chunk search and of the salient tokens) and a "
         f"{s['continuation_tokens']}-token continuation, teacher-forced; KLD is KL(P_fp16 || P) averaged over the "
-        f"continuation, then over the texts. Recall: per held-out text a probe of the same context with 4 key-value "
+        f"continuation, then over the texts. Recall: per held-out text a probe of the same context with "
+        f"{s['recall_needles']} key-value "
         "needles inserted (RULER's multi-key needle in completion form, in other words: 'Remember this: the access "
         "code of the <key> account is <7 digits>.'), one asked, KLD over its answer. Score: the mean of the two "
         "KLDs, each over uniform INT4's (what calibration minimizes; below 1 is closer to FP16 than "

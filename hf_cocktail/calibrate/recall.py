@@ -3,15 +3,16 @@
 The continuation KL of an essay (:mod:`.texts`) measures how a setting disturbs the model continuing the text; it
 does not see retrieval from deep in the quantized context, which is what long-context prompts ask for (on Gemma 3
 270M two settings within 5% of each other in continuation KL lost 0.8 and 5.1 points on RULER-style needles). A
-recall probe is RULER's multi-key needle in completion form, built from the user's own text:
+recall probe is RULER's multi-key needle in completion form, built from the user's own text and in its own wording
+(not RULER's, so that the RULER-style evaluation in ``eval/`` stays a held-out test of the choice):
 
-* ``needles`` sentences ``"Remember this: the access code of the {key} account is {value}."`` inserted into the
-  window's context at evenly spread depths (at the sentence end nearest each depth, else at a space), keys from
-  :data:`KEYS`, values 7-digit numbers, both drawn from a generator seeded by the window's name;
+* :data:`NEEDLES` sentences ``"Remember this: the access code of the {key} account is {value}."`` inserted into the
+  window's context at evenly spread depths (:func:`insertion_points`), keys from :data:`KEYS`, values 7-digit
+  numbers, both drawn from a generator seeded by the window's name;
 * the question ``"Question: what is the access code of the {key} account?\nAnswer: the access code of the {key}
   account"`` for one of them (kept at full precision, the query of the chunk search and of the salient tokens);
-* the continuation ``" is {value}."`` (token ids), teacher-forced: the KL over it includes the prediction of every
-  digit of the value.
+* the continuation ``" is {value}."`` (its token ids as they follow the question), teacher-forced: the KL over it
+  includes the prediction of every digit of the value.
 """
 
 from __future__ import annotations
@@ -28,16 +29,25 @@ KEYS = (
 NEEDLE = "Remember this: the access code of the {key} account is {value}."
 QUESTION = "\n\nQuestion: what is the access code of the {key} account?\nAnswer: the access code of the {key} account"
 ANSWER = " is {value}."
+NEEDLES = 4  # needles per probe, one of them asked
 
 
 def insertion_points(context: str, n: int) -> list[int]:
     """``n`` character offsets of ``context`` at depths ``(i + 0.5) / n``: just after the sentence end (``". "``)
-    nearest each depth, else after the nearest space, else the depth itself; sorted, not necessarily distinct."""
+    nearest each depth when one lies within half a spacing (``len / (2 n)``) of it, else just after the nearest space,
+    else the depth itself; sorted."""
     depths = [round(len(context) * (i + 0.5) / n) for i in range(n)]
-    ends = [j + 2 for j in _offsets_of(context, ". ")] or [j + 1 for j in _offsets_of(context, " ")]
-    if not ends:
-        return depths
-    return sorted(min(ends, key=lambda j: abs(j - d)) for d in depths)
+    reach = len(context) / (2 * n)
+    ends = [j + 2 for j in _offsets_of(context, ". ")]
+    spaces = [j + 1 for j in _offsets_of(context, " ")]
+    points = []
+    for d in depths:
+        near_end = min(ends, key=lambda j: abs(j - d), default=None)
+        if near_end is not None and abs(near_end - d) <= reach:
+            points.append(near_end)
+        else:
+            points.append(min(spaces, key=lambda j: abs(j - d), default=d))
+    return sorted(points)
 
 
 def _offsets_of(text: str, sub: str) -> list[int]:
@@ -48,7 +58,7 @@ def _offsets_of(text: str, sub: str) -> list[int]:
     return out
 
 
-def recall_window(tok, window: Window, needles: int = 4) -> Window:
+def recall_window(tok, window: Window, needles: int = NEEDLES) -> Window:
     """The recall probe of ``window`` (see the module docstring): its context with ``needles`` needles, the question
     for one of them and the answer's token ids as the continuation. Deterministic in ``window.name``."""
     if not 1 <= needles <= len(KEYS):
@@ -60,5 +70,17 @@ def recall_window(tok, window: Window, needles: int = 4) -> Window:
     for at, key, value in reversed(list(zip(insertion_points(context, needles), keys, values))):
         context = context[:at] + NEEDLE.format(key=key, value=value) + " " + context[at:]
     asked = rng.randrange(needles)
-    answer = tok(ANSWER.format(value=values[asked]), add_special_tokens=False)["input_ids"]
-    return Window(f"{window.name} (recall)", context, QUESTION.format(key=keys[asked]), tuple(answer))
+    question = QUESTION.format(key=keys[asked])
+    answer = answer_ids(tok, question, ANSWER.format(value=values[asked]))
+    return Window(f"{window.name} (recall)", context, question, answer)
+
+
+def answer_ids(tok, question: str, answer: str) -> tuple[int, ...]:
+    """The ids ``answer`` takes after ``question``: the tail of ``question + answer``'s ids when ``question``'s ids
+    are their prefix (tokenizers that mark a word's start, e.g. SentencePiece's ``▁``, would give a lone ``answer``
+    other ids), else ``answer``'s own."""
+    q = tok(question, add_special_tokens=False)["input_ids"]
+    qa = tok(question + answer, add_special_tokens=False)["input_ids"]
+    if len(qa) > len(q) and qa[: len(q)] == q:
+        return tuple(qa[len(q) :])
+    return tuple(tok(answer, add_special_tokens=False)["input_ids"])

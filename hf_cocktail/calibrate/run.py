@@ -36,7 +36,7 @@ from hf_cocktail.calibrate.candidates import (
     storage,
 )
 from hf_cocktail.calibrate.fake_quant import FakeQuantizer
-from hf_cocktail.calibrate.recall import recall_window
+from hf_cocktail.calibrate.recall import NEEDLES, recall_window
 from hf_cocktail.calibrate.sensitivity import LayerProbe, cocktail_layer_indices, probe_deltas
 from hf_cocktail.calibrate.solve import layer_deltas
 from hf_cocktail.calibrate.texts import Window, split_windows
@@ -175,22 +175,29 @@ def reused_sensitivity(earlier: dict, windows: list[str], cocktail: list[int]) -
 
 
 def validate_all(
-    model, tok, preps: list[Prepared], recall: list[Prepared], cands: list[Candidate], target: float, progress: bool
+    model,
+    tok,
+    held_out: list[Prepared],
+    recall_probes: list[Prepared],
+    cands: list[Candidate],
+    target: float,
+    progress: bool,
 ) -> list:
     """Every candidate measured on every held-out window and its recall probe: one record per candidate (the bytes
     and ``fits`` from the held-out windows, ``recall_*`` from the probes)."""
-    total = len(cands) * (len(preps) + len(recall))
+    total = len(cands) * (len(held_out) + len(recall_probes))
     bar = tqdm(total=total, desc="calibrate: validate", disable=not progress, dynamic_ncols=True)
+
+    def measured_on(preps: list[Prepared], config: CocktailConfig) -> dict:
+        per = []
+        for p in preps:
+            per.append(measure(model, tok, p, config))
+            bar.update()
+        return summarize(per)
+
     out = []
     for c in cands:
-        per, probes = [], []
-        for p in preps:
-            per.append(measure(model, tok, p, c.config))
-            bar.update()
-        for p in recall:
-            probes.append(measure(model, tok, p, c.config))
-            bar.update()
-        s, r = summarize(per), summarize(probes)
+        s, r = measured_on(held_out, c.config), measured_on(recall_probes, c.config)
         out.append(
             {
                 "name": c.name,
@@ -211,16 +218,14 @@ def validate_all(
 
 def add_scores(measured: list[dict], reference: str = "uniform INT4") -> None:
     """Give every record its ``score``, what calibration minimizes: the mean of its held-out KLD and its recall KLD,
-    each over ``reference``'s (a scale-free mix: 1.0 is the reference's fidelity on both)."""
+    each over ``reference``'s (a scale-free mix: 1.0 is the reference's fidelity on both; a reference KLD of exactly
+    0 counts as 1e-12, so that any divergence from FP16 weighs as far worse)."""
     ref = next((m for m in measured if m["name"] == reference), None)
     if ref is None:
         raise ValueError(f"add_scores: no {reference!r} record among {[m['name'] for m in measured]}")
+    floor = 1e-12
     for m in measured:
-        m["score"] = (_over(m["kld"], ref["kld"]) + _over(m["recall_kld"], ref["recall_kld"])) / 2
-
-
-def _over(value: float, reference: float) -> float:
-    return value / reference if reference > 0 else value
+        m["score"] = (m["kld"] / max(ref["kld"], floor) + m["recall_kld"] / max(ref["recall_kld"], floor)) / 2
 
 
 def calibrate_model(
@@ -263,10 +268,10 @@ def calibrate_model(
         records, rotation_choice = reused_sensitivity(sensitivity_from, [w.name for w in cal], cocktail)
     timings["sensitivity"] = time.perf_counter() - t0
     deltas = layer_deltas(records, [BASE])
-    probes = [recall_window(tokenizer, w) for w in val]
-    bar = tqdm([*val, *probes], desc="calibrate: held-out prefills", disable=not progress)
+    recall_windows = [recall_window(tokenizer, w) for w in val]
+    bar = tqdm([*val, *recall_windows], desc="calibrate: held-out prefills", disable=not progress)
     prepared = [prepare(model, tokenizer, w) for w in bar]
-    preps, recall = prepared[: len(val)], prepared[len(val) :]
+    preps, recall_preps = prepared[: len(val)], prepared[len(val) :]
     head_dim = preps[0].prefill.layers[cocktail[0]].keys.shape[-1]
     num_layers = len(preps[0].prefill.layers)
     spaces = {r: CapsSpace(deltas, cocktail, num_layers, head_dim, r) for r in caps_rotations(rotation_choice)}
@@ -287,15 +292,15 @@ def calibrate_model(
             f"{cheapest:.3f}x the FP16 bytes here; give a larger target"
         )
     timings["fit_caps"] = time.perf_counter() - t1
-    measured = validate_all(model, tokenizer, preps, recall, [*caps, *baselines(head_dim)], target, progress)
+    measured = validate_all(model, tokenizer, preps, recall_preps, [*caps, *baselines(head_dim)], target, progress)
     add_scores(measured)
     if search_scorers:
-        best_caps = min((c for c in caps), key=lambda c: measured[caps.index(c)]["score"])
+        best_caps = min(zip(caps, measured), key=lambda cm: cm[1]["score"])[0]  # measured opens with the caps
         t2 = time.perf_counter()
         space = spaces[best_caps.info["rotation"]]
         search = search_candidates(space, best_caps, ratio_of, target, search_scorers, encoder)
         timings["fit_search"] = time.perf_counter() - t2
-        measured += validate_all(model, tokenizer, preps, recall, search, target, progress)
+        measured += validate_all(model, tokenizer, preps, recall_preps, search, target, progress)
         add_scores(measured)
     fit_bar.close()
     fitting = [m for m in measured if m["fits"] and m["kind"] != "baseline"] or [m for m in measured if m["fits"]]
@@ -308,6 +313,7 @@ def calibrate_model(
         "window": window,
         "question_tokens": question_tokens,
         "continuation_tokens": continuation_tokens,
+        "recall_needles": NEEDLES,
         "search_scorers": list(search_scorers),
         "base": list(BASE),
         "key_options": list(KEY_OPTIONS),
