@@ -61,6 +61,10 @@ REPORTS = (
         "gemma3_270m/kld_v5/summary.md",
     ),
     (
+        "Gemma 3 270M: a preset calibrated at a 0.30 target (`calibrate_t030/`, not adopted), beside uniform INT4",
+        "gemma3_270m/kld_t030/summary.md",
+    ),
+    (
         "Gemma 3 270M: uniform INT4 and the command's choice before the recall probes (superseded)",
         "gemma3_270m/kld_v4/summary.md",
     ),
