@@ -1,9 +1,10 @@
 """Calibrate a Cocktail preset for any model on your own texts (``python -m hf_cocktail.calibrate``).
 
 ``calibrate(model, tokenizer, texts, target=0.25)`` returns the :class:`~hf_cocktail.CocktailConfig` with the lowest
-KL divergence from FP16 on held-out texts and on recall probes made from them (key-value needles in the same context,
-one asked; each KL relative to uniform INT4's) whose quantized layers hold at most ``target`` times their FP16 KV bytes;
-``calibrate_model`` returns every measurement too (:class:`CalibrationResult`); ``write_preset`` writes the folder.
+KL divergence from FP16 on held-out texts whose quantized layers hold at most ``target`` times their FP16 KV bytes and
+whose KL on recall probes made from the same texts (key-value needles in the context, one asked) is at most uniform
+INT4's; ``calibrate_model`` returns every measurement too (:class:`CalibrationResult`); ``write_preset`` writes the
+folder.
 
 Cost, counted in forward passes (defaults: 4 calibration and 4 held-out texts of 2048 tokens, L Cocktail layers): 12
 prefills of ~2048 tokens (the held-out texts' recall probes too); 4 x (4 + 1 + 4 L) forwards of 32 tokens over a

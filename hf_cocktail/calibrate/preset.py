@@ -84,8 +84,9 @@ def measurements_markdown(result: CalibrationResult) -> str:
         f"continuation, then over the texts. Recall: per held-out text a probe of the same context with "
         f"{s['recall_needles']} key-value "
         "needles inserted (RULER's multi-key needle in completion form, in other words: 'Remember this: the access "
-        "code of the <key> account is <7 digits>.'), one asked, KLD over its answer. Score: the mean of the two "
-        "KLDs, each over uniform INT4's (what calibration minimizes; below 1 is closer to FP16 than "
+        "code of the <key> account is <7 digits>.'), one asked, KLD over its answer. Calibration picks the lowest "
+        "mean KLD among the settings within the target whose recall KLD is at most uniform INT4's (none: the lowest "
+        "score). Score: the mean of the two KLDs, each over uniform INT4's (below 1 is closer to FP16 than "
         "uniform INT4). Bytes: the quantized (full-attention) layers' bytes over their FP16 "
         f"bytes (the target: <= {result.target:g}x), and the whole cache's (`memory_report()['ratio_to_fp16']`, the "
         "model's own sliding-window layers included), on the held-out texts.",

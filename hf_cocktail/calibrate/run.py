@@ -12,8 +12,9 @@
    search on top of the best of them; bytes measured with the real cache.
 4. Every candidate and the baselines (uniform INT4, ``recommended()``) are measured with the real cache
    (:mod:`.validate`) on the held-out windows and on their recall probes (:mod:`.recall`: key-value needles in the
-   same context, one asked); among those whose mean bytes ratio on the held-out windows is within the target, the
-   lowest ``score`` wins: the mean of the two KL divergences, each over uniform INT4's (:func:`add_scores`).
+   same context, one asked); among those whose mean bytes ratio on the held-out windows is within the target and
+   whose recall KL is at most uniform INT4's, the lowest held-out KL wins; when none recalls that well, the lowest
+   ``score``: the mean of the two KL divergences, each over uniform INT4's (:func:`choose`, :func:`add_scores`).
 """
 
 from __future__ import annotations
@@ -217,15 +218,28 @@ def validate_all(
 
 
 def add_scores(measured: list[dict], reference: str = "uniform INT4") -> None:
-    """Give every record its ``score``, what calibration minimizes: the mean of its held-out KLD and its recall KLD,
-    each over ``reference``'s (a scale-free mix: 1.0 is the reference's fidelity on both; a reference KLD of exactly
-    0 counts as 1e-12, so that any divergence from FP16 weighs as far worse)."""
-    ref = next((m for m in measured if m["name"] == reference), None)
-    if ref is None:
-        raise ValueError(f"add_scores: no {reference!r} record among {[m['name'] for m in measured]}")
+    """Give every record its ``score``: the mean of its held-out KLD and its recall KLD, each over ``reference``'s
+    (a scale-free mix: 1.0 is the reference's fidelity on both; a reference KLD of exactly 0 counts as 1e-12, so that
+    any divergence from FP16 weighs as far worse). :func:`choose` falls back on it."""
+    ref = reference_record(measured, reference)
     floor = 1e-12
     for m in measured:
         m["score"] = (m["kld"] / max(ref["kld"], floor) + m["recall_kld"] / max(ref["recall_kld"], floor)) / 2
+
+
+def reference_record(measured: list[dict], reference: str = "uniform INT4") -> dict:
+    ref = next((m for m in measured if m["name"] == reference), None)
+    if ref is None:
+        raise ValueError(f"no {reference!r} record among {[m['name'] for m in measured]}")
+    return ref
+
+
+def choose(candidates: list[dict], reference: dict) -> dict:
+    """What calibration picks among ``candidates`` (measured records): the lowest held-out KLD among those whose
+    recall KLD is at most ``reference``'s (uniform INT4: recall no worse than INT4's on the probes); when none
+    recalls that well, the lowest ``score`` (:func:`add_scores`)."""
+    recalling = [m for m in candidates if m["recall_kld"] <= reference["recall_kld"]]
+    return min(recalling, key=lambda m: m["kld"]) if recalling else min(candidates, key=lambda m: m["score"])
 
 
 def calibrate_model(
@@ -295,7 +309,8 @@ def calibrate_model(
     measured = validate_all(model, tokenizer, preps, recall_preps, [*caps, *baselines(head_dim)], target, progress)
     add_scores(measured)
     if search_scorers:
-        best_caps = min(zip(caps, measured), key=lambda cm: cm[1]["score"])[0]  # measured opens with the caps
+        caps_records = measured[: len(caps)]  # measured opens with the caps, in their order
+        best_caps = caps[caps_records.index(choose(caps_records, reference_record(measured)))]
         t2 = time.perf_counter()
         space = spaces[best_caps.info["rotation"]]
         search = search_candidates(space, best_caps, ratio_of, target, search_scorers, encoder)
@@ -306,7 +321,7 @@ def calibrate_model(
     fitting = [m for m in measured if m["fits"] and m["kind"] != "baseline"] or [m for m in measured if m["fits"]]
     if not fitting:
         raise TargetUnreachable(f"target={target!r}: no candidate's held-out bytes ratio is within it: {measured}")
-    best = min(fitting, key=lambda m: m["score"])
+    best = choose(fitting, reference_record(measured))
     timings["total"] = time.perf_counter() - t0
     settings = {
         "target": target,
@@ -335,7 +350,7 @@ def calibrate_model(
 
 
 def calibrate(model, tokenizer, texts, target: float = 0.25, **kwargs: Any) -> CocktailConfig:
-    """The config :func:`calibrate_model` chooses: the lowest held-out KL divergence from FP16 (on the held-out texts
-    and their recall probes, each relative to uniform INT4's) whose Cocktail layers hold at most ``target`` times
-    their FP16 KV bytes."""
+    """The config :func:`calibrate_model` chooses: the lowest held-out KL divergence from FP16 among the settings
+    whose Cocktail layers hold at most ``target`` times their FP16 KV bytes and which recall needles from the held-out
+    texts at least as faithfully as uniform INT4 (:func:`choose`)."""
     return calibrate_model(model, tokenizer, texts, target, **kwargs).config
