@@ -17,12 +17,12 @@ RESULTS = "eval/results"
 REPORTS = (
     ("SmolLM2-135M-Instruct: KL divergence from FP16, 2K LongBench windows and needles", "kld/summary.md"),
     (
-        "SmolLM2-135M-Instruct: the preset as its calibrate command writes it today (recall probes), same windows",
-        "kld_calibrated_v10/summary.md",
+        "SmolLM2-135M-Instruct: the preset as its calibrate command writes it today, same windows",
+        "kld_calibrated_v9/summary.md",
     ),
     (
-        "SmolLM2-135M-Instruct: the command's choice before the recall probes (superseded)",
-        "kld_calibrated_v9/summary.md",
+        "SmolLM2-135M-Instruct: the choice of the recall-probe score alone (not adopted), same windows",
+        "kld_calibrated_v10/summary.md",
     ),
     (
         "SmolLM2-135M-Instruct: the preset on 16 essays at a 0.24 target (superseded)",
@@ -47,10 +47,13 @@ REPORTS = (
     ),
     ("SmolLM2-135M-Instruct: a preset recalibrated at 0.225x (not adopted)", "kld_calibrated_v4/summary.md"),
     ("SmolLM2-135M-Instruct: KL divergence on 8K windows", "kld_8k/summary.md"),
-    ("SmolLM2-135M-Instruct: RULER-style needles, today's preset (64 cases)", "ruler_calibrated/ruler_summary.md"),
     (
-        "SmolLM2-135M-Instruct: RULER-style needles, the choice before the recall probes (the same 64 cases)",
+        "SmolLM2-135M-Instruct: RULER-style needles, today's preset (128 cases; FP16 and INT4 in the next table)",
         "ruler_calibrated/previous_preset/ruler_summary.md",
+    ),
+    (
+        "SmolLM2-135M-Instruct: RULER-style needles, the recall-probe score's choice (not adopted), the same 128 cases",
+        "ruler_calibrated/ruler_summary.md",
     ),
     ("SmolLM2-135M-Instruct: RULER-style needles (38 cases per variant)", "ruler_24/ruler_summary.md"),
     ("SmolLM2-135M-Instruct: RULER multikey (128 cases)", "ruler_multikey/ruler_summary.md"),
@@ -143,10 +146,10 @@ HEADLINE = (
     (
         "SmolLM2-135M-Instruct",
         (
-            ("uniform INT4", "kld_calibrated_v10/summary.csv", "int4"),
+            ("uniform INT4", "kld_calibrated_v9/summary.csv", "int4"),
             ("`CocktailConfig()` (paper)", "kld/summary.csv", "cocktail"),
             ("`CocktailConfig.recommended()`", "kld/summary.csv", "int4v3_had_g64"),
-            ("calibrated preset", "kld_calibrated_v10/summary.csv", "preset"),
+            ("calibrated preset", "kld_calibrated_v9/summary.csv", "preset"),
         ),
     ),
     (

@@ -60,6 +60,27 @@ def test_the_score_is_the_mean_of_both_klds_over_uniform_int4s():
         run.add_scores(measured[1:])
 
 
+def _expected_choice(records: list[dict]) -> dict:
+    """The rule written out: among the fitting non-baseline records, the lowest KLD of those recalling at most as
+    far from FP16 as uniform INT4, else the lowest score."""
+    int4 = next(c for c in records if c["name"] == "uniform INT4")
+    fitting = [c for c in records if c["fits"] and c["kind"] != "baseline"]
+    recalling = [c for c in fitting if c["recall_kld"] <= int4["recall_kld"]]
+    return min(recalling, key=lambda c: c["kld"]) if recalling else min(fitting, key=lambda c: c["score"])
+
+
+def test_the_choice_is_the_lowest_kld_among_those_recalling_as_well_as_int4_else_the_lowest_score():
+    int4 = {"name": "uniform INT4", "kld": 0.002, "recall_kld": 0.010, "score": 1.0}
+    a = {"name": "a", "kld": 0.001, "recall_kld": 0.030, "score": 1.75}  # lowest KLD, recalls 3x worse than INT4
+    b = {"name": "b", "kld": 0.004, "recall_kld": 0.009, "score": 1.45}  # recalls better than INT4
+    c = {"name": "c", "kld": 0.003, "recall_kld": 0.010, "score": 1.25}  # recalls as well as INT4
+    assert run.choose([a, b, c], int4) is c
+    assert run.choose([a, b], int4) is b
+    assert run.choose([a], int4) is a  # none recalls as well: the lowest score
+    d = {"name": "d", "kld": 0.001, "recall_kld": 0.020, "score": 1.0}
+    assert run.choose([a, d], int4) is d
+
+
 class _CharTokenizer:
     """One id per character, except that a word after a space takes the space's id with it (``" is"`` alone and
     after ``"account"`` differ), as word-start markers do; ``decode`` inverts it."""
@@ -147,8 +168,7 @@ def test_the_command_writes_a_preset_whose_widths_are_the_solve_of_its_measured_
     assert config == CocktailConfig.from_dict(record["config"])
     chosen = next(c for c in record["candidates"] if c["name"] == record["chosen"])
     assert chosen["quantized_ratio"] <= 0.3 and chosen["kind"] == "caps"
-    fitting = [c for c in record["candidates"] if c["fits"] and c["kind"] != "baseline"]
-    assert chosen["score"] == min(c["score"] for c in fitting)
+    assert chosen is _expected_choice(record["candidates"])
     int4 = next(c for c in record["candidates"] if c["name"] == "uniform INT4")
     ratios = (chosen["kld"] / int4["kld"], chosen["recall_kld"] / int4["recall_kld"])
     assert chosen["score"] == pytest.approx(sum(ratios) / 2)
@@ -269,10 +289,10 @@ def test_the_chunk_search_builds_on_the_lowest_scoring_caps_and_competes_by_scor
     caps = [c for c in res.candidates if c["kind"] == "caps"]
     search = [c for c in res.candidates if c["kind"] == "search"]
     assert search, "no search candidate fitted the target"
-    best = min(caps, key=lambda c: c["score"])
+    int4 = next(c for c in res.candidates if c["name"] == "uniform INT4")
+    best = run.choose(caps, int4)
     assert all((c["full_part_bits"], c["salient"]) == (best["full_part_bits"], best["salient"]) for c in search)
-    fitting = [c for c in res.candidates if c["fits"] and c["kind"] != "baseline"]
-    assert res.measured(res.chosen)["score"] == min(c["score"] for c in fitting)
+    assert res.measured(res.chosen) is _expected_choice(res.candidates)
     assert all(len(c["recall_kld_per_window"]) == 1 for c in res.candidates)
 
 
@@ -325,11 +345,11 @@ def test_bad_inputs_raise_clear_errors(tmp_path, tiny_tokenizer):
 @pytest.mark.parametrize("preset", ["smollm2-135m-instruct", "gemma-3-270m"])
 def test_the_model_presets_are_what_the_calibrate_command_chose(preset):
     """model_cards/<preset> is written by ``python -m hf_cocktail.calibrate`` (no hand-picked widths): its config is
-    the chosen candidate of its calibration.json, within the target, the lowest held-out KLD of the fitting ones."""
+    the chosen candidate of its calibration.json, within the target, by the rule of :func:`run.choose`."""
     folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model_cards", preset)
     record = json.loads(open(os.path.join(folder, "calibration.json")).read())
     assert record["command"].startswith("python -m hf_cocktail.calibrate ")
     assert CocktailConfig.from_pretrained(folder) == CocktailConfig.from_dict(record["config"])
     chosen = next(c for c in record["candidates"] if c["name"] == record["chosen"])
     assert chosen["fits"] and chosen["quantized_ratio"] <= record["target_bytes"]
-    assert chosen["score"] == min(c["score"] for c in record["candidates"] if c["fits"] and c["kind"] != "baseline")
+    assert chosen is _expected_choice(record["candidates"])
