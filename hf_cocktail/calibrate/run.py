@@ -310,7 +310,8 @@ def calibrate_model(
     add_scores(measured)
     if search_scorers:
         caps_records = measured[: len(caps)]  # measured opens with the caps, in their order
-        best_caps = caps[caps_records.index(choose(caps_records, reference_record(measured)))]
+        picked = choose(caps_records, reference_record(measured))
+        best_caps = next(c for c, m in zip(caps, caps_records) if m is picked)
         t2 = time.perf_counter()
         space = spaces[best_caps.info["rotation"]]
         search = search_candidates(space, best_caps, ratio_of, target, search_scorers, encoder)
