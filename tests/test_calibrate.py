@@ -50,35 +50,61 @@ def test_option_deltas_add_the_key_and_value_deltas_measured_around_the_base():
 
 def test_the_score_is_the_mean_of_both_klds_over_uniform_int4s():
     measured = [
-        {"name": "uniform INT4", "kld": 0.002, "recall_kld": 0.01},
-        {"name": "a", "kld": 0.001, "recall_kld": 0.03},  # half INT4's held-out KLD, three times its recall KLD
-        {"name": "b", "kld": 0.003, "recall_kld": 0.005},
+        {"name": "uniform INT4", "kld": 0.002, "recall_kld": 0.01, "recall_kld_per_window": [0.01]},
+        {"name": "a", "kld": 0.001, "recall_kld": 0.03, "recall_kld_per_window": [0.03]},  # half, three times INT4's
+        {"name": "b", "kld": 0.003, "recall_kld": 0.005, "recall_kld_per_window": [0.005]},
     ]
     run.add_scores(measured)
     assert [m["score"] for m in measured] == pytest.approx([1.0, 1.75, 1.0])
+    assert [m["recall_ratio"] for m in measured] == pytest.approx([1.0, 3.0, 0.5])
     with pytest.raises(ValueError, match="uniform INT4"):
         run.add_scores(measured[1:])
 
 
+def test_the_recall_ratio_is_the_geometric_mean_of_the_per_probe_ratios():
+    int4 = {"name": "uniform INT4", "recall_kld_per_window": [0.001, 0.001, 0.001, 0.029]}  # one heavy probe
+    # a mean below INT4's (0.004 vs 0.008), yet twice INT4's divergence on three probes of four
+    worse = {"name": "w", "recall_kld_per_window": [0.002, 0.002, 0.002, 0.010]}
+    assert run.recall_ratio(worse, int4) == pytest.approx((2 * 2 * 2 * 10 / 29) ** 0.25)  # 1.53
+    assert run.recall_ratio(int4, int4) == 1.0
+    exact = {"name": "e", "recall_kld_per_window": [0.0, 0.001, 0.001, 0.029]}  # a KLD of 0 counts as 1e-12
+    assert run.recall_ratio(exact, int4) == pytest.approx((1e-12 / 0.001) ** 0.25)
+    with pytest.raises(ValueError, match="recall probes differ"):
+        run.recall_ratio({"name": "x", "recall_kld_per_window": [0.1]}, int4)
+
+
+def _ratio(record: dict, int4: dict) -> float:
+    """The recall ratio written out: the product of the per-probe ratios, to the power one over their count."""
+    prod = 1.0
+    for a, b in zip(record["recall_kld_per_window"], int4["recall_kld_per_window"]):
+        prod *= max(a, 1e-12) / max(b, 1e-12)
+    return prod ** (1 / len(int4["recall_kld_per_window"]))
+
+
 def _expected_choice(records: list[dict]) -> dict:
-    """The rule written out: among the fitting non-baseline records, the lowest KLD of those recalling at most as
-    far from FP16 as uniform INT4, else the lowest score."""
+    """The rule written out: among the fitting non-baseline records, the lowest KLD of those recalling at least as
+    faithfully as uniform INT4 probe by probe (the geometric mean of the ratios at most 1), else the lowest score."""
     int4 = next(c for c in records if c["name"] == "uniform INT4")
     fitting = [c for c in records if c["fits"] and c["kind"] != "baseline"]
-    recalling = [c for c in fitting if c["recall_kld"] <= int4["recall_kld"]]
+    recalling = [c for c in fitting if _ratio(c, int4) <= 1.0 + 1e-12]
     return min(recalling, key=lambda c: c["kld"]) if recalling else min(fitting, key=lambda c: c["score"])
 
 
 def test_the_choice_is_the_lowest_kld_among_those_recalling_as_well_as_int4_else_the_lowest_score():
-    int4 = {"name": "uniform INT4", "kld": 0.002, "recall_kld": 0.010, "score": 1.0}
-    a = {"name": "a", "kld": 0.001, "recall_kld": 0.030, "score": 1.75}  # lowest KLD, recalls 3x worse than INT4
-    b = {"name": "b", "kld": 0.004, "recall_kld": 0.009, "score": 1.45}  # recalls better than INT4
-    c = {"name": "c", "kld": 0.003, "recall_kld": 0.010, "score": 1.25}  # recalls as well as INT4
+    int4 = {"name": "uniform INT4", "kld": 0.002, "recall_kld_per_window": [0.010, 0.010], "score": 1.0}
+    a = {"name": "a", "kld": 0.001, "recall_kld_per_window": [0.030, 0.030], "score": 1.75}  # lowest KLD, 3x INT4's
+    b = {"name": "b", "kld": 0.004, "recall_kld_per_window": [0.009, 0.009], "score": 1.45}  # recalls better than INT4
+    c = {"name": "c", "kld": 0.003, "recall_kld_per_window": [0.005, 0.020], "score": 1.25}  # as well, probe by probe
     assert run.choose([a, b, c], int4) is c
     assert run.choose([a, b], int4) is b
     assert run.choose([a], int4) is a  # none recalls as well: the lowest score
-    d = {"name": "d", "kld": 0.001, "recall_kld": 0.020, "score": 1.0}
+    d = {"name": "d", "kld": 0.001, "recall_kld_per_window": [0.020, 0.020], "score": 1.0}
     assert run.choose([a, d], int4) is d
+    # a lower mean recall KLD than INT4's that is worse on most probes does not count as recalling as well
+    heavy = {**int4, "recall_kld_per_window": [0.001, 0.001, 0.001, 0.029]}
+    e = {"name": "e", "kld": 0.001, "recall_kld_per_window": [0.002, 0.002, 0.002, 0.010], "score": 1.1}
+    f = {"name": "f", "kld": 0.002, "recall_kld_per_window": [0.001, 0.001, 0.001, 0.020], "score": 1.2}
+    assert run.choose([e, f], heavy) is f and run.choose([e], heavy) is e
 
 
 class _CharTokenizer:

@@ -47,7 +47,7 @@ def _row(c: dict, chosen: str) -> str:
     per = ", ".join(f"{k:.4f}" for k in c["kld_per_window"])
     return (
         f"| {name} | {c['quantized_ratio']:.3f}x | {c['cache_ratio']:.3f}x | {c['kld']:.4f} | {c['top1']:.3f} | "
-        f"{c['recall_kld']:.4f} | {c['recall_top1']:.3f} | {c['score']:.3f} | {per} |"
+        f"{c['recall_kld']:.4f} | {c['recall_top1']:.3f} | {c['recall_ratio']:.2f} | {c['score']:.3f} | {per} |"
     )
 
 
@@ -70,6 +70,17 @@ def rotation_line(choice: dict | None, chosen: str | None) -> str:
     return line
 
 
+def _rule_outcome(result: CalibrationResult) -> str:
+    """Which branch of the rule chose: a setting recalling as well as uniform INT4, or the lowest score."""
+    chosen = next(c for c in result.candidates if c["name"] == result.chosen)
+    if chosen["recall_ratio"] <= 1.0:
+        return "The chosen setting recalls at least as faithfully as uniform INT4."
+    return (
+        "No setting within the target recalls as faithfully as uniform INT4 on these probes: the lowest score was "
+        "chosen."
+    )
+
+
 def measurements_markdown(result: CalibrationResult) -> str:
     """The held-out table: every candidate's bytes and KL divergence from FP16, the chosen one first."""
     s = result.settings
@@ -84,16 +95,18 @@ def measurements_markdown(result: CalibrationResult) -> str:
         f"continuation, then over the texts. Recall: per held-out text a probe of the same context with "
         f"{s['recall_needles']} key-value "
         "needles inserted (RULER's multi-key needle in completion form, in other words: 'Remember this: the access "
-        "code of the <key> account is <7 digits>.'), one asked, KLD over its answer. Calibration picks the lowest "
-        "mean KLD among the settings within the target whose recall KLD is at most uniform INT4's (none: the lowest "
-        "score). Score: the mean of the two KLDs, each over uniform INT4's (below 1 is closer to FP16 than "
-        "uniform INT4). Bytes: the quantized (full-attention) layers' bytes over their FP16 "
+        "code of the <key> account is <7 digits>.'), one asked, KLD over its answer; recall vs INT4: the geometric "
+        "mean over the probes of the setting's recall KLD over uniform INT4's on the same probe. Calibration picks the "
+        "lowest mean KLD among the settings within the target that recall at least as faithfully as uniform INT4 "
+        "(recall vs INT4 <= 1); when none does, the lowest score. Score: the mean of the two mean KLDs, each over "
+        "uniform INT4's (below 1 is closer to FP16 than uniform INT4). "
+        f"{_rule_outcome(result)} Bytes: the quantized (full-attention) layers' bytes over their FP16 "
         f"bytes (the target: <= {result.target:g}x), and the whole cache's (`memory_report()['ratio_to_fp16']`, the "
         "model's own sliding-window layers included), on the held-out texts.",
         "",
-        "| setting | quantized layers' bytes | whole cache | mean KLD | top-1 | recall KLD | recall top-1 | score | "
-        "KLD per held-out text |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| setting | quantized layers' bytes | whole cache | mean KLD | top-1 | recall KLD | recall top-1 | "
+        "recall vs INT4 | score | KLD per held-out text |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *[_row(c, result.chosen) for c in order],
         "",
         rotation_line(s.get("rotation_choice"), result.config.rotation)

@@ -13,12 +13,15 @@
 4. Every candidate and the baselines (uniform INT4, ``recommended()``) are measured with the real cache
    (:mod:`.validate`) on the held-out windows and on their recall probes (:mod:`.recall`: key-value needles in the
    same context, one asked); among those whose mean bytes ratio on the held-out windows is within the target and
-   whose recall KL is at most uniform INT4's, the lowest held-out KL wins; when none recalls that well, the lowest
-   ``score``: the mean of the two KL divergences, each over uniform INT4's (:func:`choose`, :func:`add_scores`).
+   that recall at least as faithfully as uniform INT4 (the geometric mean over the probes of their recall KL over
+   INT4's on the same probe at most 1: :func:`recall_ratio`), the lowest held-out KL wins; when none recalls that
+   well, the lowest ``score``: the mean of the two KL divergences, each over uniform INT4's (:func:`choose`,
+   :func:`add_scores`).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -217,14 +220,29 @@ def validate_all(
     return out
 
 
+_FLOOR = 1e-12  # a KLD of exactly 0 counts as this much, so that any divergence from FP16 weighs as far worse
+
+
 def add_scores(measured: list[dict], reference: str = "uniform INT4") -> None:
     """Give every record its ``score``: the mean of its held-out KLD and its recall KLD, each over ``reference``'s
-    (a scale-free mix: 1.0 is the reference's fidelity on both; a reference KLD of exactly 0 counts as 1e-12, so that
-    any divergence from FP16 weighs as far worse). :func:`choose` falls back on it."""
+    (a scale-free mix: 1.0 is the reference's fidelity on both), and its ``recall_ratio`` (:func:`recall_ratio`).
+    :func:`choose` reads both."""
     ref = reference_record(measured, reference)
-    floor = 1e-12
     for m in measured:
-        m["score"] = (m["kld"] / max(ref["kld"], floor) + m["recall_kld"] / max(ref["recall_kld"], floor)) / 2
+        m["score"] = (m["kld"] / max(ref["kld"], _FLOOR) + m["recall_kld"] / max(ref["recall_kld"], _FLOOR)) / 2
+        m["recall_ratio"] = recall_ratio(m, ref)
+
+
+def recall_ratio(record: dict, reference: dict) -> float:
+    """How far from FP16 ``record`` recalls against ``reference``, probe by probe: the geometric mean over the
+    recall probes of its recall KLD over the reference's on the same probe (1.0: as faithful as the reference; 0.5:
+    half its divergence on a typical probe). Paired and scale-free, so one probe where the reference happens to
+    diverge far (a mean's weight) does not decide it."""
+    mine, theirs = record["recall_kld_per_window"], reference["recall_kld_per_window"]
+    if len(mine) != len(theirs) or not mine:
+        raise ValueError(f"recall probes differ: {len(mine)} for {record['name']!r}, {len(theirs)} for the reference")
+    logs = [math.log(max(a, _FLOOR) / max(b, _FLOOR)) for a, b in zip(mine, theirs)]
+    return math.exp(sum(logs) / len(logs))
 
 
 def reference_record(measured: list[dict], reference: str = "uniform INT4") -> dict:
@@ -235,10 +253,10 @@ def reference_record(measured: list[dict], reference: str = "uniform INT4") -> d
 
 
 def choose(candidates: list[dict], reference: dict) -> dict:
-    """What calibration picks among ``candidates`` (measured records): the lowest held-out KLD among those whose
-    recall KLD is at most ``reference``'s (uniform INT4: recall no worse than INT4's on the probes); when none
-    recalls that well, the lowest ``score`` (:func:`add_scores`)."""
-    recalling = [m for m in candidates if m["recall_kld"] <= reference["recall_kld"]]
+    """What calibration picks among ``candidates`` (measured records): the lowest held-out KLD among those that
+    recall at least as faithfully as ``reference`` (uniform INT4): :func:`recall_ratio` at most 1; when none recalls
+    that well, the lowest ``score`` (:func:`add_scores`)."""
+    recalling = [m for m in candidates if recall_ratio(m, reference) <= 1.0]
     return min(recalling, key=lambda m: m["kld"]) if recalling else min(candidates, key=lambda m: m["score"])
 
 
