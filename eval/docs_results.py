@@ -79,7 +79,7 @@ REPORTS = (
         "Gemma 3 270M: uniform INT4 and the preset before, 8-bit scales and zeros as the nearest codes",
         "gemma3_270m/kld_nearest/summary.md",
     ),
-    ("Gemma 3 270M: RULER-style needles, today's preset (128 cases)", "gemma3_270m/ruler_v4/ruler_summary.md"),
+    ("Gemma 3 270M: RULER-style needles, today's preset (256 cases)", "gemma3_270m/ruler_v4/ruler_summary.md"),
     (
         "Gemma 3 270M: RULER-style needles, the choice before the recall probes (64 cases)",
         "gemma3_270m/ruler_v3/ruler_summary.md",
