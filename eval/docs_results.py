@@ -81,6 +81,10 @@ REPORTS = (
     ),
     ("Gemma 3 270M: RULER-style needles, today's preset (256 cases)", "gemma3_270m/ruler_v4/ruler_summary.md"),
     (
+        "Gemma 3 270M: RULER-style needles, the preset calibrated at a 0.30 target (not adopted), the same 256 cases",
+        "gemma3_270m/ruler_t030/ruler_summary.md",
+    ),
+    (
         "Gemma 3 270M: RULER-style needles, the choice before the recall probes (64 cases)",
         "gemma3_270m/ruler_v3/ruler_summary.md",
     ),
