@@ -36,6 +36,7 @@ SAMPLES: dict = {
     "layer_bits": [((4, 3), (3, 2))],
     "salient_tokens": [0.1],
     "full_part_bits": [8],
+    "residual_tokens": [64],
 }
 ANY = None
 ALL_UNIFORM = {16, 4, 3, 2}
@@ -45,7 +46,7 @@ MOOT = [
     ("low_bits", ANY, "uniform_bits", ALL_UNIFORM),
     *[
         (f, ANY, "uniform_bits", {16})
-        for f in ("value_bits", "scale_bits", "salient_tokens", "sink_tokens", "recent_tokens")
+        for f in ("value_bits", "scale_bits", "salient_tokens", "sink_tokens", "recent_tokens", "residual_tokens")
     ],
     ("rotation", ANY, "uniform_bits", {16}),  # with full_part_bits at its default 16
     ("scale_dtype", ANY, "uniform_bits", {16}),  # the same

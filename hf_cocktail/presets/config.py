@@ -25,6 +25,7 @@ _SCORERS = ("encoder", "bm25", "attention")
 _CHOICES: dict[str, tuple] = dict(backend=_BACKENDS, scorer=_SCORERS, scale_dtype=_SCALE_DTYPES)  # one of these
 _CHOICES.update(rotation=ROTATIONS, scale_bits=SCALE_BITS, full_part_bits=FULL_PART_BITS)
 _COUNTS = {"chunk_size": 1, "encoder_batch_size": 1, "sink_tokens": 0, "recent_tokens": 0, "neighbors": 0}
+_COUNTS.update(residual_tokens=0)
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -111,6 +112,11 @@ class CocktailConfig(ConfigFiles):
             per token and head, in the rotated basis with ``rotation``; :mod:`hf_cocktail.storage.full_part`). The
             plan's FP16 tier (16 in ``precision_map``) is then 8-bit; ``target_bits`` counts it at 8 (the scale's 16/D
             bits left out). ``full_precision_layers`` stay at the model's precision.
+        residual_tokens: the newest tokens of each sequence kept at the full part's precision (KIVI's residual,
+            ``QuantizedCache``'s ``residual_length``): generated tokens and later turns are packed at the layer's
+            widths a chunk at a time as they fall more than ``residual_tokens`` behind the newest token; without
+            :meth:`~hf_cocktail.CocktailCache.prepare_inputs` the prompt's last ``residual_tokens`` tokens stay at
+            full precision too and the rest of it (after ``sink_tokens``) is packed as context.
         keep_context_copy: keep a full-precision copy of the prompt up to the end of the context on CPU, so that
             :meth:`CocktailCache.requery` can answer a new question about the same document without a new prefill.
     """
@@ -140,6 +146,7 @@ class CocktailConfig(ConfigFiles):
     layer_bits: tuple | None = None
     salient_tokens: float = 0.0
     full_part_bits: int = 16
+    residual_tokens: int = 128
 
     def __post_init__(self) -> None:
         for name, allowed in _CHOICES.items():  # of the allowed values' own types (True is not 1, 8.0 is not 8)
