@@ -286,6 +286,102 @@ def test_split_attention_matches_reference(name):
     check_attention(query, store, scaling, split_precision_attention_torch(query, store, scaling), tokens_per_split=tps)
 
 
+SEGMENT_COUNT_CASES = {
+    # every packed-segment count the GPU path can see (0, 1, 2): the kernel's segment count is a compile-time
+    # constant, an absent segment compiles no code and gets typed stand-ins
+    0: (([7, 3], {}), 2, 2, 64, 2, 8, 32, 4),
+    1: (([5, 3], {4: [17, 26]}), 1, 4, 128, 1, 16, 32, 8),
+    2: (([5, 3], {4: [9, 0], 2: [4, 21]}), 2, 1, 64, 1, 8, 32, None),
+}
+
+
+@pytest.mark.parametrize("count", list(SEGMENT_COUNT_CASES))
+def test_split_attention_every_segment_count(count):
+    (full, packed), H_kv, n_rep, D, Lq, C, G, tps = SEGMENT_COUNT_CASES[count]
+    store = make_store(full, packed, H_kv, D, C, G)
+    assert len(store.segments) == count
+    query = (torch.randn(len(full), H_kv * n_rep, Lq, D, generator=torch.Generator().manual_seed(3)) * 2).to(DEV)
+    attn, _, _ = triton_ops.plan_split_attention(
+        query,
+        store.full.keys,
+        store.full.values,
+        store.full.start_tensor(),
+        [s.kernel_args() for s in store.segments],
+        D**-0.5,
+    )
+    assert attn.constexprs["SEGS"] == count
+    absent = attn.args[16 + 13 * count : 16 + 13 * 2 : 13]  # the first pointer of each absent segment's arguments
+    assert [t.dtype for t in absent] == [torch.uint8] * (2 - count)  # typed stand-ins, not the full keys
+    ref = split_precision_attention_torch(query, store, D**-0.5)
+    check_attention(query, store, D**-0.5, ref, tokens_per_split=tps)
+
+
+def eager_attention(query, store, scaling, dtype, sinks=None, softcap=None):
+    """transformers' eager attention in ``dtype`` over each sequence's dequantized cache (packed segments, then the
+    full part): ``s = scaling * q.k``, soft-capped as ``softcap * tanh(s / softcap)`` before the causal mask, a sink
+    logit per query head in the softmax's denominator that contributes no value (gpt-oss)."""
+    B, H_q, Lq, D = query.shape
+    out = []
+    for b in range(B):
+        s0 = store.full.start[b]
+        parts = [seg.sequence(b) for seg in store.segments]
+        parts.append((store.full.keys[b, :, s0:], store.full.values[b, :, s0:]))
+        K = torch.cat([k.to(dtype) for k, _ in parts], 1)
+        V = torch.cat([v.to(dtype) for _, v in parts], 1)
+        n_rep = H_q // K.shape[0]
+        K, V = K.repeat_interleave(n_rep, 0), V.repeat_interleave(n_rep, 0)
+        T = K.shape[1]
+        s = query[b].to(dtype) @ K.transpose(1, 2) * scaling  # (H_q, L_q, T)
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        causal = torch.ones(Lq, T, dtype=torch.bool, device=query.device).tril(T - Lq)
+        s = s.masked_fill(~causal, float("-inf"))
+        if sinks is not None:
+            s = torch.cat([s, sinks.to(dtype)[:, None, None].expand(H_q, Lq, 1)], -1)
+        p = torch.softmax(s, -1)[..., :T]
+        out.append(p @ V)
+    return torch.stack(out)
+
+
+SINK_SOFTCAP_CASES = {
+    # name: (full, packed), H_kv, n_rep, D, L_q, sinks, softcap, tokens_per_split (many splits: the sink once)
+    "sinks_gqa4_many_splits": (([6, 3], {4: [19, 8], 2: [23, 11]}), 2, 4, 64, 1, True, None, 5),
+    "softcap_mha_Lq2": (([7, 4], {4: [13, 9], 3: [21, 6]}), 2, 1, 128, 2, False, 3.0, None),
+    "sinks_softcap_gqa2_Lq2_one_segment": (([5, 9], {4: [17, 30]}), 1, 2, 64, 2, True, 2.0, 7),
+}
+
+
+@pytest.mark.parametrize("name", list(SINK_SOFTCAP_CASES))
+def test_split_attention_sinks_and_softcap(name):
+    """Attention sinks and logit soft-capping against eager attention: the kernel's error from an fp64 computation
+    is at most twice fp32 PyTorch's plus fp32 summation noise; and both really change the output."""
+    (full, packed), H_kv, n_rep, D, Lq, with_sinks, softcap, tps = SINK_SOFTCAP_CASES[name]
+    store = make_store(full, packed, H_kv, D, 8, 32)
+    g = torch.Generator().manual_seed(4)
+    query = (torch.randn(len(full), H_kv * n_rep, Lq, D, generator=g) * 4).to(DEV)
+    sinks = (torch.randn(H_kv * n_rep, generator=g) * 2 + 3).to(DEV) if with_sinks else None
+    scaling = D**-0.5
+    out = triton_attention(query, store, scaling, sinks=sinks, softcap=softcap, tokens_per_split=tps)
+    truth = eager_attention(query.double(), store, scaling, torch.float64, sinks, softcap)
+    low = eager_attention(query, store, scaling, torch.float32, sinks, softcap)
+    err, err_low = ((x.double() - truth).abs().max().item() for x in (out, low))
+    T = max(n + sum(ns[b] for ns in packed.values()) for b, n in enumerate(full))
+    floor = torch.finfo(torch.float32).eps * math.sqrt(T) * 4.0  # |v| of randn stays below 4 here
+    assert err <= 2 * err_low + floor, f"kernel error {err:.3g}, PyTorch error {err_low:.3g}, floor {floor:.3g}"
+    plain = eager_attention(query.double(), store, scaling, torch.float64)
+    assert (plain - truth).abs().max() > 1e-3  # the sinks / the cap really change the result
+
+
+def test_split_attention_rejects_bad_sinks_and_softcap():
+    store = make_store([4], {4: [3]}, 2, 64, 8, 32)
+    query = torch.randn(1, 4, 1, 64).to(DEV)
+    with pytest.raises(ValueError, match=re.escape("sinks must be a float tensor of shape (H_q=4,)")):
+        triton_attention(query, store, 0.1, sinks=torch.zeros(2, device=DEV))
+    for bad in (0.0, -1.0, float("inf"), "50"):
+        with pytest.raises(ValueError, match="softcap must be a finite number > 0 or None"):
+            triton_attention(query, store, 0.1, softcap=bad)
+
+
 def test_split_attention_other_head_dim_falls_back(monkeypatch):
     monkeypatch.setattr(dispatch, "_warned", set())
     store = make_store([4], {4: [9], 2: [5]}, 2, 32, 8, 16)

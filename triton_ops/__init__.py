@@ -12,7 +12,13 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without triton
     raise ImportError(f"triton_ops needs the triton package, which is not installed: {TRITON_INSTALL_HINT}") from e
 
-from .attention import SUPPORTED_HEAD_DIMS, split_precision_attention  # noqa: E402
+from .attention import SUPPORTED_HEAD_DIMS, plan_split_attention, split_precision_attention  # noqa: E402
 from .quantize import quantize_pack_keys, quantize_pack_values  # noqa: E402
 
-__all__ = ["SUPPORTED_HEAD_DIMS", "quantize_pack_keys", "quantize_pack_values", "split_precision_attention"]
+__all__ = [
+    "SUPPORTED_HEAD_DIMS",
+    "plan_split_attention",
+    "quantize_pack_keys",
+    "quantize_pack_values",
+    "split_precision_attention",
+]

@@ -8,22 +8,21 @@ R length of the full-precision part, C chunk size, G value group size.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Sequence
 
 import torch
 import triton
 
-from .attention_args import code_widths, full_scales_args, scale_table_arg, segment_args
+from .attention_args import code_widths, full_scales_args, scale_table_arg, segment_args, sinks_arg, softcap_arg
 from .attention_kernels import merge_kernel, split_attn_kernel
 from .checks import check_device
+from .launch import Launch
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
-_TILE = 8192  # elements of the (query rows x tokens x D) product held in registers (64 per thread, 4 warps)
 _LOG2E = 1.4426950408889634
 
-__all__ = ["SUPPORTED_HEAD_DIMS", "code_widths", "split_precision_attention"]
+__all__ = ["SUPPORTED_HEAD_DIMS", "code_widths", "plan_split_attention", "split_precision_attention"]
 
 
 @functools.cache
@@ -31,7 +30,28 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def split_precision_attention(
+def tiles(D: int, rows: int) -> tuple[int, int, int, int]:
+    """``(BQ, BT, num_warps, num_stages)`` of :func:`split_attn_kernel` for head dim ``D`` and ``rows = n_rep * L_q``
+    query rows per kv head: BQ query rows per program, BT tokens per step."""
+    BQ = min(triton.next_power_of_2(rows), 8)
+    BT = max(8, min(128, 8192 // (BQ * D)))
+    return BQ, BT, 4, 3
+
+
+def split_precision_attention(query: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """Triton version of ``hf_cocktail.decode.split_attention.split_precision_attention_torch`` (same semantics).
+
+    Arguments as :func:`plan_split_attention` (without ``num_sms``). Returns ``(B, H_q, L_q, D)`` in
+    ``query.dtype``.
+    """
+    check_device(query)
+    attn, merge, out = plan_split_attention(query, *args, **kwargs)
+    attn.run(query.device)
+    merge.run(query.device)
+    return out
+
+
+def plan_split_attention(
     query: torch.Tensor,
     full_keys: torch.Tensor,
     full_values: torch.Tensor,
@@ -44,8 +64,12 @@ def split_precision_attention(
     tokens_per_split: int | None = None,
     full_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     scale_table: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Triton version of ``hf_cocktail.decode.split_attention.split_precision_attention_torch`` (same semantics).
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
+    num_sms: int | None = None,
+) -> tuple[Launch, Launch, torch.Tensor]:
+    """The two launches of split-precision attention (:func:`split_attn_kernel` then :func:`merge_kernel`) and the
+    output tensor they fill; :func:`split_precision_attention` runs them, :mod:`triton_ops.aot` compiles them.
 
     Args:
         query: ``(B, H_q, L_q, D)``, D of 64, 128 or 256 (:data:`SUPPORTED_HEAD_DIMS`).
@@ -63,9 +87,12 @@ def split_precision_attention(
         tokens_per_split: tokens of one sequence per program (default: enough splits to fill the GPU).
         full_scales: the int8 full part's key and value scales ``(B, H_kv, R, 1)`` (strides of each other).
         scale_table: fp32 ``(256,)`` (``hf_cocktail.storage.params8.scale_table``), needed by 8-bit scales and zeros.
-
-    Returns:
-        ``(B, H_q, L_q, D)`` in ``query.dtype``.
+        sinks: attention sinks, float ``(H_q,)``: one extra logit per query head in the softmax's denominator that
+            contributes no value (gpt-oss's ``sinks``); counted once, in the merge of the splits.
+        softcap: logit soft-capping: scores ``s = scaling * q.k`` become ``softcap * tanh(s / softcap)`` before the
+            causal mask (Gemma 2's ``attn_logit_softcapping``).
+        num_sms: streaming multiprocessors to fill when choosing ``tokens_per_split`` (default: the query's GPU's;
+            on CPU, without it, one split per source, as the interpreter wants).
     """
     if query.dim() != 4:
         raise ValueError(f"query must have shape (B, H_q, L_q, D), got {tuple(query.shape)}")
@@ -79,17 +106,14 @@ def split_precision_attention(
         raise ValueError(f"the Triton kernel handles at most 2 packed segments, got {len(segments)}")
     if D not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head dim D must be one of {SUPPORTED_HEAD_DIMS}, got {D}")
-    check_device(query)
     if query.stride(-1) != 1:
         query = query.contiguous()
     fk, fv = full_keys, full_values
     if fk.stride(-1) != 1 or fv.stride() != fk.stride():
         fk, fv = fk.contiguous(), fv.contiguous()
     n_rep = H_q // H_kv
-    rows = n_rep * Lq
-    BQ = min(triton.next_power_of_2(rows), 8)
-    n_qb = triton.cdiv(rows, BQ)
-    BT = max(8, min(128, _TILE // (BQ * D)))
+    BQ, BT, warps, stages = tiles(D, n_rep * Lq)
+    n_qb = triton.cdiv(n_rep * Lq, BQ)
     segs = list(segments) + [None] * (2 - len(segments))
     maxes = list(max_tokens) if max_tokens is not None else [None] * len(segments)
     maxes += [None] * (2 - len(maxes))
@@ -98,20 +122,11 @@ def split_precision_attention(
     )
     fks, fvs = full_scales_args(full_scales, fk)
     table = scale_table_arg(scale_table, query.device) if p8_a or p8_b else fk
+    sink = sinks_arg(sinks, H_q, query.device) if sinks is not None else fk
+    cap = softcap_arg(softcap) if softcap is not None else 1.0
     len_full = R - (int(full_start.min()) if min_full_start is None else min_full_start)
     P = B * H_kv * n_qb
-    if tokens_per_split is None:
-        total = len_full + len_a + len_b
-        if query.is_cuda:  # about 4 programs per SM, at least 256 tokens each
-            idx = query.device.index if query.device.index is not None else torch.cuda.current_device()
-            want = max(1, triton.cdiv(4 * _num_sms(idx), P))
-            tokens_per_split = max(256, triton.cdiv(total, want))
-        else:  # interpreter: one split per source
-            tokens_per_split = max(total, 1)
-        tokens_per_split = triton.cdiv(tokens_per_split, BT) * BT
-    TPS = int(tokens_per_split)
-    if TPS < 1:
-        raise ValueError(f"tokens_per_split must be >= 1, got {TPS}")
+    TPS = _tokens_per_split(tokens_per_split, len_full + len_a + len_b, P, BT, query, num_sms)
     S_full, S_a, S_b = (triton.cdiv(n, TPS) for n in (len_full, len_a, len_b))
     S_total = S_full + S_a + S_b
     dev = query.device
@@ -119,42 +134,19 @@ def split_precision_attention(
     part_m = torch.empty((P, S_total, BQ), dtype=torch.float32, device=dev)
     part_l = torch.empty_like(part_m)
     out = torch.empty((B, H_q, Lq, D), dtype=query.dtype, device=dev)
-    with torch.cuda.device(dev) if query.is_cuda else contextlib.nullcontext():
-        split_attn_kernel[(P, S_total)](
-            query,
-            query.stride(0),
-            query.stride(1),
-            query.stride(2),
-            fk,
-            fv,
-            fk.stride(0),
-            fk.stride(1),
-            fk.stride(2),
-            fks,
-            fvs,
-            fks.stride(0),
-            fks.stride(1),
-            fks.stride(2),
-            full_start,
-            R,
-            *a_args,
-            *b_args,
-            part_o,
-            part_m,
-            part_l,
-            H_kv,
-            Lq,
-            n_rep,
-            n_qb,
-            S_full,
-            S_a,
-            S_total,
-            TPS,
-            float(scaling) * _LOG2E,
-            table,
+    q_strides = (query.stride(0), query.stride(1), query.stride(2))
+    full_args = (fk, fv, *fk.stride()[:3], fks, fvs, *fks.stride()[:3], full_start, R)
+    softmax = (float(scaling) * (_LOG2E if softcap is None else 1.0), cap)
+    grid_args = (H_kv, Lq, n_rep, n_qb, S_full, S_a, S_total, TPS)
+    attn = Launch(
+        split_attn_kernel,
+        (P, S_total),
+        (query, *q_strides, *full_args, *a_args, *b_args, part_o, part_m, part_l, *grid_args, *softmax, table),
+        dict(
             D=D,
             BQ=BQ,
             BT=BT,
+            SEGS=len(segments),
             BITS_A=bits_a[0],
             VBITS_A=bits_a[1],
             G_A=g_a,
@@ -164,22 +156,33 @@ def split_precision_attention(
             P8_A=p8_a,
             P8_B=p8_b,
             F8=full_scales is not None,
-        )
-        merge_kernel[(P,)](
-            part_o,
-            part_m,
-            part_l,
-            out,
-            out.stride(0),
-            out.stride(1),
-            out.stride(2),
-            H_kv,
-            Lq,
-            n_rep,
-            n_qb,
-            S_total,
-            D=D,
-            BQ=BQ,
-            BS=min(triton.next_power_of_2(S_total), max(1, _TILE // (BQ * D))),
-        )
-    return out
+            SOFTCAP=softcap is not None,
+        ),
+        warps,
+        stages,
+    )
+    merge = Launch(
+        merge_kernel,
+        (P,),
+        (part_o, part_m, part_l, out, *out.stride()[:3], sink, H_kv, Lq, n_rep, n_qb, S_total),
+        dict(D=D, BQ=BQ, BS=min(triton.next_power_of_2(S_total), max(1, 8192 // (BQ * D))), SINKS=sinks is not None),
+    )
+    return attn, merge, out
+
+
+def _tokens_per_split(tps: int | None, total: int, programs: int, BT: int, query: torch.Tensor, num_sms) -> int:
+    """Tokens of one sequence per split program: given, or about 4 programs per SM with at least 256 tokens each
+    on a GPU, or one split per source without a GPU (the interpreter); a multiple of BT."""
+    if tps is None:
+        if num_sms is None and query.is_cuda:
+            idx = query.device.index if query.device.index is not None else torch.cuda.current_device()
+            num_sms = _num_sms(idx)
+        if num_sms is not None:
+            want = max(1, triton.cdiv(4 * num_sms, programs))
+            tps = max(256, triton.cdiv(total, want))
+        else:
+            tps = max(total, 1)
+        tps = triton.cdiv(tps, BT) * BT
+    if int(tps) < 1:
+        raise ValueError(f"tokens_per_split must be >= 1, got {tps}")
+    return int(tps)

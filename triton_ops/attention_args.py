@@ -43,6 +43,23 @@ def scale_table_arg(table, device: torch.device) -> torch.Tensor:
     return table.contiguous()
 
 
+def sinks_arg(sinks, H_q: int, device: torch.device) -> torch.Tensor:
+    """Attention sinks: one logit per query head, float ``(H_q,)`` on the query's device (read as fp32)."""
+    ok = isinstance(sinks, torch.Tensor) and sinks.is_floating_point() and tuple(sinks.shape) == (H_q,)
+    if not (ok and sinks.device == device):
+        got = f"{sinks.dtype} {tuple(sinks.shape)} on {sinks.device}" if isinstance(sinks, torch.Tensor) else sinks
+        raise ValueError(f"sinks must be a float tensor of shape (H_q={H_q},) on {device}, got {got}")
+    return sinks.float().contiguous()
+
+
+def softcap_arg(softcap) -> float:
+    """Logit soft-capping: a finite float > 0 (scores become ``softcap * tanh(scores / softcap)``)."""
+    ok = isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
+    if not (ok and 0 < float(softcap) < float("inf")):
+        raise ValueError(f"softcap must be a finite number > 0 or None, got {softcap!r}")
+    return float(softcap)
+
+
 def code_widths(bits, i: int) -> tuple[int, int]:
     """A segment's ``bits`` item -> ``(key_bits, value_bits)``: an int is both, a pair has ``value_bits <=
     key_bits``."""
@@ -86,11 +103,16 @@ def _check_blocks(seg: tuple, i: int, H_kv: int, M: int, device: torch.device) -
 
 
 def segment_args(seg: tuple | None, i: int, max_tokens: int | None, dummy: torch.Tensor):
-    """Kernel arguments of packed segment ``i`` (or of an empty stand-in), its key / value bits and group size,
-    whether its scales and zeros are 8-bit codes, its longest sequence."""
+    """Kernel arguments of packed segment ``i`` (or of an absent one's stand-ins, never read: the kernel's segment
+    count is a compile-time constant, so a missing segment compiles no code; its stand-ins are still typed as the
+    real ones, uint8 codes, fp32 parameters, int32 offsets), its key / value bits and group size, whether its scales
+    and zeros are 8-bit codes, its longest sequence."""
     if seg is None:
-        z = dummy
-        return [z, z, z, z, z, z, z, z, z, z, 0, 0, 1], (2, 2), 1, False, 0
+        codes = torch.zeros(1, dtype=torch.uint8, device=dummy.device)
+        params = torch.zeros(1, dtype=torch.float32, device=dummy.device)
+        offsets = torch.zeros(2, dtype=torch.int32, device=dummy.device)
+        tensors = [codes, params, params, codes, params, params, offsets, offsets, params, params]
+        return [*tensors, 0, 0, 1], (2, 2), 1, False, 0
     if len(seg) not in (11, 13):
         raise ValueError(
             f"segments[{i}] must have 11 items, or 13 with the blocks of 8-bit scales and zeros, got {len(seg)}"

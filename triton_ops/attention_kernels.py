@@ -17,53 +17,7 @@ with a log-sum-exp reduction and writes the output in ``query.dtype``.
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _online_update(acc, m_i, l_i, q, k, v, valid):
-    """One block of the online softmax: ``q (BQ, D)`` pre-scaled by ``scaling * log2(e)``, ``k, v (BT, D)`` fp32,
-    ``valid (BQ, BT)``. ``m_i``, ``l_i`` are the running max and sum in base 2, ``acc (BQ, D)`` the output sum."""
-    s = tl.where(valid, tl.sum(q[:, None, :] * k[None, :, :], axis=2), float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked rows: keep exp2 away from inf - inf
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _load_codes(row_ptr, m2, d, D: tl.constexpr, BITS: tl.constexpr):
-    """int32 codes ``(BT, D)`` of the tokens whose packed bytes start at ``row_ptr (BT, 1)`` (rows where ``m2``):
-    channel d in byte d // per at bit (d % per) * BITS; INT3 as a 2-bit plane (INT2's layout, ``D // 4`` bytes)
-    then a 1-bit plane (channel d in byte D // 4 + d // 8 at bit d % 8)."""
-    if BITS == 3:
-        lo = tl.load(row_ptr + (d // 4)[None, :], mask=m2, other=0).to(tl.int32)
-        hi = tl.load(row_ptr + (D // 4 + d // 8)[None, :], mask=m2, other=0).to(tl.int32)
-        q = ((lo >> ((d % 4) * 2)[None, :]) & 3) | (((hi >> (d % 8)[None, :]) & 1) << 2)
-    else:
-        PER: tl.constexpr = 8 // BITS
-        packed = tl.load(row_ptr + (d // PER)[None, :], mask=m2, other=0).to(tl.int32)
-        q = (packed >> ((d % PER) * BITS)[None, :]) & ((1 << BITS) - 1)
-    return q
-
-
-@triton.jit
-def _params(s_ptr, z_ptr, off, blk_ptr, chunk, tab_ptr, m2, P8: tl.constexpr):
-    """fp32 scales and zeros at ``off`` (masked by ``m2``): numbers, or with ``P8`` uint8 codes decoded with the
-    block of ``chunk`` (``(BT, 1)``): ``s_max * tab_ptr[sc]`` and ``z_lo + zc * z_step``."""
-    if P8:
-        sc = tl.load(s_ptr + off, mask=m2, other=0).to(tl.int32)
-        zc = tl.load(z_ptr + off, mask=m2, other=0).to(tl.float32)
-        s_max = tl.load(blk_ptr + chunk * 3, mask=m2, other=0.0).to(tl.float32)
-        z_lo = tl.load(blk_ptr + chunk * 3 + 1, mask=m2, other=0.0).to(tl.float32)
-        z_step = tl.load(blk_ptr + chunk * 3 + 2, mask=m2, other=0.0).to(tl.float32)
-        scale = s_max * tl.load(tab_ptr + sc)
-        zero = z_lo + zc * z_step
-    else:
-        scale = tl.load(s_ptr + off, mask=m2, other=0.0).to(tl.float32)
-        zero = tl.load(z_ptr + off, mask=m2, other=0.0).to(tl.float32)
-    return scale, zero
+from .attention_tiles import _load_codes, _online_update, _params
 
 
 @triton.jit
@@ -91,12 +45,14 @@ def _packed_split(
     N,
     M,
     C,
+    cap,
     D: tl.constexpr,
     BT: tl.constexpr,
     BITS: tl.constexpr,
     VBITS: tl.constexpr,
     G: tl.constexpr,
     P8: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Split ``j`` of sequence ``b`` in a packed segment: its tokens ``[tok_off[b] + j*TPS, ...)``. Key scales are
     per (chunk, channel), chunk = ``chunk_off[b] + (token - tok_off[b]) // C``; value scales per (token, group).
@@ -134,7 +90,7 @@ def _packed_split(
         vs, vz = _params(vs_ptr, vz_ptr, v_off, vb_ptr, chunk, tab_ptr, m2, P8)
         k = _load_codes(kc_ptr + t64[:, None] * DP, m2, d, D, BITS).to(tl.float32) * ks + kz
         v = _load_codes(vc_ptr + t64[:, None] * VDP, m2, d, D, VBITS).to(tl.float32) * vs + vz
-        acc, m_i, l_i = _online_update(acc, m_i, l_i, q, k, v, rmask[:, None] & tm[None, :])
+        acc, m_i, l_i = _online_update(acc, m_i, l_i, q, k, v, rmask[:, None] & tm[None, :], cap, SOFTCAP)
     return acc, m_i, l_i
 
 
@@ -194,10 +150,12 @@ def split_attn_kernel(
     S_total,
     TPS,
     qk_scale,
+    cap,
     tab_ptr,
     D: tl.constexpr,
     BQ: tl.constexpr,
     BT: tl.constexpr,
+    SEGS: tl.constexpr,
     BITS_A: tl.constexpr,
     VBITS_A: tl.constexpr,
     G_A: tl.constexpr,
@@ -207,8 +165,11 @@ def split_attn_kernel(
     P8_A: tl.constexpr,
     P8_B: tl.constexpr,
     F8: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
-    """Grid ``(B * H_kv * n_qb, S_total)``: partial attention of one block of query rows over one token split."""
+    """Grid ``(B * H_kv * n_qb, S_total)``: partial attention of one block of query rows over one token split.
+    ``SEGS`` packed segments (0, 1 or 2): an absent segment's branch is not compiled (its arguments are unused
+    stand-ins). ``qk_scale``: ``scaling * log2(e)``, or ``scaling`` with ``SOFTCAP`` (then ``cap`` is the cap)."""
     pid = tl.program_id(0)
     sp = tl.program_id(1)
     qb = pid % n_qb
@@ -240,71 +201,76 @@ def split_attn_kernel(
                 k = k * tl.load(fks_ptr + s_off, mask=tm[:, None], other=0.0).to(tl.float32)
                 v = v * tl.load(fvs_ptr + s_off, mask=tm[:, None], other=0.0).to(tl.float32)
             valid = rmask[:, None] & tm[None, :] & (t[None, :] <= (R - L_q + i)[:, None])
-            acc, m_i, l_i = _online_update(acc, m_i, l_i, q, k, v, valid)
-    elif sp < S_full + S_a:
-        acc, m_i, l_i = _packed_split(
-            acc,
-            m_i,
-            l_i,
-            q,
-            rmask,
-            b,
-            h,
-            sp - S_full,
-            TPS,
-            a_kc,
-            a_ks,
-            a_kz,
-            a_vc,
-            a_vs,
-            a_vz,
-            a_tok,
-            a_chk,
-            a_kb,
-            a_vb,
-            tab_ptr,
-            a_N,
-            a_M,
-            a_C,
-            D,
-            BT,
-            BITS_A,
-            VBITS_A,
-            G_A,
-            P8_A,
-        )
-    else:
-        acc, m_i, l_i = _packed_split(
-            acc,
-            m_i,
-            l_i,
-            q,
-            rmask,
-            b,
-            h,
-            sp - S_full - S_a,
-            TPS,
-            b_kc,
-            b_ks,
-            b_kz,
-            b_vc,
-            b_vs,
-            b_vz,
-            b_tok,
-            b_chk,
-            b_kb,
-            b_vb,
-            tab_ptr,
-            b_N,
-            b_M,
-            b_C,
-            D,
-            BT,
-            BITS_B,
-            VBITS_B,
-            G_B,
-            P8_B,
-        )
+            acc, m_i, l_i = _online_update(acc, m_i, l_i, q, k, v, valid, cap, SOFTCAP)
+    elif SEGS >= 1:  # compile-time: no code for an absent segment
+        if sp < S_full + S_a:
+            acc, m_i, l_i = _packed_split(
+                acc,
+                m_i,
+                l_i,
+                q,
+                rmask,
+                b,
+                h,
+                sp - S_full,
+                TPS,
+                a_kc,
+                a_ks,
+                a_kz,
+                a_vc,
+                a_vs,
+                a_vz,
+                a_tok,
+                a_chk,
+                a_kb,
+                a_vb,
+                tab_ptr,
+                a_N,
+                a_M,
+                a_C,
+                cap,
+                D,
+                BT,
+                BITS_A,
+                VBITS_A,
+                G_A,
+                P8_A,
+                SOFTCAP,
+            )
+        elif SEGS == 2:
+            acc, m_i, l_i = _packed_split(
+                acc,
+                m_i,
+                l_i,
+                q,
+                rmask,
+                b,
+                h,
+                sp - S_full - S_a,
+                TPS,
+                b_kc,
+                b_ks,
+                b_kz,
+                b_vc,
+                b_vs,
+                b_vz,
+                b_tok,
+                b_chk,
+                b_kb,
+                b_vb,
+                tab_ptr,
+                b_N,
+                b_M,
+                b_C,
+                cap,
+                D,
+                BT,
+                BITS_B,
+                VBITS_B,
+                G_B,
+                P8_B,
+                SOFTCAP,
+            )
     r = (pid.to(tl.int64) * S_total + sp) * BQ + tl.arange(0, BQ)
     tl.store(pm_ptr + r, m_i)
     tl.store(pl_ptr + r, l_i)
@@ -320,6 +286,7 @@ def merge_kernel(
     s_ob,
     s_oh,
     s_ol,
+    sink_ptr,
     H_kv,
     L_q,
     n_rep,
@@ -328,8 +295,11 @@ def merge_kernel(
     D: tl.constexpr,
     BQ: tl.constexpr,
     BS: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
-    """Grid ``(B * H_kv * n_qb,)``: log-sum-exp merge of the ``S_total`` partials of a block of query rows."""
+    """Grid ``(B * H_kv * n_qb,)``: log-sum-exp merge of the ``S_total`` partials of a block of query rows. With
+    ``SINKS``, the query head's sink logit ``sink_ptr[head]`` joins the denominator once, as a partial of sum 1 and
+    output 0."""
     pid = tl.program_id(0)
     qb = pid % n_qb
     h = (pid // n_qb) % H_kv
@@ -355,6 +325,13 @@ def merge_kernel(
         m_run = m_new
     row = qb * BQ + rq
     rmask = row < n_rep * L_q
+    if SINKS:
+        sink = tl.load(sink_ptr + h * n_rep + row // L_q, mask=rmask, other=float("-inf")) * 1.4426950408889634
+        m_new = tl.maximum(m_run, sink)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_use)
+        l_run = l_run * alpha + tl.exp2(sink - m_use)
+        acc = acc * alpha[:, None]
     out = acc / tl.where(l_run > 0, l_run, 1.0)[:, None]
     o_off = b.to(tl.int64) * s_ob + (h * n_rep + row // L_q).to(tl.int64) * s_oh + (row % L_q) * s_ol
     tl.store(o_ptr + o_off[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty), mask=rmask[:, None])

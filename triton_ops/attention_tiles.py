@@ -1,0 +1,88 @@
+"""Tile helpers of the split-precision attention kernels (:mod:`triton_ops.attention_kernels`): the online
+softmax update (with optional logit soft-capping), the unpacking of packed codes and the reading of scales and zeros.
+
+Shapes: BQ query rows of a program, BT tokens of a step, D head dim.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tanh(x):
+    """fp32 ``tanh(x)`` to a few ulp from ``exp`` alone (libdevice is not available to the interpreter): its Taylor
+    series to x**17 where ``|x| < 0.3`` (the next term is below 1e-12 relative), ``1 - 2 / (exp(2|x|) + 1)``
+    elsewhere, with the sign of x."""
+    a = tl.abs(x)
+    big = 1.0 - 2.0 / (tl.exp(2.0 * tl.minimum(a, 20.0)) + 1.0)
+    x2 = x * x
+    p = -0.000590027440945586  # tanh(x) = x - x**3 * p(x**2): Taylor coefficients 6404582/10854718875 ... 1/3
+    p = p * x2 + 0.0014558343870513183
+    p = p * x2 - 0.0035921280365724810
+    p = p * x2 + 0.0088632355299021966
+    p = p * x2 - 0.0218694885361552028
+    p = p * x2 + 0.0539682539682539683
+    p = p * x2 - 0.1333333333333333333
+    p = p * x2 + 0.3333333333333333333
+    small = a - a * x2 * p
+    t = tl.where(a < 0.3, small, big)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _scores(q, k, valid, cap, SOFTCAP: tl.constexpr):
+    """Base-2 scores ``(BQ, BT)`` of ``q (BQ, D)`` against ``k (BT, D)``, ``-inf`` where not ``valid``. ``q`` is
+    pre-scaled by ``scaling * log2(e)``, or with ``SOFTCAP`` by ``scaling`` alone: then ``cap * tanh(s / cap)``,
+    times ``log2(e)``."""
+    s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+    if SOFTCAP:
+        s = cap * _tanh(s / cap) * 1.4426950408889634
+    return tl.where(valid, s, float("-inf"))
+
+
+@triton.jit
+def _online_update(acc, m_i, l_i, q, k, v, valid, cap, SOFTCAP: tl.constexpr):
+    """One block of the online softmax: ``q (BQ, D)`` (see :func:`_scores`), ``k, v (BT, D)`` fp32, ``valid (BQ,
+    BT)``. ``m_i``, ``l_i`` are the running max and sum in base 2, ``acc (BQ, D)`` the output sum."""
+    s = _scores(q, k, valid, cap, SOFTCAP)
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked rows: keep exp2 away from inf - inf
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _load_codes(row_ptr, m2, d, D: tl.constexpr, BITS: tl.constexpr):
+    """int32 codes ``(BT, D)`` of the tokens whose packed bytes start at ``row_ptr (BT, 1)`` (rows where ``m2``):
+    channel d in byte d // per at bit (d % per) * BITS; INT3 as a 2-bit plane (INT2's layout, ``D // 4`` bytes)
+    then a 1-bit plane (channel d in byte D // 4 + d // 8 at bit d % 8)."""
+    if BITS == 3:
+        lo = tl.load(row_ptr + (d // 4)[None, :], mask=m2, other=0).to(tl.int32)
+        hi = tl.load(row_ptr + (D // 4 + d // 8)[None, :], mask=m2, other=0).to(tl.int32)
+        q = ((lo >> ((d % 4) * 2)[None, :]) & 3) | (((hi >> (d % 8)[None, :]) & 1) << 2)
+    else:
+        PER: tl.constexpr = 8 // BITS
+        packed = tl.load(row_ptr + (d // PER)[None, :], mask=m2, other=0).to(tl.int32)
+        q = (packed >> ((d % PER) * BITS)[None, :]) & ((1 << BITS) - 1)
+    return q
+
+
+@triton.jit
+def _params(s_ptr, z_ptr, off, blk_ptr, chunk, tab_ptr, m2, P8: tl.constexpr):
+    """fp32 scales and zeros at ``off`` (masked by ``m2``): numbers, or with ``P8`` uint8 codes decoded with the
+    block of ``chunk`` (``(BT, 1)``): ``s_max * tab_ptr[sc]`` and ``z_lo + zc * z_step``."""
+    if P8:
+        sc = tl.load(s_ptr + off, mask=m2, other=0).to(tl.int32)
+        zc = tl.load(z_ptr + off, mask=m2, other=0).to(tl.float32)
+        s_max = tl.load(blk_ptr + chunk * 3, mask=m2, other=0.0).to(tl.float32)
+        z_lo = tl.load(blk_ptr + chunk * 3 + 1, mask=m2, other=0.0).to(tl.float32)
+        z_step = tl.load(blk_ptr + chunk * 3 + 2, mask=m2, other=0.0).to(tl.float32)
+        scale = s_max * tl.load(tab_ptr + sc)
+        zero = z_lo + zc * z_step
+    else:
+        scale = tl.load(s_ptr + off, mask=m2, other=0.0).to(tl.float32)
+        zero = tl.load(z_ptr + off, mask=m2, other=0.0).to(tl.float32)
+    return scale, zero
