@@ -224,7 +224,7 @@ class CocktailLayer(CacheLayerMixin):
             v,
             positions,
             cfg.chunk_size,
-            cfg.group_size,
+            cfg.group_size_for(k.shape[3]),
             cfg.torch_scale_dtype(k.dtype),
             quantize_k,
             quantize_v,

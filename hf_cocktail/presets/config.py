@@ -57,7 +57,10 @@ class CocktailConfig(ConfigFiles):
         beta: ``T_high = s_max - beta * (s_max - s_min)``; chunks with ``s > T_high`` are FP16, the rest INT4.
         encoder: retrieval encoder, a Hub id or a local folder. Sentence-transformers models use their own pooling;
             plain encoders (Contriever) use mean pooling over non-padding tokens.
-        group_size: values are quantized per token in groups of ``group_size`` channels (G); must divide the head dim.
+        group_size: values are quantized per token in groups of up to ``group_size`` channels (G), a power of two: a
+            layer whose head dim D it does not divide uses the largest power of two below it that does
+            (:meth:`group_size_for`: 64 gives 64 at D=64, 128, 256, 32 at D=32 and 96, 16 at D=80), recorded in its
+            packed segments and counted by ``nbytes()``; ``memory_report()["value_group_sizes"]`` lists those used.
         uniform_bits: ``None`` for the Cocktail search, or 16 / 4 / 3 / 2 to force every context chunk to one
             precision (the uniform baselines).
         low_bits: the lowest of the three precisions, given to the least relevant chunks: 2 (the paper's INT2) or 3
@@ -247,11 +250,22 @@ class CocktailConfig(ConfigFiles):
         """The recommended setting: rotated storage (Hadamard), every context chunk with 4-bit keys and 3-bit values
         (``uniform_bits=4, value_bits=3``), values in groups of 64 channels; no chunk search runs, since every chunk
         keeps 4-bit keys (KL divergence from FP16 on SmolLM2 below uniform INT4's at 0.32x instead of 0.37x the KV
-        bytes; for fewer bytes the search decides which chunks keep them: README). ``group_size=64`` must divide the
-        head dim; pass ``group_size=32`` for others. ``CocktailConfig()`` stays the paper's setting; the former,
-        query-aware recommendation is ``recommended(uniform_bits=None, value_bits=None, low_bits=3,
-        target_bits=3.8)``. ``overrides`` replace fields (e.g. ``encoder=``)."""
+        bytes; for fewer bytes the search decides which chunks keep them: README). No query is needed, so it works
+        without ``prepare_inputs``. Groups of up to 64 channels: a head dim that 64 does not divide (32, 80, 96)
+        gets the largest power of two that does (:meth:`group_size_for`). ``CocktailConfig()`` stays the paper's
+        setting; the former, query-aware recommendation is ``recommended(uniform_bits=None, value_bits=None,
+        low_bits=3, target_bits=3.8)``. ``overrides`` replace fields (e.g. ``encoder=``)."""
         return cls(**{**RECOMMENDED, **overrides})
+
+    def group_size_for(self, head_dim: int) -> int:
+        """The value group size a layer of head dim ``head_dim`` (D) stores with: the largest power of two that is
+        at most ``group_size`` and divides D."""
+        if not _is_int(head_dim) or head_dim < 1:
+            raise ValueError(f"head_dim must be an integer >= 1, got {head_dim!r}")
+        g = self.group_size
+        while head_dim % g:
+            g //= 2
+        return g
 
     @property
     def packed_bits(self) -> tuple[int, ...]:
