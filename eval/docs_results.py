@@ -1,168 +1,38 @@
 """docs/results.md and the README's results table, generated from the files the evaluation scripts wrote under
-eval/results/ (no number is typed by hand): each listed report's own tables, with every method id shown as its
-readable label (:mod:`eval.methods.labels`), and one headline table of KL divergence from FP16 per model."""
+eval/results/ (no number is typed by hand): per question of :data:`eval.questions.QUESTIONS`, its reports' tables
+(the sections and method rows it names), with every method id shown as its readable label
+(:mod:`eval.methods.labels`), its plots, and one headline table of KL divergence from FP16 per model."""
 
 from __future__ import annotations
 
 import csv
+import json
 import os
 import re
 
 from .methods.labels import label
+from .questions import QUESTIONS, RESULTS, Question, Report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = "eval/results"
-
-# (title, the report under eval/results/, what it measures): the sections of docs/results.md, in order
-REPORTS = (
-    ("SmolLM2-135M-Instruct: KL divergence from FP16, 2K LongBench windows and needles", "kld/summary.md"),
-    (
-        "SmolLM2-135M-Instruct: the preset as its calibrate command writes it today, same windows",
-        "kld_calibrated_v9/summary.md",
-    ),
-    (
-        "SmolLM2-135M-Instruct: the choice of the recall-probe score alone (not adopted), same windows",
-        "kld_calibrated_v10/summary.md",
-    ),
-    (
-        "SmolLM2-135M-Instruct: the preset on 16 essays at a 0.24 target (superseded)",
-        "kld_calibrated_v8/summary.md",
-    ),
-    (
-        "SmolLM2-135M-Instruct: the preset on 10 essays after the salient positions change (superseded)",
-        "kld_calibrated_v7/summary.md",
-    ),
-    (
-        "SmolLM2-135M-Instruct: the command's choice before the plans kept salient positions (superseded)",
-        "kld_calibrated_v6/summary.md",
-    ),
-    (
-        "SmolLM2-135M-Instruct: the command's choice before calibration bounded memory_report()'s bytes (superseded)",
-        "kld_calibrated_v5/summary.md",
-    ),
-    ("SmolLM2-135M-Instruct: the preset before (cf1e14f), nearest 8-bit codes", "kld_calibrated_v3/summary.md"),
-    (
-        "SmolLM2-135M-Instruct: the same preset before its 8-bit scales and zeros were the nearest codes",
-        "kld_calibrated_v2/summary.md",
-    ),
-    ("SmolLM2-135M-Instruct: a preset recalibrated at 0.225x (not adopted)", "kld_calibrated_v4/summary.md"),
-    ("SmolLM2-135M-Instruct: KL divergence on 8K windows", "kld_8k/summary.md"),
-    (
-        "SmolLM2-135M-Instruct: RULER-style needles, today's preset (128 cases; FP16 and INT4 in the next table)",
-        "ruler_calibrated/previous_preset/ruler_summary.md",
-    ),
-    (
-        "SmolLM2-135M-Instruct: RULER-style needles, the recall-probe score's choice (not adopted), the same 128 cases",
-        "ruler_calibrated/ruler_summary.md",
-    ),
-    ("SmolLM2-135M-Instruct: RULER-style needles (38 cases per variant)", "ruler_24/ruler_summary.md"),
-    ("SmolLM2-135M-Instruct: RULER multikey (128 cases)", "ruler_multikey/ruler_summary.md"),
-    ("SmolLM2-135M-Instruct: LongBench scores (187 examples)", "longbench_full/summary.md"),
-    ("Gemma 3 270M: KL divergence from FP16, 2K LongBench windows and needles", "gemma3_270m/kld/summary.md"),
-    (
-        "Gemma 3 270M: uniform INT4 and the preset as its calibrate command writes it today (recall probes)",
-        "gemma3_270m/kld_v5/summary.md",
-    ),
-    (
-        "Gemma 3 270M: a preset calibrated at a 0.30 target (`calibrate_t030/`, not adopted), beside uniform INT4",
-        "gemma3_270m/kld_t030/summary.md",
-    ),
-    (
-        "Gemma 3 270M: uniform INT4 and the command's choice before the recall probes (superseded)",
-        "gemma3_270m/kld_v4/summary.md",
-    ),
-    (
-        "Gemma 3 270M: uniform INT4 and the command's choice before the plans kept salient positions (superseded)",
-        "gemma3_270m/kld_v3/summary.md",
-    ),
-    (
-        "Gemma 3 270M: uniform INT4 and the preset before, 8-bit scales and zeros as the nearest codes",
-        "gemma3_270m/kld_nearest/summary.md",
-    ),
-    ("Gemma 3 270M: RULER-style needles, today's preset (256 cases)", "gemma3_270m/ruler_v4/ruler_summary.md"),
-    (
-        "Gemma 3 270M: RULER-style needles, the preset calibrated at a 0.30 target (not adopted), the same 256 cases",
-        "gemma3_270m/ruler_t030/ruler_summary.md",
-    ),
-    (
-        "Gemma 3 270M: RULER-style needles, the choice before the recall probes (64 cases)",
-        "gemma3_270m/ruler_v3/ruler_summary.md",
-    ),
-    ("Gemma 3 270M: RULER-style needles, the preset before that (64 cases)", "gemma3_270m/ruler_v2/ruler_summary.md"),
-    ("Gemma 3 270M: RULER-style needles, an earlier preset (32 cases)", "gemma3_270m/ruler/ruler_summary.md"),
-    ("Gemma 3 270M: perplexity over the quantized context", "gemma3_270m/ppl/summary.md"),
-    ("Gemma 3 270M: chunk search on calibrated caps, low targets", "calibrate_search/gemma-3-270m/summary.md"),
-    (
-        "SmolLM2-135M-Instruct: chunk search on calibrated caps, low targets",
-        "calibrate_search/smollm2-135m-instruct/summary.md",
-    ),
-    (
-        "Gemma 3 270M: code widths by importance, fake quantization (a format no store holds yet)",
-        "formats/widths/gemma-3-270m/summary.md",
-    ),
-    (
-        "SmolLM2-135M-Instruct: code widths by importance, fake quantization (a format no store holds yet)",
-        "formats/widths/smollm2-135m-instruct/summary.md",
-    ),
-    ("Speed: decode vs DynamicCache, fp32 (CPU), the kernel's AVX-512 VNNI build", "bench_latency_speed_fp32_vnni.md"),
-    ("Speed: the same, a second run 40 minutes later", "bench_latency_speed_fp32_vnni_run2.md"),
-    ("Speed: the same, a third run (next session)", "bench_latency_speed_fp32_vnni_run3.md"),
-    ("Speed: 8K, after the fused append at the model's precision (issue 27)", "bench_latency_speed_fp32_vnni_run4.md"),
-    (
-        "Speed: 8K and 16K, the fused append and the regenerated SmolLM2 preset (one core busy with an evaluation)",
-        "bench_latency_speed_fp32_vnni_run5.md",
-    ),
-    ("Speed: 8K, a sixth run 30 minutes later (one core busy)", "bench_latency_speed_fp32_vnni_run6.md"),
-    ("Speed: 8K and 16K, a seventh run (CI running on the other core)", "bench_latency_speed_fp32_vnni_run7.md"),
-    (
-        "Speed: 8K and 16K on the Intel machine, the SmolLM2 preset regenerated again (one core busy)",
-        "bench_latency_speed_fp32_vnni_run8.md",
-    ),
-    (
-        "Speed: 8K and 16K on the Intel machine, the preset on 16 essays at 0.24",
-        "bench_latency_speed_fp32_vnni_run9.md",
-    ),
-    ("Speed: 8K and 16K on the Intel machine, today's SmolLM2 preset", "bench_latency_speed_fp32_vnni_run10.md"),
-    ("Speed: 32K on the Intel machine, fp32", "bench_latency_speed_fp32_32k_v2.md"),
-    ("Speed: bf16 on the Intel machine", "bench_latency_speed_bf16_v2.md"),
-    ("Speed: Gemma 3 270M on the Intel machine, its regenerated preset", "bench_latency_speed_gemma3_v2.md"),
-    ("Speed: decode vs DynamicCache, fp32 (CPU), the kernel's AVX2 build", "bench_latency_speed_fp32.md"),
-    ("Speed: decode vs DynamicCache at 32K, fp32 (CPU)", "bench_latency_speed_fp32_32k.md"),
-    ("Speed: decode vs DynamicCache, bf16 (CPU)", "bench_latency_speed_bf16.md"),
-    ("Speed: decode vs DynamicCache, Gemma 3 270M (CPU)", "bench_latency_speed_gemma3.md"),
-    (
-        "Speed: the decode step's profile, calibrated preset, before the fused append and kernel changes",
-        "profile_decode_8k_presets_before.md",
-    ),
-    ("Speed: the decode step's profile, calibrated preset, after them", "profile_decode_8k_presets_after.md"),
-    (
-        "Speed: the decode step's profile, calibrated preset, after the glue checked once and the kernel trims",
-        "profile_decode_8k_presets_after2.md",
-    ),
-    (
-        "Speed: the decode step's profile, after the fused append at the model's precision (busy machine)",
-        "profile_decode_8k_presets_after3.md",
-    ),
-)
 
 # the README's headline: per model, (KLD report, its method id) for uniform INT4 and the three choices
 HEADLINE = (
     (
         "SmolLM2-135M-Instruct",
         (
-            ("uniform INT4", "kld_calibrated_v9/summary.csv", "int4"),
+            ("uniform INT4", "kld_calibrated/summary.csv", "int4"),
             ("`CocktailConfig()` (paper)", "kld/summary.csv", "cocktail"),
             ("`CocktailConfig.recommended()`", "kld/summary.csv", "int4v3_had_g64"),
-            ("calibrated preset", "kld_calibrated_v9/summary.csv", "preset"),
+            ("calibrated preset", "kld_calibrated/summary.csv", "preset"),
         ),
     ),
     (
         "Gemma 3 270M",
         (
-            ("uniform INT4", "gemma3_270m/kld_v5/summary.csv", "int4"),
+            ("uniform INT4", "gemma3_270m/kld_calibrated/summary.csv", "int4"),
             ("`CocktailConfig()` (paper)", "gemma3_270m/kld/summary.csv", "cocktail"),
             ("`CocktailConfig.recommended()`", "gemma3_270m/kld/summary.csv", "recommended"),
-            ("calibrated preset", "gemma3_270m/kld_v5/summary.csv", "preset"),
+            ("calibrated preset", "gemma3_270m/kld_calibrated/summary.csv", "preset"),
         ),
     ),
 )
@@ -183,14 +53,93 @@ def _labelled(text: str) -> str:
     return re.sub(r"^\| ([A-Za-z][\w.]*) \|", cell, text, flags=re.M)
 
 
-def _section(title: str, rel: str, root: str) -> list[str]:
-    path = _path(rel, root)
-    head = [f"## {title}", "", f"From `{RESULTS}/{rel}` (its folder holds the records, settings and plots)."]
+def _blocks(text: str) -> list[tuple[str, list[str]]]:
+    """A report as ``(heading, lines)`` blocks: the text before its first section (heading ``""``, the title line
+    dropped), then one block per ``#`` heading."""
+    blocks: list[tuple[str, list[str]]] = [("", [])]
+    for i, line in enumerate(text.strip().split("\n")):
+        if line.startswith("#") and i == 0:
+            continue
+        if line.startswith("#"):
+            blocks.append((line.lstrip("#").strip(), ["#### " + line.lstrip("#").strip()]))
+        else:
+            blocks[-1][1].append(line)
+    return blocks
+
+
+def _rows_of(lines: list[str], methods: tuple[str, ...]) -> list[str]:
+    """``lines`` with each markdown table cut to the rows of ``methods`` (by its ``id`` column, else ``method``);
+    tables without either column, and all rows when ``methods`` is empty, are kept."""
+    out: list[str] = []
+    column = None
+    for line in lines:
+        if not line.startswith("|"):
+            column = None
+            out.append(line)
+            continue
+        cells = [c.strip().strip("`*") for c in line.strip().strip("|").split("|")]
+        if column is None and not set(line) <= set("|-: "):
+            column = cells.index("id") if "id" in cells else cells.index("method") if "method" in cells else -1
+            out.append(line)
+        elif not methods or column is None or column < 0 or set(line) <= set("|-: ") or cells[column] in methods:
+            out.append(line)
+    return out
+
+
+def _tables_of(text: str, tables: tuple[int, ...]) -> str:
+    """``text`` without the markdown tables whose index is not in ``tables`` (nor the paragraph just before each,
+    its caption); everything when ``tables`` is empty."""
+    if not tables:
+        return text
+    chunks = text.split("\n\n")
+    is_table = [c.startswith("|") for c in chunks]
+    index = [sum(is_table[:i]) for i in range(len(chunks))]  # the table index of a table chunk
+    dropped = [t and index[i] not in tables for i, t in enumerate(is_table)]
+    kept = [c for i, c in enumerate(chunks) if not dropped[i] and not (i + 1 < len(chunks) and dropped[i + 1])]
+    return "\n\n".join(kept)
+
+
+def report_text(report: Report, folder: str, root: str) -> list[str]:
+    """The lines of ``report`` shown in docs/results.md (its chosen sections and rows, labels, images linked)."""
+    path = os.path.join(root, RESULTS, folder, report.file)
     if not os.path.isfile(path):
-        return head + ["", "Not measured yet (no report in the repository).", ""]
-    body = open(path, encoding="utf-8").read().strip().split("\n")
-    body = [re.sub(r"^#+ ", "#### ", line) if line.startswith("#") else line for line in body]
-    return head + [""] + _labelled(_images_from_docs("\n".join(body), rel)).split("\n") + [""]
+        return [f"`{report.file}`: not measured yet (no report in the repository).", ""]
+    lines = []
+    for heading, block in _blocks(open(path, encoding="utf-8").read()):
+        if report.preamble if not heading else not report.headings or heading.startswith(report.headings):
+            lines += _rows_of(block, report.methods)
+    text = _tables_of("\n".join(lines).strip(), report.tables)
+    text = re.sub(r"^(#### .*)\n\n\|", r"\1\n|", text, flags=re.M)
+    rel = os.path.join(folder, report.file)
+    return _labelled(_images_from_docs(text, rel)).split("\n") + [""]
+
+
+def _commit(folder: str, report: Report | None, root: str) -> str:
+    """The commit that ran a report: its sibling ``.json``'s ``commit`` (the speed scripts), else the folder's
+    ``run_info.json`` (the last invocation's); ``""`` when neither records one."""
+    base = os.path.join(root, RESULTS, folder)
+    paths = [os.path.join(base, os.path.splitext(report.file)[0] + ".json")] if report else []
+    for path in [*paths, os.path.join(base, "run_info.json")]:
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                commit = json.load(f).get("commit")
+            if isinstance(commit, str) and commit:
+                return f"`{commit[:7]}`" + (" with uncommitted edits" if commit.endswith("+dirty") else "")
+    return ""
+
+
+def _section(q: Question, root: str) -> list[str]:
+    commit = _commit(q.folder, q.reports[0] if len(q.reports) == 1 else None, root)
+    run = f" Run at {commit}." if commit else ""
+    lines = [f"## {q.title}", "", f"`{RESULTS}/{q.folder}/`: {q.about}{run}", ""]
+    for report in q.reports:
+        if len(q.reports) > 1:
+            commit = _commit(q.folder, report, root)
+            lines += [f"### `{report.file}`" + (f" (run at {commit})" if commit else ""), ""]
+        lines += report_text(report, q.folder, root)
+    for image in q.images:
+        lines += [f"![{image}](../{RESULTS}/{q.folder}/{image})", ""]
+    return lines
 
 
 def _images_from_docs(text: str, rel: str) -> str:
@@ -205,15 +154,22 @@ def results_md(root: str = ROOT) -> str:
     lines = [
         "# Results",
         "",
-        "<!-- generated by `python -m eval.make_docs` from eval/results/: rerun the evaluation, then it -->",
+        "<!-- generated by `python -m eval.make_docs` from eval/results/ and eval/questions.py: rerun the evaluation,",
+        "then it -->",
         "",
-        "Every table below is a report an evaluation script wrote (how to run and read each: `eval/README.md`; the",
-        "commands of these runs and what each showed: `docs/experiments.md` and each folder's `run_info.json`); method",
-        "ids are shown with a readable label. All on CPU (2 cores, no GPU).",
+        "The current run of each question, as its evaluation script reported it (selected sections and rows; the",
+        "folder holds every method measured, the records, settings, plots and `run_info.json` with the command and",
+        "commit). How to run and read each script: [eval/README.md](../eval/README.md); what was tried before and what",
+        "it showed: [experiments.md](experiments.md). Method ids are shown with a readable label. KLD: KL(P_fp16 ||",
+        "P_method) of the next token in nats, mean over the teacher-forced FP16 answer (`answer`) or over positions",
+        "computed over the quantized cache (`tail`); kv_ratio: KV bytes over the model's own FP16 `DynamicCache`",
+        "(tensors at 2 bytes per element); intervals: 95% bootstrap over the examples. RULER-style accuracy:",
+        "RULER's `string_match_all` x 100; its paired rows: the method minus FP16 in points on the same cases. Speed:",
+        "ratios against `DynamicCache` measured in the same run. Everything here ran on a 2-core CPU, none on a GPU.",
         "",
     ]
-    for title, rel in REPORTS:
-        lines += _section(title, rel, root)
+    for q in QUESTIONS:
+        lines += _section(q, root)
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

@@ -13,7 +13,7 @@ GPU_PACKAGES = os.path.join(os.path.dirname(DATA_DIR), "gpu_machine", "packages.
 # eval.layers' allocations for SmolLM2: the first round (around 4-bit keys / 3-bit values), the second (around the
 # first round's 3.0-bit choice) and the third (around the second's 3.1-bit choice)
 LAYER_BITS_FILES = {
-    "": os.path.join(REPO_ROOT, "eval", "results", "layer_calibration", "layer_bits.json"),
-    "r2": os.path.join(REPO_ROOT, "eval", "results", "layer_calibration_r2", "layer_bits.json"),
-    "r3": os.path.join(REPO_ROOT, "eval", "results", "layer_calibration_r3", "layer_bits.json"),
+    "": os.path.join(REPO_ROOT, "eval", "results", "layer_calibration", "round1", "layer_bits.json"),
+    "r2": os.path.join(REPO_ROOT, "eval", "results", "layer_calibration", "round2", "layer_bits.json"),
+    "r3": os.path.join(REPO_ROOT, "eval", "results", "layer_calibration", "round3", "layer_bits.json"),
 }

@@ -128,3 +128,59 @@ def test_the_architecture_page_names_every_package_and_module_in_order():
     names = [os.path.basename(p)[:-3] for p in _library_modules().values()]
     missing = [n for n in names if n != "__init__" and n not in page]
     assert not missing, f"docs/architecture.md does not name {missing}"
+
+
+RESULTS_DIR = os.path.join(ROOT, "eval", "results")
+VERSIONED = re.compile(r"(_v\d+|_run\d+|_r\d+|_before|_after)\d*$")  # a name that says "another run of the same"
+
+
+def _result_files() -> list[str]:
+    """Every file under eval/results/, relative to it (with ``/``)."""
+    return sorted(
+        os.path.relpath(os.path.join(root, f), RESULTS_DIR).replace(os.sep, "/")
+        for root, _, files in os.walk(RESULTS_DIR)
+        for f in files
+    )
+
+
+def test_every_result_lies_in_a_registered_question_folder():
+    """eval/results/ holds one folder per question of ``eval.questions.QUESTIONS`` (its current run): a new result
+    is registered there, so that docs/results.md cites it; an old run leaves the tree (git keeps it)."""
+    from eval.questions import QUESTIONS
+
+    folders = [q.folder for q in QUESTIONS]
+    loose = [f for f in _result_files() if not any(f.startswith(folder + "/") for folder in folders)]
+    assert not loose, f"results in no folder of eval/questions.py's QUESTIONS (register them or remove them): {loose}"
+    missing = [q.folder for q in QUESTIONS if not os.path.isdir(os.path.join(RESULTS_DIR, q.folder))]
+    assert not missing, f"eval/questions.py registers folders that do not exist: {missing}"
+    reports = [f"{q.folder}/{r.file}" for q in QUESTIONS for r in q.reports]
+    images = [f"{q.folder}/{i}" for q in QUESTIONS for i in q.images]
+    absent = [p for p in reports + images if not os.path.isfile(os.path.join(RESULTS_DIR, p))]
+    assert not absent, f"eval/questions.py names files that do not exist: {absent}"
+    assert len(set(folders)) == len(folders), f"a folder registered twice: {folders}"
+
+
+def test_every_registered_folder_is_cited_by_the_results_page():
+    from eval.questions import QUESTIONS
+
+    page = open(os.path.join(ROOT, "docs", "results.md"), encoding="utf-8").read()
+    uncited = [q.folder for q in QUESTIONS if f"`eval/results/{q.folder}/`" not in page]
+    assert not uncited, f"docs/results.md does not cite {uncited}: run `python -m eval.make_docs`"
+
+
+def test_no_result_name_is_versioned_and_the_questions_stay_few():
+    names = {part for f in _result_files() for part in f.split("/")}
+    versioned = sorted(n for n in names if VERSIONED.search(n.split(".")[0]))
+    assert not versioned, f"versioned result names (a rerun replaces its result; git keeps the old one): {versioned}"
+    top = os.listdir(RESULTS_DIR)
+    assert len(top) <= 40, f"eval/results/ has {len(top)} entries (at most 40: one folder per question)"
+
+
+@pytest.mark.parametrize("name", ["kld_v2", "bench_run10.json", "profile_before.md", "presets_after2", "cal_r2"])
+def test_the_versioned_name_rule_catches_the_old_names(name):
+    assert VERSIONED.search(name.split(".")[0])
+
+
+@pytest.mark.parametrize("name", ["heatmap_int4first4_v3_had_g64.png", "round2", "budget_2gib.json", "kld_8k"])
+def test_the_versioned_name_rule_spares_names_of_what_is_measured(name):
+    assert not VERSIONED.search(name.split(".")[0])

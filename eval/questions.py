@@ -1,0 +1,204 @@
+"""The registry of eval/results/: one entry per question the documentation answers, its folder (the current run; a
+rerun replaces it, git keeps the old one) and what docs/results.md shows of it. ``tests/test_layout.py`` checks that
+every file under eval/results/ lies in a registered folder, that every registered folder exists, and that no result
+name is versioned (``_v2``, ``_run3``, ``_before``, ``_after``).
+
+To add a result: write it to ``eval/results/<what-it-measures>/`` (or a file in an existing question's folder), add a
+:class:`Question` here (or a :class:`Report` to that question), run ``python -m eval.make_docs``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+RESULTS = "eval/results"
+
+
+@dataclass(frozen=True)
+class Report:
+    """A markdown report of a question's folder, as docs/results.md shows it."""
+
+    file: str  # relative to the question's folder
+    headings: tuple[str, ...] = ()  # the sections shown, by the start of their heading text; (): all of them
+    methods: tuple[str, ...] = ()  # the method ids whose table rows are shown; (): every row
+    preamble: bool = False  # show the text before the report's first section (the speed scripts: their command)
+    tables: tuple[int, ...] = ()  # the tables shown (0: the first of the sections shown), with their captions; (): all
+
+
+@dataclass(frozen=True)
+class Question:
+    """One question the documentation answers, and the folder of its current run."""
+
+    folder: str  # relative to eval/results/
+    title: str  # the question (the section title of docs/results.md)
+    about: str  # what was run, in a sentence or two; no measured number (those come from the reports)
+    reports: tuple[Report, ...] = ()  # () : the folder is cited (its files are read by code or a card), not shown
+    images: tuple[str, ...] = ()  # PNGs of the folder drawn under the reports
+
+
+KLD_SHOWN = (  # FP16 itself (0 by definition) is left out
+    "cocktail",
+    "int4",
+    "int2",
+    "int4_had",
+    "int3_had",
+    "kivi2",
+    "hqq2",
+    "hqq4",
+    "int4v3_had_g64",
+    "recommended",
+    "recommended_f8",
+    "int4first4_v3_had_g64",
+    "layers3.2r2_had_s8",
+    "layers3r2_had_s8_sal1_f8",
+    "preset",
+)
+LONGBENCH_SHOWN = ("fp16", "cocktail", "int4", "int2", "kivi2", "hqq2", "quanto2", "recommended")
+SPEED = "ratios against `DynamicCache` in the same run, alternating rounds, on a shared 2-core CPU"
+
+QUESTIONS = (
+    Question(
+        "kld",
+        "SmolLM2-135M-Instruct: how far from FP16 is each storage, 2K LongBench windows and needles",
+        "`eval.kld`, 32 LongBench windows of 2048 tokens (2 per task) and 4 needle prompts, every method on the same "
+        "prefill; the folder holds every variant measured (the lab log says which study each belongs to), the page "
+        "the ones the README and the presets build on.",
+        (Report("summary.md", ("longbench",), KLD_SHOWN),),
+        ("kld_headline.png",),
+    ),
+    Question(
+        "kld_calibrated",
+        "SmolLM2-135M-Instruct: the calibrated preset against uniform INT4, same windows",
+        "`eval.kld --preset model_cards/smollm2-135m-instruct` on the windows and needles of `kld/`.",
+        (Report("summary.md", ("longbench", "Paired with `int4`"), ("int4", "preset")),),
+    ),
+    Question(
+        "kld_8k",
+        "SmolLM2-135M-Instruct: the same on 8K windows",
+        "`eval.kld --window 8000`, 32 LongBench windows of 8000 tokens.",
+        (Report("summary.md", ("longbench",), KLD_SHOWN),),
+    ),
+    Question(
+        "gemma3_270m/kld",
+        "Gemma 3 270M: how far from FP16 is each storage, 2K LongBench windows and needles",
+        "`eval.kld --model gemma-3-270m`, 16 LongBench windows (1 per task) and 8 needle prompts; its `preset` rows "
+        "are an earlier preset (the current one: next section).",
+        (Report("summary.md", ("longbench",), tuple(m for m in KLD_SHOWN if m != "preset")),),
+    ),
+    Question(
+        "gemma3_270m/kld_calibrated",
+        "Gemma 3 270M: the calibrated preset against uniform INT4, same windows",
+        "`eval.kld --model gemma-3-270m --preset model_cards/gemma-3-270m` on the windows and needles of "
+        "`gemma3_270m/kld/`.",
+        (Report("summary.md", ("longbench", "Paired with `int4`"), ("int4", "preset")),),
+    ),
+    Question(
+        "gemma3_270m/target_030",
+        "Gemma 3 270M: what calibrating at a 0.30 byte target gives (not the card's preset)",
+        "`python -m hf_cocktail.calibrate --target-bytes 0.30` wrote `preset/`; `kld/` and `ruler/` measure it beside "
+        "uniform INT4 on the cases of `gemma3_270m/kld/` and `gemma3_270m/ruler/`.",
+        (
+            Report("kld/summary.md", ("Paired with `int4`",), ("preset",)),
+            Report("ruler/ruler_summary.md", tables=(1,)),
+        ),
+    ),
+    Question(
+        "gemma3_270m/ppl",
+        "Gemma 3 270M: perplexity over the quantized context",
+        "`eval.ppl`, one window of WikiText-2 and one of the essays: 1920 quantized tokens, 128 scored.",
+        (Report("summary.md", ("all",)),),
+    ),
+    Question(
+        "ruler_calibrated",
+        "SmolLM2-135M-Instruct: RULER-style needles with the calibrated preset",
+        "`eval.needle --variant single,multikey,multivalue,multiquery`, 128 cases at 2000 tokens (`NOTE.md`: which "
+        "runs the records come from).",
+        (Report("ruler_summary.md"),),
+    ),
+    Question(
+        "ruler",
+        "SmolLM2-135M-Instruct: RULER-style needles, rotated INT4, `recommended()` and per-layer widths",
+        "`eval.needle --variant single,multikey,multivalue,multiquery --lengths 2000,4000`, 24 samples per variant.",
+        (Report("ruler_summary.md", tables=(0,)),),
+    ),
+    Question(
+        "ruler_multikey",
+        "SmolLM2-135M-Instruct: RULER multikey needles, the hardest variant, on more cases",
+        "`eval.needle --variant multikey --lengths 2000,4000 --samples 64`.",
+        (Report("ruler_summary.md", tables=(0,)),),
+    ),
+    Question(
+        "gemma3_270m/ruler",
+        "Gemma 3 270M: RULER-style needles with the calibrated preset",
+        "`eval.needle --model gemma-3-270m`, 256 cases at 2000 tokens (`NOTE.md`: how the folder was filled).",
+        (Report("ruler_summary.md"),),
+    ),
+    Question(
+        "needle",
+        "SmolLM2-135M-Instruct: a passcode needle at every depth of 3000 tokens",
+        "`eval.needle --lengths 3000`, 11 depths x 2 samples; whether the paper's chunk search keeps the needle's "
+        "chunk at FP16 and whether that saves the answer.",
+        (Report("needle_accuracy.md", methods=("fp16", "cocktail", "int4", "int2", "recommended", "int4_had")),),
+        ("heatmap_cocktail.png", "heatmap_recommended.png"),
+    ),
+    Question(
+        "longbench",
+        "SmolLM2-135M-Instruct: LongBench task scores",
+        "`eval.longbench`, all 187 MiniLongBench examples of 16 English tasks at a 2048-token window (scores near the "
+        "model's floor: read the paired rows).",
+        (Report("summary.md", methods=LONGBENCH_SHOWN, tables=(1, 2)),),
+    ),
+    Question(
+        "layer_calibration",
+        "SmolLM2-135M-Instruct: which layers tolerate fewer bits (per-layer widths, three rounds)",
+        "`eval.layers`: `round1/` around 4-bit keys and 3-bit values, `round2/` and `round3/` one bit around the "
+        "previous round's choice; the `layers*` methods and `model_cards/smollm2-135m-instruct-layers` read their "
+        "`layer_bits.json`.",
+        (),
+        ("round2/sensitivity.png",),
+    ),
+    Question(
+        "calibrate_search",
+        "Chunk search on top of calibrated widths, at low byte targets",
+        "`eval.calibrate_search --targets 0.20,0.15`: the best setting with and without Cocktail's chunk search "
+        "(`python -m hf_cocktail.calibrate --search`), on held-out texts.",
+        (Report("gemma-3-270m/summary.md"), Report("smollm2-135m-instruct/summary.md")),
+    ),
+    Question(
+        "decode_latency",
+        "Decode speed against `DynamicCache` on CPU",
+        f"`eval.benchmarks.bench_latency` at 8K-32K tokens, fp32 and bf16, both models; {SPEED}. "
+        "The page shows fp32 at 8K and 16K; `smollm2_fp32_32k.md` holds 32K, `smollm2_bf16.md` bf16, "
+        "`smollm2_layers_preset_8k.md` the per-layer-widths preset (cited by its card).",
+        (
+            Report("smollm2_fp32_8k_16k.md", preamble=True),
+            Report("gemma3_fp32.md", preamble=True),
+        ),
+        ("latency.png",),
+    ),
+    Question(
+        "decode_profile",
+        "Where a decode step's time goes (CPU, 8K tokens)",
+        "`eval.benchmarks.profile_decode`: `torch.profiler` over decode steps, per category, beside an unprofiled "
+        "ratio.",
+        (Report("smollm2_presets_8k.md", preamble=True, tables=(0,)),),
+    ),
+    Question(
+        "prefill",
+        "Prefill overhead: the chunk search, quantization and store build",
+        f"`eval.benchmarks.bench_prefill` at 4K and 8K tokens; {SPEED}.",
+        (Report("4k_8k.md", preamble=True),),
+    ),
+    Question(
+        "memory",
+        "KV bytes and peak memory in prefill and decode",
+        "`eval.benchmarks.bench_memory` at 4K and 8K tokens, one `generate` per context and method.",
+        (Report("4k_8k.md", preamble=True),),
+    ),
+    Question(
+        "throughput",
+        "Throughput under a fixed KV budget",
+        f"`eval.benchmarks.bench_throughput`: the largest batch of 4K-token prompts that fits each "
+        f"budget; {SPEED}. The page shows the 2 GiB budget; `budgets_256_512mib.md` the smaller ones.",
+        (Report("budget_2gib.md", preamble=True),),
+    ),
+)
