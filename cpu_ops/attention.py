@@ -65,6 +65,8 @@ def split_precision_attention(
     full_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     rotation: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
     scale_table: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Fused split-precision decode attention on CPU, straight from the packed codes.
 
@@ -110,6 +112,10 @@ def split_precision_attention(
             query rows of kv head ``h`` are multiplied by ``query_matrices[h]`` (``q . R``) before attention, the
             output by ``output_matrices[h]`` transposed (``o . R^T``) after it.
         scale_table: fp32 ``(256,)``, ``hf_cocktail.storage.params8.scale_table``; needed by 8-bit scales and zeros.
+        sinks: attention sinks (gpt-oss's ``module.sinks``), ``(H_q,)`` float: query head ``h``'s softmax
+            denominator gains ``exp(sinks[h])``, a logit with no value; or None.
+        softcap: logit soft-capping (Gemma 2), a positive float: each score ``s = scaling * q.k`` becomes
+            ``softcap * tanh(s / softcap)`` before the causal mask; or None.
 
     Returns:
         ``(B, H_q, L_q, D)`` in ``query.dtype``. A query row that sees no token at all gets zeros.
@@ -144,9 +150,9 @@ def split_precision_attention(
     if isa not in _ISA_CODES:
         _fail("isa", "'auto', 'avx2' or 'baseline'", repr(isa))
     table = scale_table if prepared.needs_table else None
-    return _launch(
-        query, full_keys, full_values, full_start, prepared, scaling, full_scale_args, table, tokens_per_item, isa
-    )
+    extras = _extras(sinks, softcap, H_q)
+    args = (full_scale_args, table, tokens_per_item, isa, extras)
+    return _launch(query, full_keys, full_values, full_start, prepared, scaling, *args)
 
 
 def kernel_target() -> str:
@@ -237,6 +243,8 @@ def split_precision_attention_prepared(
     *,
     full_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     scale_table: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """:func:`split_precision_attention` with the arguments that do not change between decode steps
     (:func:`prepare`) checked once: for the decode dispatch, which calls it once per layer and step. The query is
@@ -265,11 +273,37 @@ def split_precision_attention_prepared(
     ):
         _table(scale_table)
     full_scale_args = [_EMPTY, _EMPTY] if full_scales is None else list(full_scales)
-    return _launch(query, full_keys, full_values, full_start, P, scaling, full_scale_args, scale_table, None, "auto")
+    extras = _NO_EXTRAS if sinks is None and softcap is None else _extras(sinks, softcap, query.shape[1])
+    args = (full_scale_args, scale_table, None, "auto", extras)
+    return _launch(query, full_keys, full_values, full_start, P, scaling, *args)
+
+
+def _extras(sinks, softcap, H_q: int) -> tuple[torch.Tensor, float]:
+    """``(sinks as contiguous fp32 (H_q,) or empty, softcap or 0.0)`` for the kernel, checked."""
+    if sinks is None:
+        sinks = _EMPTY
+    else:
+        _check_tensor("sinks", sinks, FLOAT_DTYPES, (H_q,))
+        sinks = sinks.detach().float().contiguous()
+    if softcap is None:
+        return sinks, 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 < softcap < math.inf:
+        _fail("softcap", "a positive finite float or None", repr(softcap))
+    return sinks, float(softcap)
 
 
 def _launch(
-    query, full_keys, full_values, full_start, P: PreparedArguments, scaling, full_scale_args, table, per_item, isa
+    query,
+    full_keys,
+    full_values,
+    full_start,
+    P: PreparedArguments,
+    scaling,
+    full_scale_args,
+    table,
+    per_item,
+    isa,
+    extras,
 ) -> torch.Tensor:
     """The C++ kernel on checked arguments (``table``: the scale table where ``P.needs_table``)."""
     if per_item is None:
@@ -289,6 +323,7 @@ def _launch(
         *full_scale_args,
         *P.rotation,
         table.contiguous() if P.needs_table else _EMPTY,
+        *extras,
     )
 
 
@@ -302,6 +337,7 @@ def code_widths(bits, name: str) -> tuple[int, int]:
 
 
 _EMPTY = torch.empty(0)
+_NO_EXTRAS = (_EMPTY, 0.0)  # no sinks, no soft-capping
 
 
 def _blocks(seg, i: int, params8: bool, H_kv: int, M: int) -> list[torch.Tensor]:

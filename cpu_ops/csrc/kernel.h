@@ -29,6 +29,20 @@ static inline void block_scores(const float* q, const float* bias, const float* 
   }
 }
 
+// Soft-capping (Gemma 2) of the scores s (rows x n8, base 2): s = c * tanh(s / c) lane-wise, with tanh(y) =
+// sign(y) (1 - e) / (1 + e), e = 2**(-2 log2(e) |y|) (exp2_neg; absolute error of s below c * 3e-7).
+static inline void soft_cap(float* s, int rows, int n8, float c) {
+  const v8f inv = bcast(1.0f / c), cv = bcast(c), zero{}, one = bcast(1.0f);
+  for (int r = 0; r < rows; ++r)
+    for (int t = 0; t < n8; t += 8) {
+      const v8f y = load8(s + r * kBlock + t) * inv;
+      const v8f a = y < zero ? -y : y;
+      const v8f e = exp2_neg(a * -2.8853900817779268f);
+      const v8f th = (one - e) / (one + e);
+      store8(s + r * kBlock + t, (y < zero ? -th : th) * cv);
+    }
+}
+
 // One online-softmax step (base 2) over a block: scores s (rows x n8, -inf where masked) become probabilities
 // 2**(s - m_new); the running max m, sum l and output acc (rows x D) of each row are rescaled by 2**(m_old - m_new).
 static inline void softmax_step(float* s, int rows, int n8, int D, float* m, float* l, float* acc) {
@@ -129,7 +143,9 @@ static void run_item(const Problem& P, const WorkItem& w, float* m, float* l, fl
           to_float(P.fv, P.f_dtype, base + (a + t) * P.f_st, D, vt.data() + t * D);
         }
       }
-      block_scores(q, bias.data(), kt.data(), rows, clear_tail(n), D, s.data());
+      const int n8 = clear_tail(n);
+      block_scores(q, bias.data(), kt.data(), rows, n8, D, s.data());
+      if (P.softcap2 > 0.0f) soft_cap(s.data(), rows, n8, P.softcap2);
       if (a + n > P.R - P.L_q + 1) {  // the block reaches the queries' own tokens
         for (int r = 0; r < rows; ++r)
           for (int t = 0; t < n; ++t)
@@ -207,7 +223,9 @@ static void run_item(const Problem& P, const WorkItem& w, float* m, float* l, fl
 #endif
       unpack_values(vc + a * vDp, n, D, NG, vsc.data(), vze.data(), vpg, uniform ? vgroup.data() : nullptr,
                     lane_g.data(), vt.data(), lane_s.data(), lane_z.data());
-    block_scores(qs.data(), bias.data(), kt.data(), rows, clear_tail(n), D, s.data());
+    const int n8 = clear_tail(n);
+    block_scores(qs.data(), bias.data(), kt.data(), rows, n8, D, s.data());
+    if (P.softcap2 > 0.0f) soft_cap(s.data(), rows, n8, P.softcap2);
     softmax_block(n);
 #ifdef CPU_OPS_VNNI
     if (pv16)
@@ -225,7 +243,7 @@ static void run_item(const Problem& P, const WorkItem& w, float* m, float* l, fl
 }
 
 // Runs every work item on `workers` threads of ATen's pool (dynamic scheduling; inline when workers is 1), then
-// merges the partials of each (sequence, kv head) with a log-sum-exp reduction; out (B, H_q, L_q, D) contiguous, in
+// merges the partials of each (sequence, kv head) with a log-sum-exp reduction (and the row's sink, if any); out (B, H_q, L_q, D) contiguous, in
 // out_dtype.
 static void run_all(const Problem& P, const std::vector<WorkItem>& items, const std::vector<int64_t>& first_item,
                     int64_t workers, void* out, DType out_dtype) {
@@ -244,10 +262,12 @@ static void run_all(const Problem& P, const std::vector<WorkItem>& items, const 
   std::vector<float> o(D), rotated(D);
   for (int64_t bh = 0; bh + 1 < static_cast<int64_t>(first_item.size()); ++bh) {  // bh = b * H_kv + h
     for (int r = 0; r < rows; ++r) {
-      float mx = -INFINITY;
+      // the sink of query head (h, rep): one more logit in the denominator, no value
+      const float sink = P.sinks2 ? P.sinks2[(bh % P.H_kv) * P.n_rep + r / P.L_q] : -INFINITY;
+      float mx = sink;
       for (int64_t i = first_item[bh]; i < first_item[bh + 1]; ++i) mx = std::max(mx, pm[i * rows + r]);
       std::fill(o.begin(), o.end(), 0.0f);
-      float sum = 0.0f;
+      float sum = sink == -INFINITY ? 0.0f : std::exp2(sink - mx);
       for (int64_t i = first_item[bh]; i < first_item[bh + 1]; ++i) {
         if (pm[i * rows + r] == -INFINITY) continue;  // an item that saw no token for this row
         const float wgt = std::exp2(pm[i * rows + r] - mx);

@@ -85,6 +85,10 @@ struct Problem {
   // rotated storage: per kv head, the query is multiplied by rot_q[h] (q . R) and the output by rot_o[h]^T
   const float *rot_q, *rot_o;  // (H_kv, D, D) fp32 each, or null
   const int32_t* f_start;
+  // gpt-oss attention sinks: query head hq's softmax denominator gains 2**sinks2[hq] (base 2), no value; or null
+  const float* sinks2;
+  // Gemma 2 soft-capping, base 2: a score s becomes softcap2 * tanh(s / softcap2) before the mask; 0: none
+  float softcap2;
   int n_seg;
   Segment seg[2];
 };
@@ -173,13 +177,15 @@ void check_offsets(const at::Tensor& off, int B, int64_t limit, const char* what
 // seg_ints: per segment key bits, value bits, chunk_size, group_size; isa: 0 auto, 1 the baseline build, 2 the avx2
 // build (fp32 arithmetic only) where the CPU has it;
 // full_key_scales, full_value_scales: (B, H_kv, R, 1) for an int8 full part (full_keys / full_values its codes), else
-// empty; rot_q, rot_o: (H_kv, D, D) fp32 or empty (rotated storage); scale_table: (256,) fp32 or empty.
+// empty; rot_q, rot_o: (H_kv, D, D) fp32 or empty (rotated storage); scale_table: (256,) fp32 or empty;
+// sinks: (H_q,) fp32 attention-sink logits or empty; softcap: the logit soft-cap (> 0) or 0 for none.
 // Returns (B, H_q, L_q, D) in query's dtype.
 at::Tensor split_attention(const at::Tensor& query, const at::Tensor& full_keys, const at::Tensor& full_values,
                            const at::Tensor& full_start, const std::vector<at::Tensor>& seg_tensors,
                            const std::vector<int64_t>& seg_ints, double scaling, int64_t tokens_per_item,
                            int64_t isa, const at::Tensor& full_key_scales, const at::Tensor& full_value_scales,
-                           const at::Tensor& rot_q, const at::Tensor& rot_o, const at::Tensor& scale_table) {
+                           const at::Tensor& rot_q, const at::Tensor& rot_o, const at::Tensor& scale_table,
+                           const at::Tensor& sinks, double softcap) {
   TORCH_CHECK_VALUE(isa >= 0 && isa <= 2, "isa must be 0 (auto), 1 (baseline) or 2 (avx2), got ", isa);
   const Kernel& K = kernel(static_cast<Isa>(isa));
   Problem P{};
@@ -225,6 +231,13 @@ at::Tensor split_attention(const at::Tensor& query, const at::Tensor& full_keys,
     P.fs_sb = full_key_scales.stride(0), P.fs_sh = full_key_scales.stride(1), P.fs_st = full_key_scales.stride(2);
   }
   P.f_start = full_start.data_ptr<int32_t>();
+  std::vector<float> sinks2(sinks.numel());  // in base 2, as the scores
+  TORCH_CHECK_VALUE(sinks.numel() == 0 || sinks.numel() == query.size(1), "sinks must have H_q=", query.size(1),
+                    " elements, got ", sinks.numel());
+  for (int64_t i = 0; i < sinks.numel(); ++i) sinks2[i] = sinks.data_ptr<float>()[i] * 1.4426950408889634f;
+  P.sinks2 = sinks.numel() ? sinks2.data() : nullptr;
+  TORCH_CHECK_VALUE(softcap >= 0.0 && std::isfinite(softcap), "softcap must be > 0 (or 0: none), got ", softcap);
+  P.softcap2 = static_cast<float>(softcap * 1.4426950408889634);
   for (int b = 0; b < P.B; ++b)
     TORCH_CHECK_VALUE(P.f_start[b] >= 0 && P.f_start[b] <= P.R, "full_start[", b, "] must be in [0, R=", P.R,
                       "], got ", P.f_start[b]);

@@ -12,6 +12,7 @@ import importlib.util
 import os
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -142,7 +143,9 @@ def _by_bits(fast: Callable, reference: Callable, chosen: str) -> Callable:
     return quantize
 
 
-def _triton_attention(query: torch.Tensor, store: LayerStore, scaling: float, out_dtype: torch.dtype) -> torch.Tensor:
+def _triton_attention(
+    query: torch.Tensor, store: LayerStore, scaling: float, out_dtype: torch.dtype, **extras
+) -> torch.Tensor:
     import triton_ops
 
     D = query.shape[-1]
@@ -152,9 +155,16 @@ def _triton_attention(query: torch.Tensor, store: LayerStore, scaling: float, ou
             f"triton split-precision attention supports head dims "
             f"{triton_ops.SUPPORTED_HEAD_DIMS}, got {D}: using the PyTorch implementation",
         )
-        return attend_in_store_basis(query, store, scaling, out_dtype)
+        return attend_in_store_basis(query, store, scaling, out_dtype, **extras)
+    if extras and not _triton_takes_sinks_and_softcap():
+        _warn_once(
+            "triton-sinks-softcap",
+            "this triton_ops.split_precision_attention has no sinks / softcap arguments: attention sinks and "
+            "soft-capping use the PyTorch implementation",
+        )
+        return attend_in_store_basis(query, store, scaling, out_dtype, **extras)
     full = store.full
-    kw: dict[str, object] = {}  # the stored formats' extra arguments
+    kw: dict[str, object] = dict(extras)  # sinks / softcap, then the stored formats' extra arguments
     if any(s.scale_bits == 8 for s in store.segments):
         kw["scale_table"] = params8.scale_table(query.device)
     keys, values = full.split_path_tensors()  # an 8-bit full part: its int8 codes, read with their scales
@@ -173,7 +183,7 @@ def _triton_attention(query: torch.Tensor, store: LayerStore, scaling: float, ou
     ).to(out_dtype)
 
 
-def _cpu_attention(query: torch.Tensor, store: LayerStore, scaling: float) -> torch.Tensor:
+def _cpu_attention(query: torch.Tensor, store: LayerStore, scaling: float, **extras) -> torch.Tensor:
     """The fused CPU kernel straight from the store: 8-bit scale / zero codes, an 8-bit full part's codes and the
     rotation's matrices go to the kernel as they are stored (decoded and applied inside it). The arguments that do
     not change between decode steps (segments, rotation, scale table) are checked once per store
@@ -193,7 +203,18 @@ def _cpu_attention(query: torch.Tensor, store: LayerStore, scaling: float) -> to
         scaling,
         full_scales=full_scales,
         scale_table=_cpu_scale_table() if prepared.needs_table else None,
+        **extras,
     )
+
+
+@functools.cache
+def _triton_takes_sinks_and_softcap() -> bool:
+    import inspect
+
+    import triton_ops
+
+    params = inspect.signature(triton_ops.split_precision_attention).parameters
+    return "sinks" in params and "softcap" in params
 
 
 @functools.cache
@@ -244,21 +265,31 @@ def _same_segments(kept: tuple, store: LayerStore) -> bool:
     return len(kept) == len(segments) and all(a is b for a, b in zip(kept, segments))
 
 
-def split_precision_attention(query: torch.Tensor, store: LayerStore, scaling: float, backend: str) -> torch.Tensor:
+def split_precision_attention(
+    query: torch.Tensor,
+    store: LayerStore,
+    scaling: float,
+    backend: str,
+    *,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """Decode attention of ``query (B, H_q, L_q, D)`` over ``store`` with the chosen backend; ``(B, H_q, L_q, D)``.
     A store holding a bit width the chosen kernel does not read takes the PyTorch path (one warning). The choice
     depends only on the backend, the device, the head dim and the store's segments: it is made once per store and
-    kept in ``store.kernel_cache``."""
+    kept in ``store.kernel_cache``. ``sinks`` ``(H_q,)`` (attention sinks) and ``softcap`` (logit soft-capping): as
+    :func:`~hf_cocktail.decode.split_attention.split_precision_attention_torch`, on every backend."""
     key = ("route", backend, query.device, query.shape[-1])
     entry = store.kernel_cache.get(key)
     if entry is None or not _same_segments(entry[0], store):
         entry = store.kernel_cache[key] = (tuple(store.segments), _route(query, store, backend))
     chosen = entry[1]
+    extras: dict[str, Any] = {} if sinks is None and softcap is None else {"sinks": sinks, "softcap": softcap}
     if chosen == "triton":
-        return with_rotation(_triton_attention, query, store, scaling)
+        return with_rotation(_triton_attention, query, store, scaling, **extras)
     if chosen == "cpu":
-        return _cpu_attention(query, store, scaling)
-    return split_precision_attention_torch(query, store, scaling)
+        return _cpu_attention(query, store, scaling, **extras)
+    return split_precision_attention_torch(query, store, scaling, sinks=sinks, softcap=softcap)
 
 
 def _route(query: torch.Tensor, store: LayerStore, backend: str) -> str:

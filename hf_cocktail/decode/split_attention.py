@@ -61,7 +61,14 @@ def causal_mask_full_part(scores: torch.Tensor, start: int, R: int, Lq: int, n_r
     return scores.masked_fill(j[None, None, :] > (R - Lq + i)[None, :, None], float("-inf"))
 
 
-def split_precision_attention_torch(query: torch.Tensor, store: LayerStore, scaling: float) -> torch.Tensor:
+def split_precision_attention_torch(
+    query: torch.Tensor,
+    store: LayerStore,
+    scaling: float,
+    *,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """Reference split-precision attention over a :class:`LayerStore` (the spec of the fast kernels).
 
     Q·K per precision segment, one softmax over all concatenated scores, P·V per segment, outputs summed; computed
@@ -70,35 +77,70 @@ def split_precision_attention_torch(query: torch.Tensor, store: LayerStore, scal
     the whole cache is never materialised at full precision. A rotated store (``store.rotation``) is never
     un-rotated: the query is rotated once and the output rotated back once (:func:`with_rotation`).
 
+    The scores are those of transformers' eager attention: ``s = scaling * q·k``; with ``softcap``,
+    ``s = softcap * tanh(s / softcap)`` (Gemma 2 logit soft-capping) before the causal mask; with ``sinks`` (gpt-oss
+    attention sinks, its ``module.sinks``), query head ``h``'s softmax denominator gains ``exp(sinks[h])``, a logit
+    that contributes no value.
+
     Args:
         query: ``(B, H_q, L_q, D)``.
         store: the layer's storage (``B`` sequences, ``H_kv`` heads).
         scaling: softmax scale (usually ``D ** -0.5``).
+        sinks: ``(H_q,)`` one logit per query head, or None.
+        softcap: a positive float, or None.
 
     Returns:
         ``(B, H_q, L_q, D)`` in ``query.dtype``.
     """
-    return with_rotation(attend_in_store_basis, query, store, scaling)
+    return with_rotation(attend_in_store_basis, query, store, scaling, sinks=sinks, softcap=softcap)
 
 
-def with_rotation(attend: Callable, query: torch.Tensor, store: LayerStore, scaling: float) -> torch.Tensor:
-    """Run ``attend(query, store, scaling, out_dtype)`` in the store's basis: with a rotation, on the fp32 rotated
-    query, the output rotated back to ``query.dtype``; without one, as is."""
+def with_rotation(attend: Callable, query: torch.Tensor, store: LayerStore, scaling: float, **kwargs) -> torch.Tensor:
+    """Run ``attend(query, store, scaling, out_dtype, **kwargs)`` in the store's basis: with a rotation, on the fp32
+    rotated query, the output rotated back to ``query.dtype``; without one, as is (``sinks`` and ``softcap`` act on
+    scores, which the rotation leaves unchanged)."""
     rotation = store.rotation
     if rotation is None:
-        return attend(query, store, scaling, query.dtype)
-    out = attend(rotation.rotate_query(query), store, scaling, torch.float32)
+        return attend(query, store, scaling, query.dtype, **kwargs)
+    out = attend(rotation.rotate_query(query), store, scaling, torch.float32, **kwargs)
     return rotation.unrotate_output(out, query.dtype)
 
 
+def soft_capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``softcap * tanh(scores / softcap)`` (``scores`` as is without ``softcap``)."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of ``scores (H_kv, n_rep*L_q, T)`` (rows ordered ``(rep, i)``); with ``sinks``
+    ``(H_q,)`` (``H_q = H_kv * n_rep``), the row of query head ``h`` has one more logit ``sinks[h]`` in its
+    denominator (transformers' eager attention with ``s_aux``: the sink column is dropped after the softmax)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    H_kv, rows, _ = scores.shape
+    n_rep = sinks.shape[0] // H_kv
+    sink = sinks.float().reshape(H_kv, n_rep, 1).expand(H_kv, n_rep, rows // n_rep).reshape(H_kv, rows, 1)
+    combined = torch.cat([scores, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return torch.softmax(combined, dim=-1)[..., :-1]
+
+
 def attend_in_store_basis(
-    query: torch.Tensor, store: LayerStore, scaling: float, out_dtype: torch.dtype
+    query: torch.Tensor,
+    store: LayerStore,
+    scaling: float,
+    out_dtype: torch.dtype,
+    *,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """:func:`split_precision_attention_torch` on a query already in the store's (rotated) basis."""
     B, H_q, Lq, D = query.shape
     H_kv = store.full.shape[1]
     if H_q % H_kv:
         raise ValueError(f"query heads H_q={H_q} must be a multiple of key/value heads H_kv={H_kv}")
+    if sinks is not None and tuple(sinks.shape) != (H_q,):
+        raise ValueError(f"sinks must have shape (H_q,) = ({H_q},), got {tuple(sinks.shape)}")
     n_rep = H_q // H_kv
     R = store.full.length
     out = torch.empty(query.shape, dtype=out_dtype, device=query.device)
@@ -108,9 +150,9 @@ def attend_in_store_basis(
         blocks = list(_segment_blocks(store, b, full))
         scores = []
         for kind, get in blocks:
-            s = q @ get("k").transpose(1, 2)  # (H_kv, n_rep*Lq, T_block)
+            s = soft_capped(q @ get("k").transpose(1, 2), softcap)  # (H_kv, n_rep*Lq, T_block)
             scores.append(causal_mask_full_part(s, store.full.start[b], R, Lq, n_rep) if kind == "full" else s)
-        p = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
+        p = softmax_with_sinks(torch.cat(scores, dim=-1), sinks)
         o = torch.zeros(H_kv, n_rep * Lq, D, dtype=torch.float32, device=query.device)
         pos = 0
         for (_, get), s in zip(blocks, scores):
