@@ -24,7 +24,7 @@ nested in it):
 * ``model``: the rest of the forward (the model's own prefill compute).
 
     python -m eval.benchmarks.bench_prefill --contexts 4000,8000 --methods fp16,cocktail,recommended --rounds 3 \\
-        --threads 2 --out eval/results/bench_prefill_4k8k.json
+        --threads 2 --out eval/results/prefill/4k_8k.json
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ On this 2-core CPU the budgets are scaled down from the paper's GPU setting (a f
 parts are twice the budgeted FP16 bytes (reported as ``kv MiB held``).
 
     python -m eval.benchmarks.bench_throughput --budgets-mib 256,512 --prompt-tokens 4000 --threads 2 \\
-        --out eval/results/bench_throughput.json
+        --out eval/results/throughput/budgets_256_512mib.json
 """
 
 from __future__ import annotations

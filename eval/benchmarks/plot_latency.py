@@ -2,8 +2,8 @@
 context length, one panel pair per (model, dtype, CPU kernel build) found in the JSON files (files written before
 the runs recorded the build, ``hardware.cpu_ops``, ran the AVX2 one: the only build there was).
 
-    python -m eval.benchmarks.plot_latency eval/results/bench_latency_speed_fp32.json \\
-        eval/results/bench_latency_speed_bf16.json --out eval/results/bench_latency_speed.png
+    python -m eval.benchmarks.plot_latency eval/results/decode_latency/smollm2_fp32_8k_16k.json \\
+        eval/results/decode_latency/smollm2_bf16.json --out eval/results/decode_latency/latency.png
 """
 
 from __future__ import annotations

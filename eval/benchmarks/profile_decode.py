@@ -24,7 +24,7 @@ profiler itself adds overhead (mostly to the Python share), so an unprofiled tim
 rounds is reported beside.
 
     python -m eval.benchmarks.profile_decode --context 8000 --dtypes float32,bfloat16 \\
-        --methods fp16,cocktail,cocktail:torch --threads 2 --out eval/results/profile_decode_8k.json
+        --methods fp16,cocktail,cocktail:torch --threads 2 --out eval/results/decode_profile/smollm2_8k.json
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ divergence from FP16, then pick per layer the widths with the least summed diver
 
 Usage (see eval/README.md)::
 
-    python -m eval.layers --out-dir eval/results/layer_calibration --budgets 2.6,2.8,3.0,3.2
+    python -m eval.layers --out-dir eval/results/layer_calibration/round1 --budgets 2.6,2.8,3.0,3.2
 
 The prompts are LongBench examples **not** used by ``eval.kld`` (the example after the first ``--skip`` of each task's
 seeded draw), so that the allocation is scored on other prompts than those it was chosen on. Outputs under

@@ -8,10 +8,10 @@ prefilled once at full precision and branched into every method's cache (``eval/
 Two uses (see eval/README.md)::
 
     # grid: one heatmap PNG per method (lengths x depths) + a CSV
-    python -m eval.needle --out-dir eval/results/needle_grid --lengths 1000,2000,4000 --depths 0,0.25,0.5,0.75,1 \
+    python -m eval.needle --out-dir /tmp/needle_grid --lengths 1000,2000,4000 --depths 0,0.25,0.5,0.75,1 \
         --methods fp16,cocktail,int2
     # fixed length: >= 20 cases at ~3000 tokens, accuracy table with each method's kv_ratio
-    python -m eval.needle --out-dir eval/results/needle_3000 --lengths 3000 \
+    python -m eval.needle --out-dir eval/results/needle --lengths 3000 \
         --depths 0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1 --samples 2 --methods fp16,cocktail,int4,int2
 
 RULER-style needles (``--variant single,multikey,multivalue,multiquery``, see ``eval/needle/ruler.py``)::
