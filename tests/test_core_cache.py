@@ -64,9 +64,9 @@ def test_prepare_inputs_errors(tiny_tokenizer):
         CocktailCache({"chunk_size": 8})
 
 
-def test_generate_without_prepare_inputs_is_a_clear_error(tiny_llama, tiny_tokenizer):
+def test_searching_without_prepare_inputs_or_tokenizer_is_a_clear_error(tiny_llama, tiny_tokenizer):
     inputs = tiny_tokenizer("w1 w2 w3", return_tensors="pt")
-    with pytest.raises(RuntimeError, match="prepare_inputs"):
+    with pytest.raises(ValueError, match=r"scorer='encoder'\) searches.*tokenizer=tokenizer.*prepare_inputs"):
         tiny_llama.generate(**inputs, **cache_kwargs(tiny_llama, CocktailCache(cfg())), max_new_tokens=2)
 
 

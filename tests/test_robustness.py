@@ -128,10 +128,13 @@ def test_empty_query_still_searches(tiny_llama, tiny_tokenizer):
     assert len(cache.precision_map()[0]) == 5
 
 
-def test_group_size_not_dividing_head_dim_is_refused(tiny_llama, tiny_tokenizer):
+def test_group_size_above_the_head_dim_stores_the_largest_dividing_group(tiny_llama, tiny_tokenizer):
+    """group_size is the most channels per value group: at D=32, 64 stores groups of 32 (recorded, reported)."""
     prompt, ctx, q = make_prompt(40)
-    with pytest.raises(ValueError, match="group_size=64 must divide the head dim D=32"):
-        run(tiny_llama, tiny_tokenizer, prompt, ctx, q, cfg(group_size=64, uniform_bits=2))
+    _, cache, _ = run(tiny_llama, tiny_tokenizer, prompt, ctx, q, cfg(group_size=64, uniform_bits=2))
+    seg = cache.layers[0].store.segments[1]
+    assert seg.group_size == 32 and seg.v_scale.shape[-1] == 1  # D=32: one value group per token and head
+    assert cache.memory_report()["value_group_sizes"] == [32]
 
 
 def test_chunk_size_not_dividing_context_keeps_every_token(tiny_llama, tiny_tokenizer):

@@ -15,18 +15,24 @@ import torch
 from transformers.cache_utils import Cache
 
 from hf_cocktail.cache import layout, reports
-from hf_cocktail.cache.inputs import prepare_plans
+from hf_cocktail.cache.inputs import Shared, plan_watched_prefill, prepare_plans
 from hf_cocktail.cache.layer import CocktailLayer, LayerState
 from hf_cocktail.cache.layout import HybridStates
 from hf_cocktail.cache.lifecycles import CacheLifecycles
-from hf_cocktail.cache.prefill_watch import PrefillWatch, check_attention_reader, check_head_dims, check_prefill_ids
+from hf_cocktail.cache.prefill_watch import (
+    PrefillWatch,
+    check_attention_reader,
+    check_head_dims,
+    check_layer_fields,
+    check_prefill_ids,
+)
 from hf_cocktail.planning import plans as planning
 from hf_cocktail.planning.plans import PlanView, SequencePlan
-from hf_cocktail.planning.salient import check_salient_layers, keeps_salient, record_layer_mass, with_salient
+from hf_cocktail.planning.salient import keeps_salient, record_layer_mass, with_salient
 from hf_cocktail.planning.scoring import TextEncoder
 from hf_cocktail.planning.search import add_query_attention, search_plan
 from hf_cocktail.presets.config import CocktailConfig
-from hf_cocktail.storage.layer_bits import capped_positions, check_layer_count, layer_pair
+from hf_cocktail.storage.layer_bits import capped_positions, layer_pair
 
 logger = logging.getLogger(__name__)
 
@@ -34,14 +40,16 @@ logger = logging.getLogger(__name__)
 class CocktailCache(CacheLifecycles, HybridStates, Cache):
     """A KV cache that stores each context chunk at FP16, INT4 or INT2 by its relevance to the query.
 
-    Usage::
+    Usage, as any transformers cache (left-padded batches, and ``generate`` again on the grown conversation)::
 
-        cache = CocktailCache(CocktailConfig(encoder=hf_cocktail.offline_encoder_path()))
-        inputs = cache.prepare_inputs(tokenizer, prompt, contexts=document, queries=question)
-        out = model.generate(**inputs, **cache_kwargs(model, cache), max_new_tokens=32)
+        cache = CocktailCache(CocktailConfig.recommended())
+        out = model.generate(**tokenizer(prompt, return_tensors="pt"), **cache_kwargs(model, cache))
 
+    The prefill's tokens after ``sink_tokens`` and before the last ``residual_tokens`` are packed as context.
+    :meth:`prepare_inputs` gives a searching setting (the paper's ``CocktailConfig()``) an explicit document and
+    question; without it the search's query is the prompt's tail (for the encoder and BM25, pass ``tokenizer=``).
     (``cache_kwargs`` from :mod:`hf_cocktail.integration.compat` passes ``cache=`` or ``past_key_values=``, whichever
-    the installed transformers prefers.) The chunk search runs once per ``generate``, at prefill, before any layer
+    the installed transformers prefers.) The chunk search runs once per prompt, at prefill, before any layer
     quantizes. Decode attention reads the packed codes when the model uses ``attn_implementation="cocktail"``;
     under plain ``"sdpa"``/``"eager"`` each step dequantizes the cache (correct, slower, with one warning).
 
@@ -52,10 +60,16 @@ class CocktailCache(CacheLifecycles, HybridStates, Cache):
             full-attention layers become Cocktail layers, the others are the model's default cache layers (see
             :mod:`hf_cocktail.cache.layout`). Optional: the cache also reads it from the model at the first prefill
             after ``prepare_inputs``.
+        tokenizer: optional, for a searching setting by ``"encoder"`` or ``"bm25"`` without ``prepare_inputs``: it
+            decodes the chunks and the query (the prompt's tail) from the ids embedded.
     """
 
     def __init__(
-        self, config: CocktailConfig | None = None, encoder: TextEncoder | None = None, model_config: Any = None
+        self,
+        config: CocktailConfig | None = None,
+        encoder: TextEncoder | None = None,
+        model_config: Any = None,
+        tokenizer: Any = None,
     ):
         super().__init__(layers=[])
         self.config = config if config is not None else CocktailConfig()
@@ -64,41 +78,37 @@ class CocktailCache(CacheLifecycles, HybridStates, Cache):
         if encoder is not None and not callable(getattr(encoder, "encode", None)):
             raise TypeError(f"encoder must have an encode(list[str]) -> Tensor method, got {type(encoder).__name__}")
         self._encoder = encoder
+        self._tokenizer = Shared(tokenizer)
         self._plans: list[SequencePlan] | None = None
         self._input_ids: torch.Tensor | None = None  # (B, L) the prepared prompt(s)
         self.prompt_len = 0
         self.prefill_len = -1
         self._searched = False
         self._warned_fallback = False
-        # chunked prefill (generate's prefill_chunk_size): per layer, the prompt's keys/values so far, at full
-        # precision, until the prepared prompt is complete
+        # chunked prefill: per layer, the prompt's keys/values so far (full precision) until the prepared prompt is in
         self._partial: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._watch = PrefillWatch()  # what the prefill really embeds (armed from prepare_inputs to the prefill)
+        self._watch = PrefillWatch(self)  # what the prefill embeds (armed until it: prepare_inputs, or planned from it)
+        self._watch.arm()
         self._model_config = model_config  # else the config the watch sees at the first prefill (layout.py)
         self._num_layers: int | None = None  # the model's layer count, once seen
 
     # ----------------------------------------------------------------- inputs
     def prepare_inputs(self, tokenizer, prompts, contexts=None, queries=None, device=None, **tokenizer_kwargs):
-        """Tokenize ``prompts`` (left padding for batches), locate each context's token span and cut it into chunks.
-
+        """Tokenize ``prompts`` (left padding for batches), locate each context's token span and cut it into chunks:
+        the precise way to give the search its document and question. Returns the tokenizer's ``BatchEncoding``
+        (``input_ids``, ``attention_mask``, on ``device`` if given) to pass to ``generate``.
         Args:
             tokenizer: a fast tokenizer (offsets are needed to locate the context).
             prompts: ``str`` or list of ``B`` strings, the full prompts (chat template already applied).
             contexts: ``str`` or list of ``B`` strings: the document inside each prompt ('' or None: no context).
-            queries: ``str`` or list of ``B`` strings: the question used by the search (may be None with
-                ``uniform_bits``).
-            device: where to put the returned tensors.
-
-        Returns:
-            the tokenizer's ``BatchEncoding`` (``input_ids``, ``attention_mask``) to pass to ``generate``.
+            queries: ``str`` or list of ``B`` strings: the question the search uses (None with ``uniform_bits``).
         """
         check_attention_reader(self.config, self._model_config, self.scores_from_attention())
         enc, plans = prepare_plans(tokenizer, prompts, contexts, queries, self.config, tokenizer_kwargs)
         self.reset()
         self._plans = plans
         self._input_ids = enc["input_ids"].clone()
-        self.prompt_len = enc["input_ids"].shape[1]
-        self._watch.arm()
+        self.prompt_len = enc["input_ids"].shape[1]  # (reset armed the watch)
         return enc.to(device) if device is not None else enc
 
     @property
@@ -107,9 +117,9 @@ class CocktailCache(CacheLifecycles, HybridStates, Cache):
         return tuple(PlanView.of(p) for p in self._plans or [])
 
     def _require_plans(self) -> list[SequencePlan]:
-        """The prepared plans; a RuntimeError naming the missing step before :meth:`prepare_inputs`."""
+        """The plans (of ``prepare_inputs``, or of the prefill); a RuntimeError before either."""
         if self._plans is None:
-            raise RuntimeError("CocktailCache has no prepared prompt: call cache.prepare_inputs(...) first")
+            raise RuntimeError("CocktailCache has no prompt yet: call cache.prepare_inputs(...) or generate first")
         return self._plans
 
     # ----------------------------------------------------------------- search
@@ -131,17 +141,16 @@ class CocktailCache(CacheLifecycles, HybridStates, Cache):
         if self.scores_from_attention():
             add_query_attention(self._require_plans(), query, key, scaling)
         if keeps_salient(self.config.salient_tokens, self.config.full_precision_layers, layer_idx):
-            record_layer_mass(self._require_plans(), query, key, scaling, layer_idx, self.prompt_len)
+            end = max(self.prompt_len, *(p.query_span[1] for p in self._require_plans()))  # plain: the prefill's end
+            record_layer_mass(self._require_plans(), query, key, scaling, layer_idx, end)
 
     def plans_for_prefill(self, k: torch.Tensor, search: bool = True) -> list[SequencePlan]:
         """The plans for a prefill of keys ``k (B, H_kv, L, D)``: runs the search once, follows generate's batch
         expansion (beams / return sequences), and builds each plan's positions for ``L``."""
-        if self._plans is None:
-            raise RuntimeError(
-                "CocktailCache: call cache.prepare_inputs(tokenizer, prompts, contexts=..., "
-                "queries=...) and pass its output to generate before the first forward"
-            )
         B, _, L, _ = k.shape
+        if self._plans is None:  # no prepare_inputs: the prompt is what this prefill embeds
+            self._plans, self._input_ids = plan_watched_prefill(self._watch, B, L, self.config, self._tokenizer.obj)
+            self.prompt_len = max(p.ctx_end for p in self._plans)  # crop may remove what follows (assisted decoding)
         n = len(self._plans)
         if search and not self._searched:
             self.run_search()
@@ -187,9 +196,8 @@ class CocktailCache(CacheLifecycles, HybridStates, Cache):
         self.prefill_len = -1  # positions are built at prefill, for its length
 
     def plan_bits_per_element(self) -> list[float]:
-        """Per sequence, the storage bits per context K/V element of the current precision plan (scales and zeros
-        included, FP16 chunks at 16 bits, 8 with ``full_part_bits=8``): what ``target_bits`` budgets. Needs the
-        search (or set_precisions)."""
+        """Per sequence, the storage bits per context K/V element of the precision plan (scales and zeros included,
+        FP16 chunks at ``full_part_bits``): what ``target_bits`` budgets. Needs the search (or set_precisions)."""
         if not self._plans or not self._searched:
             raise RuntimeError("plan_bits_per_element() needs run_search() or set_precisions() first")
         cost = planning.bits_cost(self.config.packed_bits_per_element, self.config.full_part_bits)
@@ -262,11 +270,13 @@ class CocktailCache(CacheLifecycles, HybridStates, Cache):
         count and the token ids the model embedded (as far as :class:`PrefillWatch` saw them) must be the prepared
         prompt's. A forward may cover a part of the prompt (chunked prefill, a prefix first) or go beyond it
         (assisted decoding's first candidates)."""
+        if self._watch.num_layers is not None:
+            self._check_layer_count(self._watch.num_layers)
+        if self._plans is None:  # no prepare_inputs: plans_for_prefill plans this prefill and disarms the watch
+            return
         if self._input_ids is None:
             self._watch.disarm()
             return
-        if self._watch.num_layers is not None:
-            self._check_layer_count(self._watch.num_layers)
         past = self.get_seq_length(self._first_cocktail_idx())
         check_prefill_ids(self._watch, self._input_ids, k, past, self.prompt_len)
 
@@ -276,18 +286,12 @@ class CocktailCache(CacheLifecycles, HybridStates, Cache):
         if cocktail_layers is None:
             built = [layer.layer_idx for layer in self._cocktail_layers()]
             cocktail_layers = built if len(self.layers) == num_layers else list(range(num_layers))
-        check_layer_count(self.config.layer_bits, num_layers, cocktail_layers)
-        layers = self.config.full_precision_layers
-        if layers and layers[-1] >= num_layers:
-            raise ValueError(
-                f"full_precision_layers {layers} names layer(s) {[i for i in layers if i >= num_layers]} but the "
-                f"model has {num_layers} layers (indices 0..{num_layers - 1})"
-            )
-        check_salient_layers(self.config.salient_tokens, layers, cocktail_layers)
+        check_layer_fields(self.config, num_layers, cocktail_layers)
         self._num_layers = num_layers
 
     def reset(self):
-        """Empty the cache and forget the prepared prompts (the next ``generate`` needs a new ``prepare_inputs``)."""
+        """Empty the cache and forget the prepared prompts (the next prefill is planned from what it embeds, or from
+        a new ``prepare_inputs``)."""
         self.layers = []
         self._plans = None
         self._input_ids = None
@@ -295,7 +299,7 @@ class CocktailCache(CacheLifecycles, HybridStates, Cache):
         self._partial = {}
         self._searched = False
         self.prefill_len = -1
-        self._watch.disarm()
+        self._watch.arm()
         self._num_layers = None
 
     def _select(self, indices: list[int]) -> None:
@@ -336,9 +340,9 @@ class CocktailCache(CacheLifecycles, HybridStates, Cache):
     def warn_dequantize_fallback(self) -> None:
         if not self._warned_fallback:
             logger.warning(
-                "CocktailCache is used with an attention implementation other than 'cocktail': every "
-                "decode step dequantizes the whole cache (correct but slow). Load the model with "
-                "attn_implementation='cocktail' to read the packed codes directly."
+                "CocktailCache is used with an attention implementation other than 'cocktail': every decode step "
+                "dequantizes the whole cache (correct but slow). Load the model with attn_implementation='cocktail' "
+                "to read the packed codes directly."
             )
             self._warned_fallback = True
 
@@ -347,9 +351,7 @@ class CocktailCache(CacheLifecycles, HybridStates, Cache):
         """Per sequence of the cache's batch, the bits (16, 4 or 2) of each context chunk in original order.
 
         Rows follow generate's batch: after beam search (``num_beams=k``) or ``num_return_sequences=k`` the cache
-        holds k rows per prompt and so does this map (prompt i's rows are ``i*k`` to ``i*k+k-1``; all rows of one
-        prompt have its map).
-        """
+        holds k rows per prompt and so does this map (prompt i's rows are ``i*k`` to ``i*k+k-1``, alike)."""
         self._flush_deferred()
         if not self._plans or not self._searched:
             raise RuntimeError("precision_map() is available after the prefill of generate (the search runs there)")
@@ -373,26 +375,26 @@ class CocktailCache(CacheLifecycles, HybridStates, Cache):
 
     def nbytes(self) -> int:
         """Bytes really held by the cache: every tensor of its layers (packed codes, scales/zeros, the full part and
-        its room for appended tokens, the rotation matrices counted once, offsets cached on the device, every tensor
-        of the model's own sliding-window / hybrid layers) and of its plans (token positions, attention masses,
-        salient positions, the prompt's ids); the optional CPU context copy of ``keep_context_copy`` is reported
-        apart by :meth:`memory_report`. Rotation matrices are shared with other caches (:mod:`.rotation`) and
-        counted in each."""
+        its room for appended tokens, the rotation matrices counted once (though shared with other caches), offsets
+        cached on the device, the model's own sliding-window / hybrid layers) and of its plans (token positions,
+        attention masses, salient positions, the prompt's ids); ``keep_context_copy``'s CPU copy is apart."""
         return self.memory_report()["total_bytes"]
 
     def memory_report(self) -> dict[str, Any]:
         """Breakdown of :meth:`nbytes` plus what the same tokens would take in a FP16 cache (see
         :func:`hf_cocktail.cache.reports.memory_report`)."""
         copies = [layer.context_copy for layer in self._cocktail_layers() if layer.context_copy is not None]
-        native = [reports.object_tensors(layer) for layer in self.layers if not isinstance(layer, CocktailLayer)]
-        return reports.memory_report(
-            self._stores(),
+        natives = [layer for layer in self.layers if not isinstance(layer, CocktailLayer)]
+        native = [t for layer in natives for t in reports.object_tensors(layer)]
+        stores = self._stores()
+        rep = reports.memory_report(
+            stores,
             copies,
             [p.bits for p in self._plans or []],
-            native_bytes=reports.storage_bytes(t for ts in native for t in ts),
-            native_fp16_bytes=sum(
-                layout.native_nbytes(layer, fp16=True) for layer in self.layers if not isinstance(layer, CocktailLayer)
-            ),
-            native_deployed_bytes=reports.storage_bytes((t for ts in native for t in ts), fp16=True),
+            native_bytes=reports.storage_bytes(native),
+            native_fp16_bytes=sum(layout.native_nbytes(layer, fp16=True) for layer in natives),
+            native_deployed_bytes=reports.storage_bytes(native, fp16=True),
             plan_bytes=reports.storage_bytes(reports.plan_tensors(self._plans, self._input_ids)),
         )
+        rep["value_group_sizes"] = sorted({seg.group_size for st in stores for seg in st.segments})
+        return rep

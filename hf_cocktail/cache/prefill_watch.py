@@ -7,6 +7,13 @@ prefill is complete. While at least one watch is armed, one process-wide forward
 ``nn.Embedding`` calls (the token ids a model embeds) and the text config of the transformers modules called. The
 hook is removed as soon as no watch is armed, so nothing runs outside those windows.
 
+A cache used without ``prepare_inputs`` plans its prompt from the prefill itself, so its watch is armed from the
+cache's construction (and after ``reset``) until its first prefill. The padding of a batch is only in the attention
+mask, which no module-wide hook sees (arguments by keyword); so, on the first call of a transformers model seen
+while armed, a keyword pre-hook goes on its base model (``model.base_model``, which the outer model calls with
+``input_ids=``, ``attention_mask=`` and the cache by keyword): a watch records the 2D mask and the ids of the forward
+that passes its own cache. Those hooks are removed with the module-wide one.
+
 What it cannot see (``inputs_embeds`` instead of ids, a token embedding that is not an ``nn.Embedding``) it does not
 judge: :meth:`PrefillWatch.ids_match` then answers ``None``.
 """
@@ -21,10 +28,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_cocktail.planning.salient import check_salient_layers
+from hf_cocktail.storage.layer_bits import check_layer_count
+
 _ARMED: weakref.WeakSet[PrefillWatch] = weakref.WeakSet()
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()  # re-entered when a watch collected inside a locked block removes the hooks
 _HANDLE: Any = None
 _KEEP_IDS = 8  # embedding calls remembered per watch (the prefill's own comes right before its first cache update)
+_BASE_HOOKS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()  # base model -> its handle
+_CACHE_KEYWORDS = ("cache", "past_key_values")  # the cache's keyword, renamed in transformers 5.24
 
 
 def _hook(module: nn.Module, args: tuple) -> None:
@@ -42,6 +54,26 @@ def _hook(module: nn.Module, args: tuple) -> None:
     if config is not None and hasattr(config, "model_type") and hasattr(config, "get_text_config"):
         for watch in watches:
             watch.note_config(config)
+        _hook_base_model(module, config)
+
+
+def _hook_base_model(module: nn.Module, config: Any) -> None:
+    """Put the keyword pre-hook on ``module``'s base model (once), remembering the outer model's ``config``."""
+    base = getattr(module, "base_model", None)
+    if not isinstance(base, nn.Module) or base is module or base in _BASE_HOOKS:
+        return
+    outer = weakref.ref(config)
+
+    def keyword_hook(_m: nn.Module, _args: tuple, kwargs: dict) -> None:
+        cache = next((kwargs[k] for k in _CACHE_KEYWORDS if kwargs.get(k) is not None), None)
+        if cache is None:
+            return
+        for watch in list(_ARMED):
+            if watch.owner is cache:
+                watch.note_forward(kwargs.get("input_ids"), kwargs.get("attention_mask"), outer())
+
+    with _LOCK:
+        _BASE_HOOKS[base] = base.register_forward_pre_hook(keyword_hook, with_kwargs=True)
 
 
 def _remove_hook() -> None:
@@ -50,13 +82,20 @@ def _remove_hook() -> None:
         if _HANDLE is not None and not len(_ARMED):
             _HANDLE.remove()
             _HANDLE = None
+            for handle in list(_BASE_HOOKS.values()):
+                handle.remove()
+            _BASE_HOOKS.clear()
 
 
 class PrefillWatch:
     """One cache's view of the forwards that fill it (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, owner: Any = None) -> None:
         self.ids: collections.deque[torch.Tensor] = collections.deque(maxlen=_KEEP_IDS)
+        self._owner = weakref.ref(owner) if owner is not None else None  # the cache whose forwards are recorded
+        self.forward_ids: torch.Tensor | None = None  # (B, L) the ids of the last forward passing the owner
+        self.forward_mask: torch.Tensor | None = None  # (B, past + L) its 2D attention mask (None: none passed)
+        weakref.finalize(self, _remove_hook)  # a watch collected while armed: the hooks go if it was the last
         self.model_type: str | None = None
         self.num_layers: int | None = None
         self.model_config: Any = None  # the transformers config of the model seen (for the per-layer-type layout)
@@ -66,9 +105,14 @@ class PrefillWatch:
     def armed(self) -> bool:
         return self in _ARMED
 
+    @property
+    def owner(self) -> Any:
+        return self._owner() if self._owner is not None else None
+
     def arm(self) -> None:
         global _HANDLE
         self.ids.clear()
+        self.forward_ids = self.forward_mask = None
         with _LOCK:
             _ARMED.add(self)
             if _HANDLE is None:
@@ -76,8 +120,17 @@ class PrefillWatch:
 
     def disarm(self) -> None:
         self.ids.clear()
+        self.forward_ids = self.forward_mask = None
         _ARMED.discard(self)
         _remove_hook()
+
+    def note_forward(self, ids: Any, mask: Any, outer_config: Any) -> None:
+        """A forward of a model whose base model got this watch's cache: its ids and 2D mask; its outer model's
+        config is the model that fills the cache (it wins over a config another model's forward showed first)."""
+        self.forward_ids = ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
+        self.forward_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+        if outer_config is not None:
+            self.model_config = outer_config
 
     def note_config(self, config: Any) -> None:
         if self.model_config is None:
@@ -106,11 +159,13 @@ class PrefillWatch:
         return matched, seen[-1]
 
     def __deepcopy__(self, memo: dict) -> PrefillWatch:
-        new = PrefillWatch()
+        owner = self.owner
+        new = PrefillWatch(memo.get(id(owner), owner))
         new.model_type, new.num_layers, new.model_config = self.model_type, self.num_layers, self.model_config
         new.last_config = self.last_config
         if self.armed:
             new.arm()
+        new.forward_ids, new.forward_mask = self.forward_ids, self.forward_mask
         new.ids.extend(self.ids)  # never modified in place: shared
         return new
 
@@ -183,3 +238,16 @@ def check_attention_reader(config: Any, model_config: Any, scores_from_attention
             f"records, but the model uses attn_implementation={impl!r}: load it with attn_implementation='cocktail' "
             "(or fill the cache with load_prefill(..., prefill_queries=...))"
         )
+
+
+def check_layer_fields(config: Any, num_layers: int, cocktail_layers: list[int]) -> None:
+    """The fields of ``config`` that name layers (``layer_bits``, ``full_precision_layers``, ``salient_tokens``)
+    against the model's ``num_layers``; ``cocktail_layers``: the indices of its full-attention layers."""
+    check_layer_count(config.layer_bits, num_layers, cocktail_layers)
+    layers = config.full_precision_layers
+    if layers and layers[-1] >= num_layers:
+        raise ValueError(
+            f"full_precision_layers {layers} names layer(s) {[i for i in layers if i >= num_layers]} but the "
+            f"model has {num_layers} layers (indices 0..{num_layers - 1})"
+        )
+    check_salient_layers(config.salient_tokens, layers, cocktail_layers)

@@ -121,6 +121,18 @@ def context_span(
     return cs, ce - recent_tokens
 
 
+def prompt_context_span(
+    pad: int, length: int, sink_tokens: int, residual_tokens: int, chunk_size: int
+) -> tuple[int, int]:
+    """The context of a prompt given without ``prepare_inputs``: its real tokens ``[pad, length)`` after the first
+    ``sink_tokens`` and before the last ``residual_tokens``, in whole chunks of ``chunk_size`` (the remainder, fewer
+    than ``chunk_size`` tokens, stays at full precision with the newest tokens until the next chunk is packed);
+    ``(pad, pad)`` when not one chunk fits."""
+    start = pad + sink_tokens
+    chunks = max(0, length - residual_tokens - start) // chunk_size
+    return (start, start + chunks * chunk_size) if chunks else (pad, pad)
+
+
 def _occurrences(text: str, part: str, first: int) -> int:
     """How many times ``part`` occurs in ``text`` (overlaps counted), from its first occurrence ``first``."""
     n, i = 0, first
