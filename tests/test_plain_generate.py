@@ -193,3 +193,34 @@ def test_the_hooks_go_with_the_last_waiting_cache(tiny_llama, tiny_tokenizer):
     gc.collect()
     assert prefill_watch._HANDLE is None and not len(prefill_watch._BASE_HOOKS)
     assert not tiny_llama.model._forward_pre_hooks
+
+
+@pytest.mark.parametrize("head_dim,group", [(32, 32), (64, 64), (80, 16), (96, 32), (128, 64), (256, 64)])
+def test_recommended_runs_on_every_head_dim_with_the_largest_dividing_group(tiny_tokenizer, head_dim, group):
+    """recommended()'s groups of up to 64 value channels: the largest power of two dividing D, recorded in the
+    segments and their value scales (D // G per token and head), reported; the fused CPU kernel reads them as the
+    PyTorch reference does."""
+    model = make_tiny_llama(head_dim=head_dim, heads=2, num_kv_heads=1, layers=1)
+    inputs = tiny_tokenizer(prompt_of(61), return_tensors="pt")
+    outs = {}
+    for backend in ("torch", "auto"):
+        cache = CocktailCache(rec(backend=backend))
+        outs[backend] = gen(model, inputs, cache, n=3)
+        seg = cache.layers[0].store.segments[0]
+        assert seg.group_size == group and seg.v_scale.shape == (1, 40, head_dim // group)
+        assert seg.v_codes.numel() == 40 * head_dim * 3 // 8  # 3-bit values, whole bytes
+        assert cache.memory_report()["value_group_sizes"] == [group]
+    torch.testing.assert_close(logits(outs["auto"]), logits(outs["torch"]), atol=1e-4, rtol=1e-4)
+
+
+def test_group_size_for_names_the_head_dim_it_refuses():
+    assert [CocktailConfig(group_size=64).group_size_for(d) for d in (32, 64, 80, 96, 128, 256)] == [
+        32,
+        64,
+        16,
+        32,
+        64,
+        64,
+    ]
+    with pytest.raises(ValueError, match="head_dim must be an integer >= 1, got 0"):
+        CocktailConfig().group_size_for(0)
