@@ -16,6 +16,7 @@ if INTERPRET:  # must be set before the first import of triton, and before trito
 import dataclasses  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
+import warnings  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -295,6 +296,31 @@ SEGMENT_COUNT_CASES = {
 }
 
 
+DOT_CASES = {
+    # 16 query rows per kv head or more (n_rep * L_q): the products go through tl.dot in blocks of 16 rows
+    "gqa8_Lq2_16_rows": (([6, 2], {4: [19, 8], 2: [23, 11]}), 1, 8, 64, 2, 8, 32, 8),
+    "gqa7_Lq3_21_rows_d128_int3": (([5], {4: [17], 3: [30]}), 2, 7, 128, 3, 16, 32, None),
+}
+
+
+@pytest.mark.parametrize("name", list(DOT_CASES))
+def test_split_attention_dot_path_matches_reference(name):
+    (full, packed), H_kv, n_rep, D, Lq, C, G, tps = DOT_CASES[name]
+    store = make_store(full, packed, H_kv, D, C, G)
+    query = (torch.randn(len(full), H_kv * n_rep, Lq, D, generator=torch.Generator().manual_seed(5)) * 2).to(DEV)
+    ref = split_precision_attention_torch(query, store, D**-0.5)
+    attn, _, _ = triton_ops.plan_split_attention(
+        query,
+        store.full.keys,
+        store.full.values,
+        store.full.start_tensor(),
+        [s.kernel_args() for s in store.segments],
+        1.0,
+    )
+    assert attn.constexprs["DOT"] and attn.constexprs["BQ"] == 16
+    check_attention(query, store, D**-0.5, ref, tokens_per_split=tps)
+
+
 @pytest.mark.parametrize("count", list(SEGMENT_COUNT_CASES))
 def test_split_attention_every_segment_count(count):
     (full, packed), H_kv, n_rep, D, Lq, C, G, tps = SEGMENT_COUNT_CASES[count]
@@ -348,6 +374,7 @@ SINK_SOFTCAP_CASES = {
     "sinks_gqa4_many_splits": (([6, 3], {4: [19, 8], 2: [23, 11]}), 2, 4, 64, 1, True, None, 5),
     "softcap_mha_Lq2": (([7, 4], {4: [13, 9], 3: [21, 6]}), 2, 1, 128, 2, False, 3.0, None),
     "sinks_softcap_gqa2_Lq2_one_segment": (([5, 9], {4: [17, 30]}), 1, 2, 64, 2, True, 2.0, 7),
+    "sinks_softcap_gqa8_Lq2_dot": (([6, 3], {4: [19, 8], 2: [23, 11]}), 1, 8, 64, 2, True, 5.0, 6),
 }
 
 
@@ -370,6 +397,21 @@ def test_split_attention_sinks_and_softcap(name):
     assert err <= 2 * err_low + floor, f"kernel error {err:.3g}, PyTorch error {err_low:.3g}, floor {floor:.3g}"
     plain = eager_attention(query.double(), store, scaling, torch.float64)
     assert (plain - truth).abs().max() > 1e-3  # the sinks / the cap really change the result
+
+
+@pytest.mark.parametrize("sinks,softcap", [(True, None), (False, 30.0), (True, 2.0)])
+def test_dispatch_sinks_and_softcap_triton_equals_reference(sinks, softcap):
+    """Through the dispatch (which passes sinks= / softcap= to this launcher) against the PyTorch reference."""
+    store = make_store([5, 9], {4: [17, 8], 2: [20, 11]}, 2, 64, 8, 32)
+    g = torch.Generator().manual_seed(6)
+    query = (torch.randn(2, 8, 1, 64, generator=g) * 3).to(DEV)
+    sink = (torch.randn(8, generator=g) + 2).to(DEV) if sinks else None
+    ref = split_precision_attention_torch(query, store, 0.125, sinks=sink, softcap=softcap)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback to the reference
+        out = dispatch.split_precision_attention(query, store, 0.125, "triton", sinks=sink, softcap=softcap)
+    assert not torch.equal(out, ref)  # computed by the kernel, not handed over from the reference
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
 def test_split_attention_rejects_bad_sinks_and_softcap():

@@ -30,22 +30,62 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def tiles(D: int, rows: int) -> tuple[int, int, int, int]:
-    """``(BQ, BT, num_warps, num_stages)`` of :func:`split_attn_kernel` for head dim ``D`` and ``rows = n_rep * L_q``
-    query rows per kv head: BQ query rows per program, BT tokens per step."""
-    BQ = min(triton.next_power_of_2(rows), 8)
-    BT = max(8, min(128, 8192 // (BQ * D)))
-    return BQ, BT, 4, 3
+def tiles(D: int, rows: int) -> tuple[int, int, int, int, bool]:
+    """``(BQ, BT, num_warps, num_stages, dot)`` of :func:`split_attn_kernel` for head dim ``D`` and ``rows = n_rep *
+    L_q`` query rows per kv head: BQ query rows per program, BT tokens per step, ``dot``: the products as ``tl.dot``.
+
+    Chosen from the ahead-of-time compile report (``python -m triton_ops.aot``; no spills, <= 128 registers per
+    thread in the model-shaped cases on sm_80 / sm_90): more than 8 rows go through ``tl.dot`` (fp32, ``ieee``) in
+    blocks of 16 rows and 16 tokens; fewer rows through a broadcast product of BQ x BT x D elements held at 16 per
+    thread (8 for blocks of 1 or 8 rows, whose layouts replicate more), with 8 warps for those and where 4 would
+    leave fewer than 4 tokens a step. One stage: Triton does not pipeline the loads that feed the broadcast
+    products, and two stages on the ``tl.dot`` path spilled (Qwen2.5-7B shape, sm_90: 255 registers, 640 B).
+    """
+    if rows > 8:
+        return 16, 16, 4 if D <= 128 else 8, 1, True
+    BQ = triton.next_power_of_2(rows)
+    warps = 8 if BQ * D >= 1024 or BQ in (1, 8) else 4
+    per_thread = 8 if BQ in (1, 8) else 16
+    return BQ, max(2, min(64, per_thread * 32 * warps // (BQ * D))), warps, 1, False
 
 
-def split_precision_attention(query: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+def split_precision_attention(
+    query: torch.Tensor,
+    full_keys: torch.Tensor,
+    full_values: torch.Tensor,
+    full_start: torch.Tensor,
+    segments: Sequence[tuple],
+    scaling: float,
+    *,
+    max_tokens: Sequence[int] | None = None,
+    min_full_start: int | None = None,
+    tokens_per_split: int | None = None,
+    full_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    scale_table: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """Triton version of ``hf_cocktail.decode.split_attention.split_precision_attention_torch`` (same semantics).
 
-    Arguments as :func:`plan_split_attention` (without ``num_sms``). Returns ``(B, H_q, L_q, D)`` in
+    Arguments as :func:`plan_split_attention` (which documents them). Returns ``(B, H_q, L_q, D)`` in
     ``query.dtype``.
     """
     check_device(query)
-    attn, merge, out = plan_split_attention(query, *args, **kwargs)
+    attn, merge, out = plan_split_attention(
+        query,
+        full_keys,
+        full_values,
+        full_start,
+        segments,
+        scaling,
+        max_tokens=max_tokens,
+        min_full_start=min_full_start,
+        tokens_per_split=tokens_per_split,
+        full_scales=full_scales,
+        scale_table=scale_table,
+        sinks=sinks,
+        softcap=softcap,
+    )
     attn.run(query.device)
     merge.run(query.device)
     return out
@@ -112,7 +152,7 @@ def plan_split_attention(
     if fk.stride(-1) != 1 or fv.stride() != fk.stride():
         fk, fv = fk.contiguous(), fv.contiguous()
     n_rep = H_q // H_kv
-    BQ, BT, warps, stages = tiles(D, n_rep * Lq)
+    BQ, BT, warps, stages, dot = tiles(D, n_rep * Lq)
     n_qb = triton.cdiv(n_rep * Lq, BQ)
     segs = list(segments) + [None] * (2 - len(segments))
     maxes = list(max_tokens) if max_tokens is not None else [None] * len(segments)
@@ -157,6 +197,7 @@ def plan_split_attention(
             P8_B=p8_b,
             F8=full_scales is not None,
             SOFTCAP=softcap is not None,
+            DOT=dot,
         ),
         warps,
         stages,

@@ -17,7 +17,7 @@ with a log-sum-exp reduction and writes the output in ``query.dtype``.
 import triton
 import triton.language as tl
 
-from .attention_tiles import _load_codes, _online_update, _params
+from .attention_tiles import _decode_params, _load_codes, _online_update, _per_channel
 
 
 @triton.jit
@@ -53,6 +53,7 @@ def _packed_split(
     G: tl.constexpr,
     P8: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    DOT: tl.constexpr,
 ):
     """Split ``j`` of sequence ``b`` in a packed segment: its tokens ``[tok_off[b] + j*TPS, ...)``. Key scales are
     per (chunk, channel), chunk = ``chunk_off[b] + (token - tok_off[b]) // C``; value scales per (token, group).
@@ -64,7 +65,7 @@ def _packed_split(
     VDP: tl.constexpr = D * VBITS // 8
     NG: tl.constexpr = D // G
     d = tl.arange(0, D)
-    grp = d // G
+    g = tl.arange(0, NG)
     t0 = tl.load(tok_ptr + b)
     c0 = tl.load(chk_ptr + b)
     lo = t0 + j * TPS
@@ -84,13 +85,12 @@ def _packed_split(
         t64 = t.to(tl.int64)
         m2 = tm[:, None]
         chunk = (c0 + (t - t0) // C).to(tl.int64)[:, None]
-        k_off = chunk * D + d[None, :]
-        v_off = t64[:, None] * NG + grp[None, :]
-        ks, kz = _params(ks_ptr, kz_ptr, k_off, kb_ptr, chunk, tab_ptr, m2, P8)
-        vs, vz = _params(vs_ptr, vz_ptr, v_off, vb_ptr, chunk, tab_ptr, m2, P8)
-        k = _load_codes(kc_ptr + t64[:, None] * DP, m2, d, D, BITS).to(tl.float32) * ks + kz
-        v = _load_codes(vc_ptr + t64[:, None] * VDP, m2, d, D, VBITS).to(tl.float32) * vs + vz
-        acc, m_i, l_i = _online_update(acc, m_i, l_i, q, k, v, rmask[:, None] & tm[None, :], cap, SOFTCAP)
+        ks, kz = _decode_params(ks_ptr, kz_ptr, chunk * D + d[None, :], kb_ptr, chunk, tab_ptr, m2, P8)
+        vs, vz = _decode_params(vs_ptr, vz_ptr, t64[:, None] * NG + g[None, :], vb_ptr, chunk, tab_ptr, m2, P8)
+        k = _load_codes(kc_ptr + t64[:, None] * DP, m2, D, BT, BITS).to(tl.float32) * ks + kz
+        v = _load_codes(vc_ptr + t64[:, None] * VDP, m2, D, BT, VBITS).to(tl.float32)
+        v = v * _per_channel(vs, BT, NG, G) + _per_channel(vz, BT, NG, G)
+        acc, m_i, l_i = _online_update(acc, m_i, l_i, q, k, v, rmask[:, None] & tm[None, :], cap, SOFTCAP, DOT)
     return acc, m_i, l_i
 
 
@@ -166,6 +166,7 @@ def split_attn_kernel(
     P8_B: tl.constexpr,
     F8: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    DOT: tl.constexpr,
 ):
     """Grid ``(B * H_kv * n_qb, S_total)``: partial attention of one block of query rows over one token split.
     ``SEGS`` packed segments (0, 1 or 2): an absent segment's branch is not compiled (its arguments are unused
@@ -201,7 +202,7 @@ def split_attn_kernel(
                 k = k * tl.load(fks_ptr + s_off, mask=tm[:, None], other=0.0).to(tl.float32)
                 v = v * tl.load(fvs_ptr + s_off, mask=tm[:, None], other=0.0).to(tl.float32)
             valid = rmask[:, None] & tm[None, :] & (t[None, :] <= (R - L_q + i)[:, None])
-            acc, m_i, l_i = _online_update(acc, m_i, l_i, q, k, v, valid, cap, SOFTCAP)
+            acc, m_i, l_i = _online_update(acc, m_i, l_i, q, k, v, valid, cap, SOFTCAP, DOT)
     elif SEGS >= 1:  # compile-time: no code for an absent segment
         if sp < S_full + S_a:
             acc, m_i, l_i = _packed_split(
@@ -236,6 +237,7 @@ def split_attn_kernel(
                 G_A,
                 P8_A,
                 SOFTCAP,
+                DOT,
             )
         elif SEGS == 2:
             acc, m_i, l_i = _packed_split(
@@ -270,6 +272,7 @@ def split_attn_kernel(
                 G_B,
                 P8_B,
                 SOFTCAP,
+                DOT,
             )
     r = (pid.to(tl.int64) * S_total + sp) * BQ + tl.arange(0, BQ)
     tl.store(pm_ptr + r, m_i)

@@ -30,50 +30,66 @@ def _tanh(x):
 
 
 @triton.jit
-def _scores(q, k, valid, cap, SOFTCAP: tl.constexpr):
+def _scores(q, k, valid, cap, SOFTCAP: tl.constexpr, DOT: tl.constexpr):
     """Base-2 scores ``(BQ, BT)`` of ``q (BQ, D)`` against ``k (BT, D)``, ``-inf`` where not ``valid``. ``q`` is
     pre-scaled by ``scaling * log2(e)``, or with ``SOFTCAP`` by ``scaling`` alone: then ``cap * tanh(s / cap)``,
-    times ``log2(e)``."""
-    s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+    times ``log2(e)``. ``DOT``: one ``tl.dot`` in fp32 (``ieee``: FMA, no TF32), else a broadcast product."""
+    if DOT:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
     if SOFTCAP:
         s = cap * _tanh(s / cap) * 1.4426950408889634
     return tl.where(valid, s, float("-inf"))
 
 
 @triton.jit
-def _online_update(acc, m_i, l_i, q, k, v, valid, cap, SOFTCAP: tl.constexpr):
+def _online_update(acc, m_i, l_i, q, k, v, valid, cap, SOFTCAP: tl.constexpr, DOT: tl.constexpr):
     """One block of the online softmax: ``q (BQ, D)`` (see :func:`_scores`), ``k, v (BT, D)`` fp32, ``valid (BQ,
     BT)``. ``m_i``, ``l_i`` are the running max and sum in base 2, ``acc (BQ, D)`` the output sum."""
-    s = _scores(q, k, valid, cap, SOFTCAP)
+    s = _scores(q, k, valid, cap, SOFTCAP, DOT)
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked rows: keep exp2 away from inf - inf
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    if DOT:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
     return acc, m_new, l_i
 
 
 @triton.jit
-def _load_codes(row_ptr, m2, d, D: tl.constexpr, BITS: tl.constexpr):
-    """int32 codes ``(BT, D)`` of the tokens whose packed bytes start at ``row_ptr (BT, 1)`` (rows where ``m2``):
-    channel d in byte d // per at bit (d % per) * BITS; INT3 as a 2-bit plane (INT2's layout, ``D // 4`` bytes)
-    then a 1-bit plane (channel d in byte D // 4 + d // 8 at bit d % 8)."""
+def _unpack(packed, BT: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr):
+    """Bytes ``(BT, NB)`` -> int32 codes ``(BT, NB * 8 // BITS)``: channel ``p * per + j`` at bits ``j * BITS`` of
+    byte ``p`` (``per = 8 // BITS``)."""
+    PER: tl.constexpr = 8 // BITS
+    shifts = tl.arange(0, PER) * BITS
+    q = (packed.to(tl.int32)[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+    return tl.reshape(q, [BT, NB * PER])
+
+
+@triton.jit
+def _load_codes(row_ptr, m2, D: tl.constexpr, BT: tl.constexpr, BITS: tl.constexpr):
+    """int32 codes ``(BT, D)`` of the tokens whose packed bytes start at ``row_ptr (BT, 1)`` (rows where ``m2``),
+    read as whole contiguous rows of bytes (vector loads) and unpacked in registers: channel d in byte d // per at
+    bit (d % per) * BITS; INT3 as a 2-bit plane (INT2's layout, ``D // 4`` bytes) then a 1-bit plane (channel d in
+    byte D // 4 + d // 8 at bit d % 8)."""
     if BITS == 3:
-        lo = tl.load(row_ptr + (d // 4)[None, :], mask=m2, other=0).to(tl.int32)
-        hi = tl.load(row_ptr + (D // 4 + d // 8)[None, :], mask=m2, other=0).to(tl.int32)
-        q = ((lo >> ((d % 4) * 2)[None, :]) & 3) | (((hi >> (d % 8)[None, :]) & 1) << 2)
+        lo = tl.load(row_ptr + tl.arange(0, D // 4)[None, :], mask=m2, other=0)
+        hi = tl.load(row_ptr + (D // 4 + tl.arange(0, D // 8))[None, :], mask=m2, other=0)
+        q = _unpack(lo, BT, D // 4, 2) | (_unpack(hi, BT, D // 8, 1) << 2)
     else:
-        PER: tl.constexpr = 8 // BITS
-        packed = tl.load(row_ptr + (d // PER)[None, :], mask=m2, other=0).to(tl.int32)
-        q = (packed >> ((d % PER) * BITS)[None, :]) & ((1 << BITS) - 1)
+        packed = tl.load(row_ptr + tl.arange(0, D * BITS // 8)[None, :], mask=m2, other=0)
+        q = _unpack(packed, BT, D * BITS // 8, BITS)
     return q
 
 
 @triton.jit
-def _params(s_ptr, z_ptr, off, blk_ptr, chunk, tab_ptr, m2, P8: tl.constexpr):
+def _decode_params(s_ptr, z_ptr, off, blk_ptr, chunk, tab_ptr, m2, P8: tl.constexpr):
     """fp32 scales and zeros at ``off`` (masked by ``m2``): numbers, or with ``P8`` uint8 codes decoded with the
-    block of ``chunk`` (``(BT, 1)``): ``s_max * tab_ptr[sc]`` and ``z_lo + zc * z_step``."""
+    block of ``chunk`` (broadcastable to ``off``): ``s_max * tab_ptr[sc]`` and ``z_lo + zc * z_step``."""
     if P8:
         sc = tl.load(s_ptr + off, mask=m2, other=0).to(tl.int32)
         zc = tl.load(z_ptr + off, mask=m2, other=0).to(tl.float32)
@@ -86,3 +102,9 @@ def _params(s_ptr, z_ptr, off, blk_ptr, chunk, tab_ptr, m2, P8: tl.constexpr):
         scale = tl.load(s_ptr + off, mask=m2, other=0.0).to(tl.float32)
         zero = tl.load(z_ptr + off, mask=m2, other=0.0).to(tl.float32)
     return scale, zero
+
+
+@triton.jit
+def _per_channel(x, BT: tl.constexpr, NG: tl.constexpr, G: tl.constexpr):
+    """``(BT, NG)`` per value group -> ``(BT, NG * G)`` per channel (channel c in group c // G)."""
+    return tl.reshape(tl.broadcast_to(x[:, :, None], [BT, NG, G]), [BT, NG * G])

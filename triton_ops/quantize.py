@@ -12,13 +12,12 @@ zeros rounded to the storage dtype to nearest even before they are used, as ``te
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
 from .checks import check_bits, check_device, check_finite, check_head_dim
+from .launch import Launch
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 _TILE = 4096  # elements of one (tokens x channels) tile held in registers
@@ -179,7 +178,6 @@ def _check_input(x: torch.Tensor, what: str, bits: int, scale_dtype) -> torch.dt
     scale_dtype = scale_dtype or x.dtype
     if scale_dtype not in _TL_DTYPES:
         raise ValueError(f"scale_dtype must be one of {list(_TL_DTYPES)}, got {scale_dtype}")
-    check_device(x)
     return scale_dtype
 
 
@@ -192,10 +190,6 @@ def _check_params(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, scal
         )
 
 
-def _device_ctx(x: torch.Tensor):
-    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
-
-
 def quantize_pack_keys(k: torch.Tensor, bits: int, chunk_size: int, scale_dtype: torch.dtype | None = None):
     """Triton version of :func:`hf_cocktail.storage.quant.quantize_pack_keys` (same arguments, bit-identical results).
 
@@ -205,6 +199,18 @@ def quantize_pack_keys(k: torch.Tensor, bits: int, chunk_size: int, scale_dtype:
     Returns:
         ``codes uint8 (H_kv, N, D*bits//8)``, ``scale (H_kv, M, D)``, ``zero (H_kv, M, D)`` with ``M = ceil(N/C)``.
     """
+    check_device(k)
+    launch, codes, scale, zero = plan_quantize_keys(k, bits, chunk_size, scale_dtype)
+    if launch is not None:
+        check_finite(k, "keys")
+        launch.run(k.device)
+        _check_params(k, scale, zero, scale.dtype)
+    return codes, scale, zero
+
+
+def plan_quantize_keys(k: torch.Tensor, bits: int, chunk_size: int, scale_dtype: torch.dtype | None = None):
+    """``(launch, codes, scale, zero)`` of :func:`quantize_pack_keys` (its arguments checked, its outputs
+    allocated); ``launch`` is None for zero tokens. Run by the launcher, compiled by :mod:`triton_ops.aot`."""
     scale_dtype = _check_input(k, "keys", bits, scale_dtype)
     H, N, D = k.shape
     check_head_dim(D, bits)
@@ -215,32 +221,19 @@ def quantize_pack_keys(k: torch.Tensor, bits: int, chunk_size: int, scale_dtype:
     scale = torch.empty((H, M, D), dtype=scale_dtype, device=k.device)
     zero = torch.empty_like(scale)
     if N == 0:
-        return codes, scale, zero
-    check_finite(k, "keys")
+        return None, codes, scale, zero
     if k.stride(2) != 1:
         k = k.contiguous()
     block_d = triton.next_power_of_2(D)
     block_t = min(triton.next_power_of_2(chunk_size), max(1, _TILE // block_d))
-    with _device_ctx(k):
-        _quant_keys_kernel[(H, M)](
-            k,
-            codes,
-            scale,
-            zero,
-            N,
-            chunk_size,
-            k.stride(0),
-            k.stride(1),
-            M,
-            D=D,
-            BLOCK_D=block_d,
-            BLOCK_T=block_t,
-            BITS=bits,
-            SD=_TL_DTYPES[scale_dtype],
-            enable_fp_fusion=False,
-        )
-    _check_params(k, scale, zero, scale_dtype)
-    return codes, scale, zero
+    launch = Launch(
+        _quant_keys_kernel,
+        (H, M),
+        (k, codes, scale, zero, N, chunk_size, k.stride(0), k.stride(1), M),
+        dict(D=D, BLOCK_D=block_d, BLOCK_T=block_t, BITS=bits, SD=_TL_DTYPES[scale_dtype]),
+        options=dict(enable_fp_fusion=False),
+    )
+    return launch, codes, scale, zero
 
 
 def quantize_pack_values(v: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype | None = None):
@@ -252,6 +245,17 @@ def quantize_pack_values(v: torch.Tensor, bits: int, group_size: int, scale_dtyp
     Returns:
         ``codes uint8 (H_kv, N, D*bits//8)``, ``scale (H_kv, N, D//G)``, ``zero (H_kv, N, D//G)``.
     """
+    check_device(v)
+    launch, codes, scale, zero = plan_quantize_values(v, bits, group_size, scale_dtype)
+    if launch is not None:
+        check_finite(v, "values")
+        launch.run(v.device)
+        _check_params(v, scale, zero, scale.dtype)
+    return codes, scale, zero
+
+
+def plan_quantize_values(v: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype | None = None):
+    """``(launch, codes, scale, zero)`` of :func:`quantize_pack_values`; ``launch`` is None for zero tokens."""
     scale_dtype = _check_input(v, "values", bits, scale_dtype)
     H, N, D = v.shape
     if not isinstance(group_size, int) or group_size < 1:
@@ -264,28 +268,16 @@ def quantize_pack_values(v: torch.Tensor, bits: int, group_size: int, scale_dtyp
     scale = torch.empty((H, N, NG), dtype=scale_dtype, device=v.device)
     zero = torch.empty_like(scale)
     if N == 0:
-        return codes, scale, zero
-    check_finite(v, "values")
+        return None, codes, scale, zero
     if v.stride(2) != 1:
         v = v.contiguous()
     ng_p = triton.next_power_of_2(NG)
     block_n = max(1, _TILE // (ng_p * group_size))
-    with _device_ctx(v):
-        _quant_values_kernel[(H, triton.cdiv(N, block_n))](
-            v,
-            codes,
-            scale,
-            zero,
-            N,
-            v.stride(0),
-            v.stride(1),
-            D=D,
-            G=group_size,
-            NG_P=ng_p,
-            BLOCK_N=block_n,
-            BITS=bits,
-            SD=_TL_DTYPES[scale_dtype],
-            enable_fp_fusion=False,
-        )
-    _check_params(v, scale, zero, scale_dtype)
-    return codes, scale, zero
+    launch = Launch(
+        _quant_values_kernel,
+        (H, triton.cdiv(N, block_n)),
+        (v, codes, scale, zero, N, v.stride(0), v.stride(1)),
+        dict(D=D, G=group_size, NG_P=ng_p, BLOCK_N=block_n, BITS=bits, SD=_TL_DTYPES[scale_dtype]),
+        options=dict(enable_fp_fusion=False),
+    )
+    return launch, codes, scale, zero

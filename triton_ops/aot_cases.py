@@ -1,0 +1,170 @@
+"""The launch specializations of the ahead-of-time compile report (:mod:`triton_ops.aot`): model-shaped decode
+cases (the ones that must stay within the register budget), a coverage sweep of what the dispatch can reach (head
+dims, code widths and key / value pairs, 8-bit parameters, 8-bit full part, 0 / 1 / 2 packed segments, L_q 1..8,
+GQA 1..8, fp16 / bf16 / fp32 queries, sinks, soft-capping) and the quantize kernels.
+
+A case builds small CPU stand-in tensors of the right dtypes and layouts (never launched) and asks the launchers'
+own planning functions (:func:`triton_ops.attention.plan_split_attention`,
+:func:`triton_ops.quantize.plan_quantize_keys`, ...) for their :class:`~triton_ops.launch.Launch` objects, so
+the constexprs, tiles, warps and stages are exactly those of a real launch.
+
+Shapes: B batch, H_kv key/value heads, n_rep query heads per kv head, L_q query tokens, D head dim, R full-part
+length, N tokens of a segment, M its chunks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .attention import plan_split_attention
+from .quantize import plan_quantize_keys, plan_quantize_values
+
+CHUNK, GROUP = 32, 32  # CocktailConfig's chunk_size and group_size defaults
+NUM_SMS = 132  # H100 SXM / H200: tokens_per_split as on those GPUs
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One attention launch: a model's heads and a stored format. ``segs``: per packed segment ``(key_bits,
+    value_bits)`` (0, 1 or 2 of them); ``p8``: 8-bit scales and zeros; ``f8``: the 8-bit full part."""
+
+    name: str
+    D: int
+    H_kv: int
+    n_rep: int
+    segs: tuple[tuple[int, int], ...] = ((4, 4), (2, 2))
+    L_q: int = 1
+    dtype: torch.dtype = torch.bfloat16
+    p8: bool = False
+    f8: bool = False
+    sinks: bool = False
+    softcap: float | None = None
+    B: int = 4
+    model_shaped: bool = False
+
+    def setting(self) -> str:
+        segs = "+".join(f"k{k}v{v}" if k != v else f"int{k}" for k, v in self.segs) or "full part only"
+        extra = [f for f, on in (("p8", self.p8), ("f8", self.f8), ("sinks", self.sinks)) if on]
+        extra += [f"softcap{self.softcap:g}"] if self.softcap else []
+        return " ".join([segs, *extra, str(self.dtype).removeprefix("torch."), f"Lq{self.L_q}"])
+
+    def launches(self) -> dict:
+        """``{"split_attn_kernel": Launch, "merge_kernel": Launch}`` of this case."""
+        B, H_kv, D, R = self.B, self.H_kv, self.D, 77
+        q = torch.empty(B, H_kv * self.n_rep, self.L_q, D, dtype=self.dtype)
+        fdtype = torch.int8 if self.f8 else self.dtype
+        fk, fv = torch.empty(B, H_kv, R, D, dtype=fdtype), torch.empty(B, H_kv, R, D, dtype=fdtype)
+        kw: dict = dict(max_tokens=[1000] * len(self.segs), min_full_start=3, num_sms=NUM_SMS)
+        if self.f8:
+            kw["full_scales"] = (torch.empty(B, H_kv, R, 1, dtype=torch.float16),) * 2
+        if self.p8:
+            kw["scale_table"] = torch.empty(256, dtype=torch.float32)
+        if self.sinks:
+            kw["sinks"] = torch.empty(H_kv * self.n_rep, dtype=torch.float32)
+        kw["softcap"] = self.softcap
+        start = torch.zeros(B, dtype=torch.int32)
+        segments = [_segment(bits, B, H_kv, D, self.p8, n) for bits, n in zip(self.segs, (2013, 2999))]
+        attn, merge, _ = plan_split_attention(q, fk, fv, start, segments, D**-0.5, **kw)
+        return {"split_attn_kernel": attn, "merge_kernel": merge}
+
+
+def _segment(bits: tuple[int, int], B: int, H_kv: int, D: int, p8: bool, N: int) -> tuple:
+    """A packed segment's kernel tuple (``PackedSegment.coded_kernel_args``'s layout) of ``N`` tokens."""
+    M = -(-N // CHUNK) + B
+    kb, vb = bits
+    pdt = torch.uint8 if p8 else torch.float16
+    k_params = [torch.empty(H_kv, M, D, dtype=pdt) for _ in range(2)]
+    v_params = [torch.empty(H_kv, N, D // GROUP, dtype=pdt) for _ in range(2)]
+    offsets = [torch.zeros(B + 1, dtype=torch.int32) for _ in range(2)]
+    k_codes = torch.empty(H_kv, N, D * kb // 8, dtype=torch.uint8)
+    v_codes = torch.empty(H_kv, N, D * vb // 8, dtype=torch.uint8)
+    seg = (bits if kb != vb else kb, CHUNK, GROUP, k_codes, *k_params, v_codes, *v_params, *offsets)
+    return seg + ((torch.empty(H_kv, M, 3), torch.empty(H_kv, M, 3)) if p8 else ())
+
+
+# (name, D, H_kv, n_rep): Llama-3-8B, Qwen2.5-7B, SmolLM2-135M, Gemma 3 270M (one KV head), Gemma 3 4B, a D128 MHA
+MODELS = (
+    ("llama3-8b", 128, 8, 4),
+    ("qwen2.5-7b", 128, 4, 7),
+    ("smollm2-135m", 64, 3, 3),
+    ("gemma3-270m", 256, 1, 4),
+    ("gemma3-4b", 256, 4, 2),
+    ("mha-d128", 128, 32, 1),
+)
+# the stored formats of the presets and the settings the dispatch reaches: (segs, p8, f8)
+SETTINGS = (
+    (((4, 4), (2, 2)), False, False),
+    (((4, 4), (3, 3)), False, False),
+    (((4, 2), (2, 2)), False, False),
+    (((4, 4), (2, 2)), True, True),
+    (((4, 4), (3, 3)), True, False),
+    (((4, 4), (2, 2)), False, True),
+)
+
+
+def model_cases() -> list[Case]:
+    """Model-shaped decode: every model x every setting in bf16 at L_q 1, fp16 once, L_q 4 once (speculative
+    decoding), 0 and 1 segments once; gpt-oss-20b's sinks (D 64, 8 KV heads, GQA 8) and Gemma 2 9B's soft-capping
+    (D 256, 8 KV heads, GQA 2, cap 50)."""
+    out = []
+    for name, D, H_kv, n_rep in MODELS:
+        base = dict(D=D, H_kv=H_kv, n_rep=n_rep, model_shaped=True)
+        for segs, p8, f8 in SETTINGS:
+            out.append(Case(name, segs=segs, p8=p8, f8=f8, **base))
+        out.append(Case(name, dtype=torch.float16, p8=True, f8=True, **base))
+        out.append(Case(name, L_q=4, **base))
+        out.append(Case(name, segs=(), **base))
+        out.append(Case(name, segs=((4, 4),), p8=True, f8=True, **base))
+    for p8 in (False, True):
+        out.append(Case("gpt-oss-20b", 64, 8, 8, sinks=True, p8=p8, f8=p8, model_shaped=True))
+        out.append(Case("gemma2-9b", 256, 8, 2, softcap=50.0, p8=p8, f8=p8, model_shaped=True))
+    return out
+
+
+def ci_cases() -> list[Case]:
+    """The CI's representative model-shaped set (:mod:`tests.test_triton_aot`, about 2 minutes on 2 cores): per
+    model INT4+INT2 plain and with both 8-bit formats, L_q 4, no packed segment, one; sinks and soft-capping once."""
+    out = []
+    for name, D, H_kv, n_rep in MODELS:
+        base = dict(D=D, H_kv=H_kv, n_rep=n_rep, model_shaped=True)
+        out += [Case(name, **base), Case(name, p8=True, f8=True, **base), Case(name, L_q=4, **base)]
+        out += [Case(name, segs=(), **base), Case(name, segs=((4, 4),), p8=True, f8=True, **base)]
+    out.append(Case("gpt-oss-20b", 64, 8, 8, sinks=True, model_shaped=True))
+    out.append(Case("gemma2-9b", 256, 8, 2, softcap=50.0, model_shaped=True))
+    return out
+
+
+def sweep_cases() -> list[Case]:
+    """What else the dispatch can launch: every head dim with every segment layout (plain and 8-bit formats),
+    GQA 1..8 and L_q 1..8 at D 128, fp16 / fp32 queries at every head dim, sinks with soft-capping together."""
+    layouts = ((), ((4, 4),), ((3, 3),), ((2, 2),), ((4, 4), (2, 2)), ((4, 4), (3, 3)), ((4, 2), (3, 2)))
+    out = []
+    for D in (64, 128, 256):
+        for segs in layouts:
+            for fmt in (False, True):
+                out.append(Case(f"sweep-d{D}", D, 2, 4, segs=segs, p8=fmt and bool(segs), f8=fmt))
+        for dtype in (torch.float16, torch.float32):
+            out.append(Case(f"sweep-d{D}", D, 2, 4, dtype=dtype))
+        out.append(Case(f"sweep-d{D}", D, 2, 4, sinks=True, softcap=30.0, L_q=2))
+    for n_rep in range(1, 9):
+        out.append(Case("sweep-gqa", 128, 2, n_rep))
+    for L_q in range(2, 9):
+        out.append(Case("sweep-lq", 128, 2, 1, L_q=L_q))
+        out.append(Case("sweep-lq-gqa4", 128, 2, 4, L_q=L_q))
+    return out
+
+
+def quantize_launches() -> list[tuple[str, str, object]]:
+    """``(kernel, setting, Launch)`` of the quantize kernels: every head dim and code width from bf16, fp16 and
+    fp32 states with their scale dtypes (prefill on 1000 tokens of 8 heads)."""
+    out = []
+    for D in (64, 128, 256):
+        for bits in (2, 3, 4):
+            for dtype, sd in ((torch.bfloat16, torch.float16), (torch.float16, torch.float16), (torch.float32, None)):
+                x = torch.empty(8, 1000, D, dtype=dtype)
+                tag = f"D{D} int{bits} {str(dtype).removeprefix('torch.')} scales {str(sd or dtype)[6:]}"
+                out.append(("_quant_keys_kernel", tag, plan_quantize_keys(x, bits, CHUNK, sd)[0]))
+                out.append(("_quant_values_kernel", tag, plan_quantize_values(x, bits, GROUP, sd)[0]))
+    return out
