@@ -14,6 +14,7 @@ import transformers
 from transformers import DynamicCache
 
 from hf_cocktail import CocktailCache, CocktailConfig
+from hf_cocktail.cache import layout
 from hf_cocktail.cache.layer import CocktailLayer
 from hf_cocktail.integration.compat import cache_kwargs
 
@@ -50,8 +51,8 @@ ARCHS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}, ("cocktail", "sdpa")),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}, ("cocktail", "sdpa")),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}, ("cocktail", "sdpa")),
-    # Gemma 2 soft-caps its attention logits: refused under "cocktail" (documented), supported under "eager"
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "sliding_window": W}, ("eager",)),
+    # Gemma 2 soft-caps its attention logits: the split-precision kernels soft-cap too (eager prefill)
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "sliding_window": W}, ("cocktail", "eager")),
     "gemma3": (
         "Gemma3TextConfig",
         "Gemma3ForCausalLM",
@@ -68,6 +69,34 @@ ARCHS = {
         "Qwen2Config",
         "Qwen2ForCausalLM",  # gpt-oss-style alternating sliding / full layers
         {"use_sliding_window": True, "sliding_window": W, "layer_types": ALT},
+        ("cocktail", "sdpa"),
+    ),
+    # attention sinks (s_aux) on its full layers, sliding layers beside them
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {"head_dim": 16, "sliding_window": W, "layer_types": ALT, "num_local_experts": 2, "num_experts_per_tok": 1},
+        ("cocktail", "eager"),
+    ),
+    "granite_swa": (
+        "GraniteSWAConfig",
+        "GraniteSWAForCausalLM",
+        {"sliding_window": W, "layer_types": ALT},
+        ("cocktail", "eager"),
+    ),
+    "vaultgemma": (  # soft-capped logits, as Gemma 2
+        "VaultGemmaConfig",
+        "VaultGemmaForCausalLM",
+        {"head_dim": 16, "sliding_window": W, "layer_types": ALT},
+        ("cocktail", "eager"),
+    ),
+    # EXAONE 4 sets module.sliding_window on every layer and passes sliding_window=None to its full-attention ones
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", {"sliding_window": W, "layer_types": ALT}, ("cocktail", "sdpa")),
+    # attention beside Mamba in every layer: Cocktail layers that also hold the Mamba states
+    "falcon_h1": (
+        "FalconH1Config",
+        "FalconH1ForCausalLM",
+        {"head_dim": 16, "mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16},
         ("cocktail", "sdpa"),
     ),
     "lfm2_hybrid": (
@@ -116,8 +145,8 @@ def test_uniform16_equals_the_models_default_cache(tiny_tokenizer, name, attn):
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
     default = DynamicCache(config=model.config)
     assert [type(layer) for layer in cache.layers if not isinstance(layer, CocktailLayer)] == [
-        type(layer) for layer in default.layers if type(layer) is not transformers.cache_utils.DynamicLayer
-    ]  # sliding / hybrid layers are the model's own
+        type(layer) for layer in default.layers if not layout.quantizes(layer)
+    ]  # sliding / linear-attention / convolution layers are the model's own
 
 
 ALL_SLIDING = ("mistral_window", "starcoder2")  # every layer sliding: nothing for Cocktail to quantize
@@ -129,13 +158,14 @@ ALL_SLIDING = ("mistral_window", "starcoder2")  # every layer sliding: nothing f
 def test_paper_settings_under_cocktail_equal_the_dequantized_reference(tiny_tokenizer, name):
     prompt, ctx, q = make_prompt(90, needle_at=45)
     outs = {}
-    for attn in ("cocktail", "sdpa"):
+    reference = ARCHS[name][3][1]  # "sdpa", or "eager" for soft-capped logits and attention sinks
+    for attn in ("cocktail", reference):
         cache = CocktailCache(CocktailConfig(chunk_size=8, group_size=16, alpha=0.3, beta=0.3), encoder=FakeEncoder())
         outs[attn] = generate(make_model(name, attn), tiny_tokenizer, cache, prompt, ctx, q)
         assert {16, 4, 2} == set(cache.precision_map()[0])
         assert any(isinstance(layer, CocktailLayer) and layer.store.segments[1].num_tokens for layer in cache.layers)
-    assert torch.equal(outs["cocktail"][0], outs["sdpa"][0])
-    torch.testing.assert_close(outs["cocktail"][1], outs["sdpa"][1], rtol=1e-4, atol=1e-4)
+    assert torch.equal(outs["cocktail"][0], outs[reference][0])
+    torch.testing.assert_close(outs["cocktail"][1], outs[reference][1], rtol=1e-4, atol=1e-4)
 
 
 def test_sliding_layers_keep_only_their_window_and_the_report_compares_with_the_default_cache(tiny_tokenizer):
@@ -166,13 +196,6 @@ def test_all_sliding_models_keep_the_default_cache_and_say_so(tiny_tokenizer, na
         generate(make_model(name, "cocktail"), tiny_tokenizer, cache, prompt, ctx, q)
     assert not any(isinstance(layer, CocktailLayer) for layer in cache.layers)
     assert "no full-attention layer" in caplog.text
-
-
-def test_gemma2_softcap_is_refused_under_cocktail_naming_the_alternative(tiny_tokenizer):
-    prompt, ctx, q = make_prompt(40)
-    cache = CocktailCache(CocktailConfig(chunk_size=8, group_size=16, uniform_bits=2), encoder=FakeEncoder())
-    with pytest.raises(ValueError, match="softcap.*eager"):
-        generate(make_model("gemma2", "cocktail"), tiny_tokenizer, cache, prompt, ctx, q)
 
 
 def test_a_shared_prefill_of_a_sliding_model_branches_into_a_cocktail_cache(tiny_tokenizer):
