@@ -165,7 +165,7 @@ def results_md(root: str = ROOT) -> str:
         "computed over the quantized cache (`tail`); kv_ratio: KV bytes over the model's own FP16 `DynamicCache`",
         "(tensors at 2 bytes per element); intervals: 95% bootstrap over the examples. RULER-style accuracy:",
         "RULER's `string_match_all` x 100; its paired rows: the method minus FP16 in points on the same cases. Speed:",
-        "ratios against `DynamicCache` measured in the same run. Everything here ran on a 2-core CPU, none on a GPU.",
+        "ratios against `DynamicCache` in the same run. A section that names no GPU ran on a shared 2-core CPU.",
         "",
     ]
     for q in QUESTIONS:
