@@ -131,3 +131,30 @@ def test_reference_and_dispatch_equal_eager_over_the_dequantized_store(rotation,
         assert (out.double() - truth).abs().max().item() <= 2 * err_low + 1e-6 + low
     plain = split_precision_attention_torch(query, store, 0.3)
     assert (plain - ref).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("mask", ["none", "bool", "float"])
+def test_exact_prefill_attention_in_query_blocks_equals_eager(monkeypatch, mask):
+    """The prefill path of soft-capped / sink models (``exact_attention_forward``) computed in blocks of query rows
+    gives transformers' eager attention (fp64 here) for a causal mask given as None, boolean or additive."""
+    from hf_cocktail.integration import attention
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (
+        torch.randn(2, 6, 5, 16, generator=g),
+        torch.randn(2, 2, 9, 16, generator=g),
+        torch.randn(2, 2, 9, 16, generator=g),
+    )
+    visible = torch.arange(9)[None, :] <= torch.arange(5)[:, None] + 4  # causal, the last 5 keys the queries' own
+    m = {
+        "none": None,
+        "bool": visible[None, None].expand(2, 1, 5, 9),
+        "float": torch.zeros(2, 1, 5, 9).masked_fill(~visible, -1e30),
+    }[mask]
+    sinks, module = torch.linspace(-1.0, 1.0, 6), torch.nn.Module().eval()
+    whole, _ = attention.exact_attention_forward(module, q, k, v, m, 0.4, softcap=SOFTCAP, s_aux=sinks)
+    monkeypatch.setattr(attention, "SCORES_PER_BLOCK", 2 * 6 * 9 * 2)  # blocks of 2 query rows
+    blocked, _ = attention.exact_attention_forward(module, q, k, v, m, 0.4, softcap=SOFTCAP, s_aux=sinks)
+    truth = torch.stack([eager(q[b] * 1.0, k[b], v[b], 9, 0.4, sinks=sinks, softcap=SOFTCAP) for b in range(2)])
+    torch.testing.assert_close(blocked, whole, rtol=1e-5, atol=1e-6)  # matmuls of other shapes: rounding only
+    torch.testing.assert_close(whole.transpose(1, 2).double(), truth, rtol=1e-5, atol=1e-6)

@@ -72,6 +72,9 @@ def _refuse_transformed_values(module: torch.nn.Module, layer: CocktailLayer, va
     )
 
 
+SCORES_PER_BLOCK = 1 << 24  # exact attention computes at most this many scores at once (64 MiB in fp32)
+
+
 def exact_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -84,18 +87,34 @@ def exact_attention_forward(
     s_aux: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, None]:
     """transformers' eager attention with logit soft-capping (Gemma 2) and attention sinks (gpt-oss), for the calls
-    that do not read a packed store (prefill, the model's own sliding layers): SDPA refuses both.
+    that do not read a packed store (prefill, the model's own sliding layers): SDPA refuses both. Computed in blocks
+    of query rows (at most :data:`SCORES_PER_BLOCK` scores at once: a long prefill never holds ``L_q x T`` scores).
 
     ``query (B, H_q, L_q, D)``, ``key``/``value`` ``(B, H_kv, T, D)``; ``attention_mask``: sdpa_mask's boolean
     ``(B, 1, L_q, T)`` (True: visible), a float mask to add, or None for causal attention (the last ``L_q`` keys
     are the queries' own). ``s_aux`` ``(H_q,)``: one more logit per head in the softmax, with no value. Returns
     ``((B, L_q, H_q, D), None)``."""
-    n_rep = query.shape[1] // key.shape[1]
+    B, H_q, Lq, _ = query.shape
+    n_rep = H_q // key.shape[1]
     key, value = key.repeat_interleave(n_rep, dim=1), value.repeat_interleave(n_rep, dim=1)
+    rows = max(1, SCORES_PER_BLOCK // max(1, B * H_q * key.shape[2]))
+    outs = []
+    for a in range(0, Lq, rows):
+        mask = attention_mask
+        if mask is not None and mask.shape[-2] != 1:
+            mask = mask[..., a : a + rows, :]
+        outs.append(
+            _exact_block(module, query[:, :, a : a + rows], key, value, mask, a, Lq, scaling, dropout, softcap, s_aux)
+        )
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).transpose(1, 2).contiguous(), None
+
+
+def _exact_block(module, query, key, value, mask, first, Lq, scaling, dropout, softcap, s_aux) -> torch.Tensor:
+    """Query rows ``[first, first + rows)`` of :func:`exact_attention_forward`: ``(B, H_q, rows, D)``."""
     weights = torch.matmul(query, key.transpose(2, 3)) * scaling
     if softcap is not None:
         weights = torch.tanh(weights / softcap) * softcap
-    weights = _masked(weights, attention_mask)
+    weights = _masked(weights, mask, first, Lq)
     if s_aux is None:
         probs = torch.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
     else:
@@ -104,14 +123,15 @@ def exact_attention_forward(
         combined = combined - combined.max(dim=-1, keepdim=True).values
         probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
     probs = torch.nn.functional.dropout(probs, p=dropout, training=module.training).to(value.dtype)
-    return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
+    return torch.matmul(probs, value)
 
 
-def _masked(weights: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """``weights (B, H_q, L_q, T)`` with ``mask`` applied (see :func:`exact_attention_forward`)."""
+def _masked(weights: torch.Tensor, mask: torch.Tensor | None, first: int, Lq: int) -> torch.Tensor:
+    """``weights (B, H_q, rows, T)`` of query rows ``first ...`` with ``mask`` applied (see
+    :func:`exact_attention_forward`)."""
     if mask is None:
-        Lq, T = weights.shape[-2:]
-        i = torch.arange(Lq, device=weights.device)[:, None]
+        rows, T = weights.shape[-2:]
+        i = torch.arange(first, first + rows, device=weights.device)[:, None]
         hidden = torch.arange(T, device=weights.device)[None, :] > T - Lq + i
         return weights.masked_fill(hidden, torch.finfo(weights.dtype).min)
     if mask.dtype == torch.bool:
