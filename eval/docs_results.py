@@ -67,21 +67,37 @@ def _blocks(text: str) -> list[tuple[str, list[str]]]:
     return blocks
 
 
-def _rows_of(lines: list[str], methods: tuple[str, ...]) -> list[str]:
-    """``lines`` with each markdown table cut to the rows of ``methods`` (by its ``id`` column, else ``method``);
-    tables without either column, and all rows when ``methods`` is empty, are kept."""
+def _without_first_paragraph(lines: list[str]) -> list[str]:
+    """``lines`` without their first paragraph (up to the first blank line after text), unless it is a table."""
+    start = next((i for i, line in enumerate(lines) if line.strip()), len(lines))
+    if start == len(lines) or lines[start].startswith("|"):
+        return lines
+    end = next((i for i in range(start, len(lines)) if not lines[i].strip()), len(lines))
+    return lines[end:]
+
+
+def _rows_of(lines: list[str], report: Report) -> list[str]:
+    """``lines`` with each markdown table cut to the rows of ``report.methods`` (by its ``id`` column, else
+    ``method``) and of ``report.where`` (per column the values shown); a condition whose column a table lacks does not
+    apply to it."""
+    conditions = [("id|method", set(report.methods))] if report.methods else []
+    conditions += [(column, set(values)) for column, values in report.where]
     out: list[str] = []
-    column = None
+    columns: dict[str, int] | None = None
     for line in lines:
         if not line.startswith("|"):
-            column = None
+            columns = None
             out.append(line)
             continue
         cells = [c.strip().strip("`*") for c in line.strip().strip("|").split("|")]
-        if column is None and not set(line) <= set("|-: "):
-            column = cells.index("id") if "id" in cells else cells.index("method") if "method" in cells else -1
+        if set(line) <= set("|-: "):
             out.append(line)
-        elif not methods or column is None or column < 0 or set(line) <= set("|-: ") or cells[column] in methods:
+        elif columns is None:
+            columns = {c: i for i, c in enumerate(cells)}
+            if "id" in columns or "method" in columns:
+                columns["id|method"] = columns.get("id", columns.get("method", -1))
+            out.append(line)
+        elif all(cells[columns[c]] in allowed for c, allowed in conditions if c in columns):
             out.append(line)
     return out
 
@@ -106,8 +122,10 @@ def report_text(report: Report, folder: str, root: str) -> list[str]:
         return [f"`{report.file}`: not measured yet (no report in the repository).", ""]
     lines = []
     for heading, block in _blocks(open(path, encoding="utf-8").read()):
-        if report.preamble if not heading else not report.headings or heading.startswith(report.headings):
-            lines += _rows_of(block, report.methods)
+        if not heading and not report.preamble:
+            block = _without_first_paragraph(block)
+        if not heading or not report.headings or heading.startswith(report.headings):
+            lines += _rows_of(block, report)
     text = _tables_of("\n".join(lines).strip(), report.tables)
     text = re.sub(r"^(#### .*)\n\n\|", r"\1\n|", text, flags=re.M)
     rel = os.path.join(folder, report.file)

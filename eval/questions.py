@@ -20,7 +20,8 @@ class Report:
     file: str  # relative to the question's folder
     headings: tuple[str, ...] = ()  # the sections shown, by the start of their heading text; (): all of them
     methods: tuple[str, ...] = ()  # the method ids whose table rows are shown; (): every row
-    preamble: bool = False  # show the text before the report's first section (the speed scripts: their command)
+    where: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (column, values shown) for tables with that column
+    preamble: bool = False  # show the report's first paragraph (its settings; the speed scripts: their command)
     tables: tuple[int, ...] = ()  # the tables shown (0: the first of the sections shown), with their captions; (): all
 
 
@@ -40,19 +41,22 @@ KLD_SHOWN = (  # FP16 itself (0 by definition) is left out
     "int4",
     "int2",
     "int4_had",
-    "int3_had",
     "kivi2",
     "hqq2",
     "hqq4",
     "int4v3_had_g64",
     "recommended",
-    "recommended_f8",
-    "int4first4_v3_had_g64",
     "layers3.2r2_had_s8",
     "layers3r2_had_s8_sal1_f8",
     "preset",
 )
 LONGBENCH_SHOWN = ("fp16", "cocktail", "int4", "int2", "kivi2", "hqq2", "quanto2", "recommended")
+SINGLE_LENGTH = (("length", ("2000",)),)  # a one-length RULER run: its "all" rows repeat the length's
+ROOFLINE_ROWS = (
+    ("context", ("32768",)),
+    ("batch", ("1",)),
+    ("setting", ("fp16_flashdecoding", "int4", "int2", "paper", "paper_s8_f8")),
+)
 SPEED = "ratios against `DynamicCache` in the same run, alternating rounds, on a shared 2-core CPU"
 
 QUESTIONS = (
@@ -98,21 +102,21 @@ QUESTIONS = (
         "uniform INT4 on the cases of `gemma3_270m/kld/` and `gemma3_270m/ruler/`.",
         (
             Report("kld/summary.md", ("Paired with `int4`",), ("preset",)),
-            Report("ruler/ruler_summary.md", tables=(1,)),
+            Report("ruler/ruler_summary.md", tables=(1,), where=SINGLE_LENGTH),
         ),
     ),
     Question(
         "gemma3_270m/ppl",
         "Gemma 3 270M: perplexity over the quantized context",
         "`eval.ppl`, one window of WikiText-2 and one of the essays: 1920 quantized tokens, 128 scored.",
-        (Report("summary.md", ("all",)),),
+        (Report("summary.md", ("all",), ("int4", "int2", "cocktail", "recommended", "preset")),),
     ),
     Question(
         "ruler_calibrated",
         "SmolLM2-135M-Instruct: RULER-style needles with the calibrated preset",
         "`eval.needle --variant single,multikey,multivalue,multiquery`, 128 cases at 2000 tokens (`NOTE.md`: which "
         "runs the records come from).",
-        (Report("ruler_summary.md"),),
+        (Report("ruler_summary.md", where=SINGLE_LENGTH),),
     ),
     Question(
         "ruler",
@@ -130,7 +134,7 @@ QUESTIONS = (
         "gemma3_270m/ruler",
         "Gemma 3 270M: RULER-style needles with the calibrated preset",
         "`eval.needle --model gemma-3-270m`, 256 cases at 2000 tokens (`NOTE.md`: how the folder was filled).",
-        (Report("ruler_summary.md"),),
+        (Report("ruler_summary.md", where=SINGLE_LENGTH),),
     ),
     Question(
         "needle",
@@ -138,14 +142,15 @@ QUESTIONS = (
         "`eval.needle --lengths 3000`, 11 depths x 2 samples; whether the paper's chunk search keeps the needle's "
         "chunk at FP16 and whether that saves the answer.",
         (Report("needle_accuracy.md", methods=("fp16", "cocktail", "int4", "int2", "recommended", "int4_had")),),
-        ("heatmap_cocktail.png", "heatmap_recommended.png"),
+        ("heatmap_cocktail.png",),
     ),
     Question(
         "longbench",
         "SmolLM2-135M-Instruct: LongBench task scores",
         "`eval.longbench`, all 187 MiniLongBench examples of 16 English tasks at a 2048-token window (scores near the "
-        "model's floor: read the paired rows).",
-        (Report("summary.md", methods=LONGBENCH_SHOWN, tables=(1, 2)),),
+        "model's floor: read the paired rows); `summary.md` has the scores per task and method, the kv_ratio and "
+        "times.",
+        (Report("summary.md", methods=LONGBENCH_SHOWN, tables=(2,)),),
     ),
     Question(
         "layer_calibration",
@@ -167,12 +172,10 @@ QUESTIONS = (
         "decode_latency",
         "Decode speed against `DynamicCache` on CPU",
         f"`eval.benchmarks.bench_latency` at 8K-32K tokens, fp32 and bf16, both models; {SPEED}. "
-        "The page shows fp32 at 8K and 16K; `smollm2_fp32_32k.md` holds 32K, `smollm2_bf16.md` bf16, "
+        "The page shows SmolLM2 at 8K and 16K (fp32); `smollm2_fp32_32k.md` holds 32K, `smollm2_bf16.md` bf16, "
+        "`gemma3_fp32.md` Gemma 3 270M, "
         "`smollm2_layers_preset_8k.md` the per-layer-widths preset (cited by its card).",
-        (
-            Report("smollm2_fp32_8k_16k.md", preamble=True),
-            Report("gemma3_fp32.md", preamble=True),
-        ),
+        (Report("smollm2_fp32_8k_16k.md", preamble=True),),
         ("latency.png",),
     ),
     Question(
@@ -192,7 +195,7 @@ QUESTIONS = (
         "memory",
         "KV bytes and peak memory in prefill and decode",
         "`eval.benchmarks.bench_memory` at 4K and 8K tokens, one `generate` per context and method.",
-        (Report("4k_8k.md", preamble=True),),
+        (Report("4k_8k.md", preamble=True, methods=("fp16", "cocktail", "int4", "kivi2")),),
     ),
     Question(
         "throughput",
@@ -200,5 +203,14 @@ QUESTIONS = (
         f"`eval.benchmarks.bench_throughput`: the largest batch of 4K-token prompts that fits each "
         f"budget; {SPEED}. The page shows the 2 GiB budget; `budgets_256_512mib.md` the smaller ones.",
         (Report("budget_2gib.md", preamble=True),),
+    ),
+    Question(
+        "roofline",
+        "Decode-attention roofline: bytes per step and predicted time at HBM bandwidth",
+        "`eval.benchmarks.roofline`: the bytes each setting reads per decode step, measured on real stores, over the "
+        "H100's and H200's HBM bandwidth, against FP16 FlashDecoding; not measured on a GPU. This page shows batch 1 "
+        "at 32K tokens (the report: 4K / 32K / 128K, batch 1 and 32; `roofline.csv`: every context and batch).",
+        (Report("report.md", preamble=True, where=ROOFLINE_ROWS),),
+        ("roofline.png",),
     ),
 )
