@@ -42,12 +42,12 @@ def test_plain_generate_plans_the_prompt_from_its_prefill(tiny_llama, tiny_token
     cache = CocktailCache(rec())
     gen(tiny_llama, inputs, cache)
     plan = cache.plans[0]
-    # context: after the 4 sink tokens, before the last 16, in whole chunks of 8: [4, 44) (61 - 16 = 45)
-    assert (plan.pad, plan.ctx_start, plan.ctx_end, plan.num_chunks) == (0, 4, 44, 5)
-    assert cache.precision_map() == [[4] * 5]
+    # context: after the 4 sink tokens, before the last 16: [4, 45), 5 chunks of 8 and one of 1
+    assert (plan.pad, plan.ctx_start, plan.ctx_end, plan.num_chunks) == (0, 4, 45, 6)
+    assert cache.precision_map() == [[4] * 6]
     # the prompt's end for crop: what follows the packed context is full precision (assisted decoding crops it)
-    assert cache.prompt_len == 44 and torch.equal(cache._input_ids, inputs["input_ids"])
-    assert cache.layers[0].store.segments[0].num_tokens == 40
+    assert cache.prompt_len == 45 and torch.equal(cache._input_ids, inputs["input_ids"])
+    assert cache.layers[0].store.segments[0].num_tokens == 41
     assert not cache._watch.armed  # disarmed at the prefill: no hook left behind for this cache
 
 
@@ -57,9 +57,9 @@ def test_plain_generate_equals_the_same_plan_prepared(tiny_llama, tiny_tokenizer
     plain = gen(tiny_llama, tiny_tokenizer(prompt, return_tensors="pt"), cache := CocktailCache(rec()))
     words = prompt.split()
     prepared_cache = CocktailCache(rec())
-    inputs = prepared_cache.prepare_inputs(tiny_tokenizer, prompt, contexts=" ".join(words[4:44]))
+    inputs = prepared_cache.prepare_inputs(tiny_tokenizer, prompt, contexts=" ".join(words[4:45]))
     prepared = gen(tiny_llama, inputs, prepared_cache)
-    assert prepared_cache.plans[0].ctx_end == cache.plans[0].ctx_end == 44
+    assert prepared_cache.plans[0].ctx_end == cache.plans[0].ctx_end == 45
     assert torch.equal(logits(plain), logits(prepared))
 
 
@@ -82,7 +82,7 @@ def test_left_padded_batch_rows_equal_each_alone(tiny_llama, tiny_tokenizer):
         tiny_tokenizer.padding_side = "right"
     cache = CocktailCache(rec())
     out = gen(tiny_llama, batch, cache)
-    assert [(p.pad, p.ctx_start, p.ctx_end) for p in cache.plans] == [(0, 4, 44), (24, 28, 44)]
+    assert [(p.pad, p.ctx_start, p.ctx_end) for p in cache.plans] == [(0, 4, 45), (24, 28, 45)]
     for b, prompt in enumerate(prompts):
         alone = gen(tiny_llama, tiny_tokenizer(prompt, return_tensors="pt"), CocktailCache(rec()))
         torch.testing.assert_close(logits(out)[b], logits(alone)[0], atol=1e-4, rtol=1e-4)
@@ -118,7 +118,7 @@ def test_second_turn_appends_without_a_new_plan(tiny_llama, tiny_tokenizer):
     turn1 = gen(tiny_llama, inputs, cache)
     plans = cache.plans
     turn2 = gen(tiny_llama, _second_turn(turn1, tiny_tokenizer), cache)
-    assert cache.plans == plans and cache.prompt_len == 44  # the new turn is appended, not planned as a prompt
+    assert cache.plans == plans and cache.prompt_len == 45  # the new turn is appended, not planned as a prompt
     assert cache.get_seq_length() == turn2.sequences.shape[1] - 1
 
 
@@ -150,14 +150,14 @@ def test_search_without_prepare_inputs_queries_the_prompts_tail_and_says_so(tiny
     plan = cache.plans[0]
     assert plan.query == " ".join(prompt.split()[45:])  # the tail after the context, its last 16 tokens
     assert plan.chunk_texts[0] == " ".join(prompt.split()[4:12])
-    assert len(cache.precision_map()[0]) == 5 and set(cache.precision_map()[0]) <= {16, 4, 2}
+    assert len(cache.precision_map()[0]) == 6 and set(cache.precision_map()[0]) <= {16, 4, 2}
 
 
 def test_attention_scorer_without_prepare_inputs_needs_no_tokenizer(tiny_llama, tiny_tokenizer):
     config = CocktailConfig(scorer="attention", chunk_size=8, group_size=16, residual_tokens=16, backend="torch")
     cache = CocktailCache(config)
     gen(tiny_llama, tiny_tokenizer(prompt_of(61), return_tensors="pt"), cache)
-    assert cache.plans[0].query_span == (45, 61) and len(cache.chunk_scores()[0]) == 5
+    assert cache.plans[0].query_span == (45, 61) and len(cache.chunk_scores()[0]) == 6
 
 
 def test_requery_after_a_plain_prefill(tiny_llama, tiny_tokenizer):
@@ -168,12 +168,12 @@ def test_requery_after_a_plain_prefill(tiny_llama, tiny_tokenizer):
     )
     cache = CocktailCache(config, tokenizer=tiny_tokenizer)
     gen(tiny_llama, tiny_tokenizer(prompt, return_tensors="pt"), cache)
-    new_prompt = " ".join(prompt.split()[:44]) + " what is w9 ?"
+    new_prompt = " ".join(prompt.split()[:45]) + " what is w9 ?"
     inputs = cache.requery(tiny_tokenizer, new_prompt, "w9")
     again = gen(tiny_llama, inputs, cache)
     fresh = CocktailCache(config, tokenizer=tiny_tokenizer)
     fresh_inputs = fresh.prepare_inputs(
-        tiny_tokenizer, new_prompt, contexts=" ".join(prompt.split()[4:44]), queries="w9"
+        tiny_tokenizer, new_prompt, contexts=" ".join(prompt.split()[4:45]), queries="w9"
     )
     ref = gen(tiny_llama, fresh_inputs, fresh)
     assert cache.precision_map() == fresh.precision_map()
@@ -207,8 +207,8 @@ def test_recommended_runs_on_every_head_dim_with_the_largest_dividing_group(tiny
         cache = CocktailCache(rec(backend=backend))
         outs[backend] = gen(model, inputs, cache, n=3)
         seg = cache.layers[0].store.segments[0]
-        assert seg.group_size == group and seg.v_scale.shape == (1, 40, head_dim // group)
-        assert seg.v_codes.numel() == 40 * head_dim * 3 // 8  # 3-bit values, whole bytes
+        assert seg.group_size == group and seg.v_scale.shape == (1, 41, head_dim // group)
+        assert seg.v_codes.numel() == 41 * head_dim * 3 // 8  # 3-bit values, whole bytes
         assert cache.memory_report()["value_group_sizes"] == [group]
     torch.testing.assert_close(logits(outs["auto"]), logits(outs["torch"]), atol=1e-4, rtol=1e-4)
 

@@ -128,7 +128,7 @@ def plans_from_prefill(
 ) -> list[SequencePlan]:
     """One plan per row of a prefill of ``B`` rows of ``L`` tokens that no ``prepare_inputs`` prepared: each row's
     real tokens (after its left padding, read from ``mask (B, past + L)``) are context from the ``sink_tokens``-th to
-    ``residual_tokens`` before the end, in whole chunks (:func:`~hf_cocktail.planning.plans.prompt_context_span`).
+    ``residual_tokens`` before the end (:func:`~hf_cocktail.planning.plans.prompt_context_span`).
     The prompt's tail after the context (its last ``residual_tokens`` at most) is the query (``query_span``): the
     attention scorer and ``salient_tokens`` read its attention; the encoder and BM25 read its text, and the chunks',
     decoded with ``tokenizer`` from ``ids (B, L)``, the ids embedded."""
@@ -150,8 +150,8 @@ def plans_from_prefill(
         )
     plans = []
     for b, pad in enumerate(pads):
-        cs, ce = planning.prompt_context_span(pad, L, cfg.sink_tokens, cfg.residual_tokens, cfg.chunk_size)
-        q0 = max(ce, L - cfg.residual_tokens)
+        cs, ce = planning.prompt_context_span(pad, L, cfg.sink_tokens, cfg.residual_tokens)
+        q0 = max(pad, L - cfg.residual_tokens)
         chunks = range(cs, ce, cfg.chunk_size)
         if texts_needed:
             assert ids is not None  # checked above

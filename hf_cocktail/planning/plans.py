@@ -121,16 +121,12 @@ def context_span(
     return cs, ce - recent_tokens
 
 
-def prompt_context_span(
-    pad: int, length: int, sink_tokens: int, residual_tokens: int, chunk_size: int
-) -> tuple[int, int]:
+def prompt_context_span(pad: int, length: int, sink_tokens: int, residual_tokens: int) -> tuple[int, int]:
     """The context of a prompt given without ``prepare_inputs``: its real tokens ``[pad, length)`` after the first
-    ``sink_tokens`` and before the last ``residual_tokens``, in whole chunks of ``chunk_size`` (the remainder, fewer
-    than ``chunk_size`` tokens, stays at full precision with the newest tokens until the next chunk is packed);
-    ``(pad, pad)`` when not one chunk fits."""
-    start = pad + sink_tokens
-    chunks = max(0, length - residual_tokens - start) // chunk_size
-    return (start, start + chunks * chunk_size) if chunks else (pad, pad)
+    ``sink_tokens`` and before the last ``residual_tokens`` (chunked from its start; the last chunk may be partial),
+    so that every row of a left-padded batch ends its context at the same token; ``(pad, pad)`` when none is left."""
+    start, end = pad + sink_tokens, length - residual_tokens
+    return (start, end) if end > start else (pad, pad)
 
 
 def _occurrences(text: str, part: str, first: int) -> int:
