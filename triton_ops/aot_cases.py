@@ -15,6 +15,7 @@ length, N tokens of a segment, M its chunks.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -110,7 +111,7 @@ def model_cases() -> list[Case]:
     (D 256, 8 KV heads, GQA 2, cap 50)."""
     out = []
     for name, D, H_kv, n_rep in MODELS:
-        base = dict(D=D, H_kv=H_kv, n_rep=n_rep, model_shaped=True)
+        base: dict[str, Any] = dict(D=D, H_kv=H_kv, n_rep=n_rep, model_shaped=True)
         for segs, p8, f8 in SETTINGS:
             out.append(Case(name, segs=segs, p8=p8, f8=f8, **base))
         out.append(Case(name, dtype=torch.float16, p8=True, f8=True, **base))
@@ -128,7 +129,7 @@ def ci_cases() -> list[Case]:
     model INT4+INT2 plain and with both 8-bit formats, L_q 4, no packed segment, one; sinks and soft-capping once."""
     out = []
     for name, D, H_kv, n_rep in MODELS:
-        base = dict(D=D, H_kv=H_kv, n_rep=n_rep, model_shaped=True)
+        base: dict[str, Any] = dict(D=D, H_kv=H_kv, n_rep=n_rep, model_shaped=True)
         out += [Case(name, **base), Case(name, p8=True, f8=True, **base), Case(name, L_q=4, **base)]
         out += [Case(name, segs=(), **base), Case(name, segs=((4, 4),), p8=True, f8=True, **base)]
     out.append(Case("gpt-oss-20b", 64, 8, 8, sinks=True, model_shaped=True))

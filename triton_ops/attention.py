@@ -155,7 +155,7 @@ def plan_split_attention(
     BQ, BT, warps, stages, dot = tiles(D, n_rep * Lq)
     n_qb = triton.cdiv(n_rep * Lq, BQ)
     segs = list(segments) + [None] * (2 - len(segments))
-    maxes = list(max_tokens) if max_tokens is not None else [None] * len(segments)
+    maxes: list[int | None] = list(max_tokens) if max_tokens is not None else [None] * len(segments)
     maxes += [None] * (2 - len(maxes))
     (a_args, bits_a, g_a, p8_a, len_a), (b_args, bits_b, g_b, p8_b, len_b) = (
         segment_args(s, i, m, fk) for i, (s, m) in enumerate(zip(segs, maxes))

@@ -7,11 +7,14 @@ R length of the full-precision part, C chunk size, G value group size.
 Kernel 1 (:func:`split_attn_kernel`) runs one program per (sequence, kv head, block of query rows, token split). The
 splits cover the full-precision part, then the first packed segment (INT4), then the second (INT2 or INT3; a
 segment's bit width is a compile-time constant), each cut into pieces of ``tokens_per_split`` tokens of that
-sequence; ragged sequences just leave some splits empty. A program loads the ``n_rep * L_q`` query rows of its kv
-head together (GQA without ``repeat_kv``), unpacks and dequantizes codes in registers (code ``c`` as ``c * scale +
-zero``; 8-bit scales / zeros and an int8 full part are decoded there too) and keeps an fp32 online softmax, and
-writes its partial (max, sum, unnormalised output). Kernel 2 (:func:`merge_kernel`) merges the partials of a row
-with a log-sum-exp reduction and writes the output in ``query.dtype``.
+sequence; ragged sequences just leave some splits empty. A program loads a block of the ``n_rep * L_q`` query rows
+of its kv head together (GQA without ``repeat_kv``), reads each token's packed bytes as one contiguous row (vector
+loads) and unpacks and dequantizes them in registers (code ``c`` as ``c * scale + zero``; 8-bit scales / zeros and
+an int8 full part are decoded there too), forms the products as a broadcast or, for blocks of 16 rows (``DOT``), as
+``tl.dot`` in fp32, keeps an fp32 online softmax (optionally soft-capped), and writes its partial (max, sum,
+unnormalised output). The packed-segment count ``SEGS`` is a compile-time constant: an absent segment compiles no
+code. Kernel 2 (:func:`merge_kernel`) merges the partials of a row
+with a log-sum-exp reduction (attention sinks join it once) and writes the output in ``query.dtype``.
 """
 
 import triton
