@@ -179,3 +179,13 @@ def test_head_dim_16_takes_the_default_group_size_at_16_bits(tiny_tokenizer):
     seq, logits = generate(model, tiny_tokenizer, cache, prompt, ctx, q)
     assert torch.equal(seq, ref_seq)
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_cpm_ant_is_refused_saying_why(tiny_tokenizer):
+    prompt, ctx, q = make_prompt(30)
+    model = make_model(
+        "cpmant", {"dim_model": 64, "num_heads": 4, "dim_head": 16, "dim_ff": 96, "num_layers": 2}, "eager"
+    )
+    cache = CocktailCache(CocktailConfig(chunk_size=8, group_size=16, uniform_bits=16), encoder=FakeEncoder())
+    with pytest.raises(ValueError, match="does not support CPM-Ant: its forward puts its own prompt tokens"):
+        generate(model, tiny_tokenizer, cache, prompt, ctx, q)

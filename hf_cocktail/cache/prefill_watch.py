@@ -187,6 +187,12 @@ def check_prefill_ids(watch: PrefillWatch, prepared: torch.Tensor, k: torch.Tens
     expected = prepared.repeat_interleave(B // n, dim=0)[:, past : past + L]
     seen = watch.check_ids(expected, L)
     if seen is not None and not seen[0]:
+        if watch.model_type == "cpmant":
+            raise ValueError(
+                "CocktailCache does not support CPM-Ant: its forward puts its own prompt tokens (config.prompt_length "
+                "of them) before input_ids, so the tokens it caches are not the prompt prepare_inputs planned; use "
+                "the model's own cache (DynamicCache)"
+            )
         got = seen[1][:, : expected.shape[1]].to(expected.device)
         b, t = (got != expected).nonzero()[0].tolist()
         raise ValueError(
