@@ -125,7 +125,10 @@ def test_reference_and_dispatch_equal_eager_over_the_dequantized_store(rotation,
     err_low = (eager_batch(query, kv, 0.3, torch.float32, **kw).double() - truth).abs().max().item()
     ref = split_precision_attention_torch(query, store, 0.3, **kw)
     assert (ref.double() - truth).abs().max().item() <= 2 * err_low + 1e-6
-    for backend in ("auto", "torch"):  # auto: the fused CPU kernel where it builds
+    backends = ["auto", "torch"] + (
+        ["triton"] if dispatch.triton_available() and dispatch.triton_interpreting() else []
+    )
+    for backend in backends:  # auto: the fused CPU kernel where it builds; triton: interpreted on CPU
         out = dispatch.split_precision_attention(query, store, 0.3, backend, **kw)
         low = cpu_kernel_low_precision(truth, lambda: eager_batch(query, kv, 0.3, torch.float16, **kw))
         assert (out.double() - truth).abs().max().item() <= 2 * err_low + 1e-6 + low
