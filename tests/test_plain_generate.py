@@ -12,9 +12,10 @@ from transformers import DynamicCache
 
 from hf_cocktail import CocktailCache, CocktailConfig
 from hf_cocktail.cache import prefill_watch
+from hf_cocktail.cache.layer import CocktailLayer
 from hf_cocktail.integration.compat import cache_kwargs
 
-from .conftest import make_tiny_llama, random_text
+from .conftest import make_tiny_gemma3, make_tiny_llama, random_text
 
 GEN = dict(do_sample=False, return_dict_in_generate=True, output_logits=True)
 
@@ -224,3 +225,31 @@ def test_group_size_for_names_the_head_dim_it_refuses():
     ]
     with pytest.raises(ValueError, match="head_dim must be an integer >= 1, got 0"):
         CocktailConfig().group_size_for(0)
+
+
+def test_plain_generate_on_sliding_and_global_layers_equals_dynamic_cache_at_16_bits(tiny_tokenizer):
+    """Gemma 3 in miniature: the layout (the model's own sliding layers) comes from the model the prefill runs."""
+    model = make_tiny_gemma3()
+    inputs = tiny_tokenizer(prompt_of(61), return_tensors="pt")
+    ours = gen(model, inputs, cache := CocktailCache(CocktailConfig(uniform_bits=16, backend="torch")), n=8)
+    ref = gen(model, inputs, DynamicCache(config=model.config), n=8)
+    assert torch.equal(ours.sequences, ref.sequences)
+    assert sum(isinstance(layer, CocktailLayer) for layer in cache.layers) == 2  # the two global layers
+    packed = CocktailCache(rec())
+    gen(model, inputs, packed)
+    assert packed.precision_map() == [[4] * 6]
+    assert [layer.store.segments[0].num_tokens for layer in packed.layers if isinstance(layer, CocktailLayer)] == [
+        41
+    ] * 2
+
+
+def test_salient_tokens_on_the_plain_path_come_from_the_prompts_tail(tiny_tokenizer):
+    model = make_tiny_llama()
+    cache = CocktailCache(rec(salient_tokens=0.1))
+    gen(model, tiny_tokenizer(prompt_of(61), return_tensors="pt"), cache)
+    plan = cache._plans[0]
+    salient = {layer: pos.tolist() for layer, pos in plan.layer_salient.items()}
+    assert set(salient) == {0, 1} and all(len(pos) == 4 and all(4 <= p < 45 for p in pos) for pos in salient.values())
+    full = cache.layers[0].store.full.length
+    # sinks, salient tokens, the tail, the 5 tokens appended after the prefill; the rest of the context packed
+    assert full == 4 + 4 + 16 + 5 and cache.layers[0].store.segments[0].num_tokens == 41 - 4
