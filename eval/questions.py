@@ -179,13 +179,6 @@ QUESTIONS = (
         ("latency.png",),
     ),
     Question(
-        "decode_profile",
-        "Where a decode step's time goes (CPU, 8K tokens)",
-        "`eval.benchmarks.profile_decode`: `torch.profiler` over decode steps, per category, beside an unprofiled "
-        "ratio.",
-        (Report("smollm2_presets_8k.md", preamble=True, tables=(0,)),),
-    ),
-    Question(
         "prefill",
         "Prefill overhead: the chunk search, quantization and store build",
         f"`eval.benchmarks.bench_prefill` at 4K and 8K tokens; {SPEED}.",
@@ -203,6 +196,13 @@ QUESTIONS = (
         f"`eval.benchmarks.bench_throughput`: the largest batch of 4K-token prompts that fits each "
         f"budget; {SPEED}. The page shows the 2 GiB budget; `budgets_256_512mib.md` the smaller ones.",
         (Report("budget_2gib.md", preamble=True),),
+    ),
+    Question(
+        "triton_aot",
+        "The Triton kernels compiled for A100 / H100 without a GPU",
+        "`python -m triton_ops.aot`: every launch specialization the dispatch reaches compiled for sm_80 and sm_90 on "
+        "a CPU machine, with registers, stack, spills, shared memory and the load widths of the inner loops.",
+        (Report("report.md", preamble=True, tables=(0,)),),
     ),
     Question(
         "roofline",

@@ -1,5 +1,5 @@
 """The speed scripts' machinery (eval/benchmarks): method variants, alternating rounds from one shared prefill,
-batched branches, the decode-step profile's categories, the prefill timers, the throughput table and plot, the run
+batched branches, the prefill timers, the throughput table and plot, the run
 record (kernel build, commit at start). Tiny random Llama and word-level tokenizer; no timing is asserted."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import torch
 from eval.benchmarks import bench_latency, bench_throughput
 from eval.benchmarks.bench_prefill import Timers, instrumented, one_prefill
 from eval.benchmarks.instrument import patching
-from eval.benchmarks.profile_decode import ORDER, profile_runner
 from eval.benchmarks.rounds import (
     Runner,
     SharedPrefill,
@@ -125,26 +124,6 @@ def test_alternating_rounds_run_every_method_each_round(tiny_tokenizer, tiny_sha
     rows = summarize_rounds(runners, 2)
     assert [r["rounds"] for r in rows] == [3, 3]
     assert all(r.ids.shape[1] == shared.prompt_tokens + 1 + 6 for r in runners)
-
-
-@pytest.mark.parametrize("name", ["fp16", "int2", "int2:torch"])
-def test_profile_categories_add_up(tiny_tokenizer, tiny_shared, name):
-    model, shared = tiny_shared
-    run = branch_runner(resolve_method(name), model, tiny_tokenizer, shared)
-    run.decode(model, 1, 0)
-    b = profile_runner(run, model, 3, 0)
-    cats = b["categories"]
-    assert set(cats) == set(ORDER)
-    total = sum(c["ms_per_step"] for c in cats.values())
-    assert total == pytest.approx(b["total_ms_per_step"], rel=1e-6)  # exclusive times partition the step
-    for c in ("attention kernel", "cache update", "MLP", "q/k/v/o + rope"):
-        assert cats[c]["ms_per_step"] > 0, c
-    assert cats["rotation"]["ms_per_step"] == 0
-    assert 0 <= b["python_ms_per_step"] <= b["total_ms_per_step"]
-    # the wrappers are gone afterwards
-    from transformers.models.llama import modeling_llama as ml
-
-    assert not hasattr(ml.LlamaMLP.forward, "__wrapped__")
 
 
 def test_patching_restores_every_alias():

@@ -188,7 +188,7 @@ def _latency_row(m: str) -> dict:
 
 
 def test_benchmark_tables():
-    from eval.benchmarks import bench_latency, bench_memory, bench_prefill, bench_throughput, profile_decode
+    from eval.benchmarks import bench_latency, bench_memory, bench_prefill, bench_throughput
 
     latency = [_latency_row(m) for m in SHOWN]
     _check_tables(bench_latency.latency_table(latency))
@@ -201,10 +201,6 @@ def test_benchmark_tables():
                "parts_s": parts, "search_quant_s": 0.02, "search_quant_fraction": 0.02}  # fmt: skip
     _check_tables(bench_prefill.table([prefill | {"method": m} for m in SHOWN]))
     _check_tables(bench_throughput.table([_throughput_row(m) for m in SHOWN]))
-    cats = {c: {"ms_per_step": 1.0, "us_per_layer": 10.0} for c in profile_decode.ORDER}
-    breakdown = {"categories": cats, "total_ms_per_step": 20.0, "python_ms_per_step": 2.0}
-    profiled = {"dtype": "float32", "unprofiled_ms_per_step": 20.0, "unprofiled_ratio": 1.0, "breakdown": breakdown}
-    _check_tables(profile_decode.table([profiled | {"method": m} for m in SHOWN]))
 
 
 def _throughput_row(m: str) -> dict:

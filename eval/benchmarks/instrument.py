@@ -1,4 +1,4 @@
-"""Temporary wrappers around library functions for the profiling scripts (``profile_decode``, ``bench_prefill``).
+"""Temporary wrappers around library functions for ``bench_prefill``'s timers.
 
 A function is replaced wherever a loaded module of the given packages holds it (``from .x import f`` copies the
 name into the importing module), so the wrapping survives the library moving code between its modules; methods are
