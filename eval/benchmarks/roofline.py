@@ -172,22 +172,25 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), sharey=True)
-    for ax, model in zip(axes, models):
+    fig, axes = plt.subplots(2, len(models), figsize=(5 * len(models), 7.5), sharey="row")
+    for col, model in enumerate(models):
         for setting in dict.fromkeys(r["setting"] for r in rows):
-            pts = [
-                (r["context"], r["pred_us_H100"])
-                for r in rows
-                if (r["model"], r["setting"], r["batch"]) == (model, setting, 8)
-            ]
-            ax.plot(*zip(*pts), marker="o", label=setting, linestyle="--" if setting.startswith("fp16") else "-")
-        ax.set(xscale="log", yscale="log", title=f"{model}, batch 8", xlabel="context tokens")
-        ax.set_xticks(CONTEXTS, [f"{c // 1024}K" for c in CONTEXTS])
-    axes[0].set_ylabel("predicted decode-attention time per step on H100 (us)")
-    axes[-1].legend(fontsize=7)
-    fig.suptitle("Roofline: bytes read per decode step / 3.35 TB/s (all layers)")
+            mine = [r for r in rows if (r["model"], r["setting"], r["batch"]) == (model, setting, 8)]
+            style = dict(marker="o", label=setting, linestyle="--" if setting.startswith("fp16") else "-")
+            axes[0, col].plot([r["context"] for r in mine], [r["pred_us_H100"] for r in mine], **style)
+            axes[1, col].plot([r["context"] for r in mine], [r["bytes_vs_fp16"] for r in mine], **style)
+        axes[0, col].set(yscale="log", title=f"{model}, batch 8")
+        axes[1, col].set(xlabel="context tokens", ylim=(0, 1.05))
+        for ax in axes[:, col]:
+            ax.set_xscale("log")
+            ax.set_xticks(CONTEXTS, [f"{c // 1024}K" for c in CONTEXTS])
+            ax.grid(alpha=0.3)
+    axes[0, 0].set_ylabel("predicted time per decode step on H100 (us)")
+    axes[1, 0].set_ylabel("bytes read / FP16 FlashDecoding's")
+    axes[0, -1].legend(fontsize=7)
+    fig.suptitle("Decode-attention roofline: bytes read per step (all layers) / 3.35 TB/s; not measured on a GPU")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
 
 
 def compare(bench_csv: str, bandwidth: float) -> list[dict]:
