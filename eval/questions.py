@@ -155,9 +155,9 @@ QUESTIONS = (
     Question(
         "layer_calibration",
         "SmolLM2-135M-Instruct: which layers tolerate fewer bits (per-layer widths, three rounds)",
-        "`eval.layers`: `round1/` around 4-bit keys and 3-bit values, `round2/` and `round3/` one bit around the "
-        "previous round's choice; the `layers*` methods and `model_cards/smollm2-135m-instruct-layers` read their "
-        "`layer_bits.json`.",
+        "`eval.layers` (left at `c4e549a`; `python -m hf_cocktail.calibrate` runs the same probe and solver): "
+        "`round1/` around 4-bit keys and 3-bit values, `round2/` and `round3/` one bit around the previous round's "
+        "choice; the `layers*` methods and `model_cards/smollm2-135m-instruct-layers` read their `layer_bits.json`.",
         (),
         ("round2/sensitivity.png",),
     ),

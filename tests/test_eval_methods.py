@@ -230,3 +230,29 @@ def test_a_salient_method_branched_with_its_recorded_queries_equals_its_own_gene
         mine, theirs = br.cache.layer_positions(layer)[0], cache.layer_positions(layer)[0]
         assert all(torch.equal(mine[p], theirs[p]) for p in theirs)
     assert cache_kv_bytes(br.cache) == cache_kv_bytes(cache)
+
+
+def test_layer_methods_come_from_the_calibration_file(tmp_path):
+    """``layers<b>_had_s8``: the per-layer widths of a ``layer_bits.json`` (eval/results/layer_calibration/) as
+    methods; a calibration made with another storage is refused."""
+    import json
+
+    from eval.methods.registry import layer_methods
+    from hf_cocktail import CocktailConfig
+
+    assert layer_methods(str(tmp_path / "missing.json")) == []
+    storage = {"rotation": "hadamard", "scale_bits": 8, "group_size": 32, "chunk_size": 32}
+    solved = {
+        "config": storage,
+        "allocations": {"2": {"layer_bits": [[2, 2], [2, 2]]}, "2.5": {"layer_bits": [[2, 2], [4, 2]]}},
+    }
+    path = tmp_path / "layer_bits.json"
+    path.write_text(json.dumps(solved))
+    methods = layer_methods(str(path))
+    assert [m.name for m in methods] == ["layers2_had_s8", "layers2.5_had_s8"]
+    cfg = CocktailConfig(**methods[1].overrides)
+    assert cfg.layer_bits == ((2, 2), (4, 2)) and cfg.uniform_bits == 4 and cfg.scale_bits == 8
+    assert cfg.rotation == "hadamard" and cfg.group_size == 32
+    path.write_text(json.dumps({**solved, "config": {**storage, "rotation": None}}))
+    with pytest.raises(ValueError, match="need a hadamard / scale_bits=8 calibration"):
+        layer_methods(str(path))

@@ -75,10 +75,9 @@ METHODS.update({m.name: m for m in ROTATION_METHODS})  # beyond the paper's stor
 
 
 def layer_methods(path: str, tag: str = "") -> list[Method]:
-    """``layers<b><tag>_had_s8``: every chunk planned at 4 bits, each layer capped by the ``layer_bits`` that
-    ``eval.layers`` chose at ``b`` mean code bits (``path``: its ``layer_bits.json``; none when it is absent). The
-    storage is the calibration's (Hadamard, 8-bit parameters); rerunning the calibration into that folder changes
-    these methods, so their old records must then be deleted."""
+    """``layers<b><tag>_had_s8``: every chunk planned at 4 bits, each layer capped by the ``layer_bits`` calibrated
+    at ``b`` mean code bits (``path``: a ``layer_bits.json`` of eval/results/layer_calibration/; none when it is
+    absent). The storage is the calibration's (Hadamard, 8-bit parameters)."""
     if not os.path.exists(path):
         return []
     with open(path, encoding="utf-8") as f:
@@ -89,7 +88,7 @@ def layer_methods(path: str, tag: str = "") -> list[Method]:
     return [
         CocktailMethod(
             f"layers{b}{tag}_had_s8",
-            f"4-bit chunks, layer_bits of eval.layers at {b} mean code bits: {a['layer_bits']}",
+            f"4-bit chunks, layer_bits calibrated at {b} mean code bits: {a['layer_bits']}",
             {"uniform_bits": 4, **storage, "layer_bits": a["layer_bits"]},
         )
         for b, a in solved["allocations"].items()

@@ -1,1 +1,0 @@
-"""Per-layer calibration of ``CocktailConfig.layer_bits`` (``python -m eval.layers``)."""
