@@ -18,6 +18,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from hf_cocktail.decode.dispatch import attach_fused_writer, quantizers
+from hf_cocktail.storage.generated import AppendedPacking, crop_appended, pack_appended
 from hf_cocktail.storage.layer_bits import code_widths
 from hf_cocktail.storage.rotation import Rotation
 from hf_cocktail.storage.store import LayerStore
@@ -114,6 +115,9 @@ class CocktailLayer(CacheLayerMixin):
         if self.state is LayerState.DEFERRED:  # first decode step after an attention-scored prefill: quantize now
             self._build_deferred()
         self.state = LayerState.DECODE
+        # the appended tokens past the residual window go to the packed store before this forward's tokens join:
+        # every query of the forward is newer than every packed token (causal masking reads the full part only)
+        pack_appended(self._store, self.config.residual_tokens)
         self._store.append(key_states, value_states)
         self.seq_len += key_states.shape[2]
         if self.path is AttentionPath.SPLIT:  # attention reads the store; these only lead it to this layer
@@ -233,12 +237,32 @@ class CocktailLayer(CacheLayerMixin):
             cfg.scale_bits,
             16 if self.all_full else cfg.full_part_bits,
         )
+        self.store.packing = self._appended_packing(quantize_k, quantize_v, cfg.torch_scale_dtype(k.dtype))
         attach_fused_writer(self.store, cfg.backend)
         if cfg.keep_context_copy and self.context_copy is None:
             end = max(p.ctx_end for p in plans)
             self.context_copy = (k[:, :, :end].to("cpu", copy=True), v[:, :, :end].to("cpu", copy=True))
         self.seq_len = k.shape[2]
         self.state = LayerState.PREFILL
+
+    def _appended_packing(self, quantize_k, quantize_v, scale_dtype: torch.dtype) -> AppendedPacking | None:
+        """How this layer packs the tokens appended after its prefill (generated tokens, later turns) as they leave
+        the residual window: at the width of the setting's packed context chunks (``uniform_bits`` 4, 3 or 2; INT4
+        for the search, the width its middle tier of chunks gets), capped by the layer's ``layer_bits`` and
+        ``value_bits`` as those chunks are, into the segment of that width. Never in a layer kept at full precision
+        (``full_precision_layers``) or with ``uniform_bits=16`` (the cache then equals ``DynamicCache``)."""
+        cfg, store = self.config, self._store
+        if self.all_full or cfg.uniform_bits == 16:
+            return None
+        bits = 4 if cfg.uniform_bits is None else cfg.uniform_bits
+        key_bits = code_widths(bits, self.cache.layer_bits_pair(self.layer_idx), cfg.value_bits)[0]
+        index = next((i for i, seg in enumerate(store.segments) if seg.bits == key_bits), None)
+        if index is None:
+            raise RuntimeError(
+                f"CocktailLayer {self.layer_idx}: no {key_bits}-bit segment for the appended tokens among "
+                f"{[seg.bits for seg in store.segments]}"
+            )
+        return AppendedPacking(index, scale_dtype, cfg.scale_bits, quantize_k, quantize_v)
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole cache at the model's precision in original token order, ``(B, H_kv, seq_len, D)`` each, left
@@ -271,8 +295,8 @@ class CocktailLayer(CacheLayerMixin):
             )
         if self.deferred is not None:
             self.deferred = (self.deferred[0][:, :, :-n], self.deferred[1][:, :, :-n])
-        else:
-            self._store.full.truncate(n)
+        else:  # past the unpacked tokens, the newest packed chunks too (storage.generated.crop_appended)
+            crop_appended(self._store, n)
         self.seq_len -= n
 
 

@@ -68,9 +68,16 @@ def memory_report(
     model's default cache in FP16; ``quantized_layers_ratio_to_fp16`` is the Cocktail (full-attention) layers' alone
     (their codes, scales, full part and its room, rotation and index tensors) against the same layers in FP16
     (``quantized_layers_fp16_equivalent_bytes``). On a sliding + global model (Gemma 3) the whole cache's ratio is
-    nearer 1."""
+    nearer 1.
+
+    ``appended_packed_tokens``: per sequence, the tokens appended after the prefill (generated tokens, later turns)
+    that were packed (:mod:`hf_cocktail.storage.generated`); their codes and scales are in ``codes_bytes`` and
+    ``scales_zeros_bytes``, and the tokens in the FP16 equivalent."""
     rep: dict[str, Any] = {"codes_bytes": 0, "scales_zeros_bytes": 0, "full_precision_bytes": 0, "layers": len(stores)}
     rep["headroom_bytes"] = 0
+    # tokens appended after the prefill (generated tokens, later turns) now held packed: per sequence, in the
+    # Cocktail layer that packed the most (layers kept at full precision pack none)
+    rep["appended_packed_tokens"] = max((st.packed_appended for st in stores), default=0)
     fp16_equiv = full_deployed = headroom_deployed = index = 0
     for st in stores:
         H, D = st.full.shape[1], st.full.shape[3]

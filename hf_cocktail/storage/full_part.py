@@ -109,6 +109,26 @@ class FullPart:
         """Drop the last ``n`` tokens (their buffer room is reused by the next append)."""
         self.keys, self.values = self.keys.narrow(2, 0, self.length - n), self.values.narrow(2, 0, self.length - n)
 
+    def tokens(self, at: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens ``[at, at + n)`` of every sequence, ``(B, H_kv, n, D)`` keys and values (views)."""
+        return self.keys.narrow(2, at, n), self.values.narrow(2, at, n)
+
+    def remove(self, at: int, n: int) -> None:
+        """Drop tokens ``[at, at + n)`` of every sequence (each must own them: ``at >= max(start)``); the tokens after
+        them move down ``n`` places, within the buffers where the part has them (one copy of those later tokens:
+        the residual window, when the dropped ones were packed), so the room stays for the next appends."""
+        R = self.length
+        if n == 0:
+            return
+        if self._buffers is None:
+            self.keys, self.values = (
+                torch.cat([t[:, :, :at], t[:, :, at + n :]], dim=2) for t in (self.keys, self.values)
+            )
+            return
+        for buf in self._buffers:
+            buf[:, :, at : R - n] = buf[:, :, at + n : R].clone()
+        self.keys, self.values = self._buffers[0].narrow(2, 0, R - n), self._buffers[1].narrow(2, 0, R - n)
+
     def reserved_bytes(self) -> int:
         """Buffer capacity held beyond the valid tokens (room for the next appended tokens)."""
         if self._buffers is None:
@@ -245,6 +265,16 @@ class Int8FullPart:
     def truncate(self, n: int) -> None:
         self.codes.truncate(n)
         self.scales.truncate(n)
+
+    def tokens(self, at: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens ``[at, at + n)`` of every sequence dequantized to ``dtype``, ``(B, H_kv, n, D)`` keys and values."""
+        (kc, vc), (ks, vs) = self.codes.tokens(at, n), self.scales.tokens(at, n)
+        return quant.dequantize_tokens8(kc, ks, self.dtype), quant.dequantize_tokens8(vc, vs, self.dtype)
+
+    def remove(self, at: int, n: int) -> None:
+        """:meth:`FullPart.remove` of the codes and their scales."""
+        self.codes.remove(at, n)
+        self.scales.remove(at, n)
 
     def start_tensor(self) -> torch.Tensor:
         return self.codes.start_tensor()

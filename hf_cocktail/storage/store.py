@@ -21,6 +21,7 @@ import torch
 
 from hf_cocktail.storage import params8, quant
 from hf_cocktail.storage.full_part import FullPart, Int8FullPart, full_part_from_sequences
+from hf_cocktail.storage.generated import AppendedPacking, appended_order
 from hf_cocktail.storage.rotation import Rotation
 
 _DECODE = params8.decode_params8  # the reference decoder of 8-bit scales and zeros, the default of every decode=
@@ -52,9 +53,7 @@ class PackedSegment:
     tok_off: list[int]  # (B+1,)
     chunk_off: list[int]  # (B+1,)
     value_bits: int | None = None  # the values' code width (None: ``bits``, as the keys'); never above ``bits``
-    k_block: torch.Tensor | None = (
-        None  # (H_kv, M, 3) scale_dtype, with 8-bit scales and zeros (params8.encode_params8)
-    )
+    k_block: torch.Tensor | None = None  # (H_kv, M, 3) scale_dtype: 8-bit scales and zeros (params8.encode_params8)
     v_block: torch.Tensor | None = None  # (H_kv, M, 3): the values' blocks, one per chunk as the keys'
     _dev_offsets: tuple | None = field(default=None, repr=False)
     _coded_args: tuple | None = field(default=None, repr=False)  # coded_kernel_args, built once (asked every step)
@@ -287,6 +286,15 @@ class LayerStore:
     # what the decode dispatch derives from the store once (its backend choice, the kernel's checked arguments), by
     # key; valid while ``segments`` and ``rotation`` are the same objects (the dispatch checks)
     kernel_cache: DerivedCache = field(default_factory=lambda: DerivedCache(), repr=False, compare=False)
+    # tokens appended after the prefill (:mod:`.generated`): how they are packed (None: never), the full part's index
+    # where they begin (-1: its length at construction) and how many per sequence were packed (all sequences alike)
+    packing: AppendedPacking | None = None
+    appended_from: int = -1
+    packed_appended: int = 0
+
+    def __post_init__(self) -> None:
+        if self.appended_from < 0:
+            self.appended_from = self.full.length
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append ``(B, H_kv, L_new, D)`` new tokens (rotated like the rest) to the full-precision part. A part with a
@@ -367,13 +375,14 @@ class LayerStore:
         keys = full_k.new_zeros((B, H, seq_len, D))
         values = torch.zeros_like(keys)
         dev = keys.device
+        G, gen = self.packed_appended, self.packing.segment if self.packing else -1  # appended tokens packed, where
         for b, pos in enumerate(positions):
-            fpos = torch.cat([pos["full"].to(dev), torch.arange(prefill_len, seq_len, device=dev)])
+            fpos = torch.cat([pos["full"].to(dev), torch.arange(prefill_len + G, seq_len, device=dev)])
             keys[b, :, fpos] = full_k[b, :, full.start[b] :]
             values[b, :, fpos] = full_v[b, :, full.start[b] :]
-            for seg in self.segments:
+            for i, seg in enumerate(self.segments):
                 k_b, v_b = seg.sequence(b, keys.dtype)
-                p = pos[seg.bits].to(dev)
+                p = appended_order(pos[seg.bits].to(dev), seg, G if i == gen else 0, prefill_len)
                 keys[b, :, p] = k_b
                 values[b, :, p] = v_b
         if self.rotation is not None:
@@ -382,6 +391,10 @@ class LayerStore:
 
     def select(self, indices: list[int], same_packed: bool = False) -> LayerStore:
         """Keep (and reorder / repeat) sequences ``indices``. ``same_packed``: each new row comes from the same prompt
-        as the old row at its place (beams of one prompt), so only the full-precision part moves."""
-        segments = self.segments if same_packed else [seg.select(indices) for seg in self.segments]
-        return LayerStore(self.full.select(indices), segments, self.rotation)
+        as the old row at its place (beams of one prompt), so only the full-precision part moves (and the packed
+        segments too once appended tokens were packed into them)."""
+        moved = not same_packed or self.packed_appended  # beams' packed appended tokens differ
+        segments = [seg.select(indices) for seg in self.segments] if moved else self.segments
+        new = LayerStore(self.full.select(indices), segments, self.rotation, packing=self.packing)
+        new.appended_from, new.packed_appended = self.appended_from, self.packed_appended
+        return new
