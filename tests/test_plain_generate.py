@@ -253,3 +253,14 @@ def test_salient_tokens_on_the_plain_path_come_from_the_prompts_tail(tiny_tokeni
     full = cache.layers[0].store.full.length
     # sinks, salient tokens, the tail, the 5 tokens appended after the prefill; the rest of the context packed
     assert full == 4 + 4 + 16 + 5 and cache.layers[0].store.segments[0].num_tokens == 41 - 4
+
+
+def test_second_turn_after_prepare_inputs_needs_no_new_prepare(tiny_tokenizer):
+    """The chat habit on a prepared cache: the next turn is appended, as on the plain path (16 bits: DynamicCache)."""
+    model = make_tiny_llama()
+    prompt = prompt_of(40)
+    ours = CocktailCache(CocktailConfig(uniform_bits=16, backend="torch"))
+    inputs = ours.prepare_inputs(tiny_tokenizer, prompt, contexts=" ".join(prompt.split()[5:30]))
+    turn1, ref1 = gen(model, inputs, ours), gen(model, inputs, ref := DynamicCache())
+    turn2 = gen(model, _second_turn(turn1, tiny_tokenizer), ours)
+    assert torch.equal(turn2.sequences, gen(model, _second_turn(ref1, tiny_tokenizer), ref).sequences)
