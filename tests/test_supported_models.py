@@ -46,12 +46,27 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "Qwen2-MoE": ("qwen2_moe", {"num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 32}),
     "Qwen3": ("qwen3", {"head_dim": 16}),
     "Qwen3-MoE": ("qwen3_moe", {"head_dim": 16, "num_experts": 2, "num_experts_per_tok": 1}),
+    "Qwen3-Next": (
+        "qwen3_next",
+        {
+            "head_dim": 16,
+            "layer_types": ["linear_attention", "full_attention"],
+            "num_experts": 2,
+            "num_experts_per_tok": 1,
+            "moe_intermediate_size": 32,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+        },
+    ),
     "Phi-3": ("phi3", {}),
     "Gemma": ("gemma", {"head_dim": 16}),
     "Gemma 2": ("gemma2", {"head_dim": 16, "sliding_window": W, "layer_types": SF}),
     "Gemma 3": ("gemma3_text", {"head_dim": 16, "sliding_window": W, "layer_types": SF}),
     "VaultGemma": ("vaultgemma", {"head_dim": 16, "sliding_window": W, "layer_types": SF}),
     "OLMo 2": ("olmo2", {}),
+    "OLMo 3": ("olmo3", {"sliding_window": W, "layer_types": SF}),
     "Granite": ("granite", {}),
     "Granite-SWA": ("granite_swa", {"sliding_window": W, "layer_types": SF}),
     "StableLM": ("stablelm", {}),
@@ -62,6 +77,31 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "GLM-4": ("glm4", {}),
     "StarCoder2": ("starcoder2", {"sliding_window": None}),
     "EXAONE 4": ("exaone4", {"sliding_window": W, "layer_types": SF}),
+    "EXAONE-MoE": (
+        "exaone_moe",
+        {
+            "head_dim": 16,
+            "sliding_window": W,
+            "layer_types": SF,
+            "num_experts": 2,
+            "num_experts_per_tok": 1,
+            "moe_intermediate_size": 32,
+            "first_k_dense_replace": 1,
+        },
+    ),
+    "Kolibri": ("kolibri1", {"head_dim": 16, "sliding_window": W, "layer_types": SF}),
+    "Llama 4": (
+        "llama4_text",
+        {
+            "head_dim": 16,
+            "num_local_experts": 2,
+            "num_experts_per_tok": 1,
+            "intermediate_size_mlp": 96,
+            "layer_types": ["chunked_attention", "full_attention"],
+            "attention_chunk_size": W,
+            "no_rope_layers": [1, 0],
+        },
+    ),
     "gpt-oss": (
         "gpt_oss",
         {"head_dim": 16, "sliding_window": W, "layer_types": SF, "num_local_experts": 2, "num_experts_per_tok": 1},
@@ -77,6 +117,8 @@ def make_model(model_type: str, overrides: dict, attn: str, seed: int = 0):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type!r} models")
     config_cls = CONFIG_MAPPING[model_type]
     model_cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
     torch.manual_seed(seed)
