@@ -161,3 +161,17 @@ def test_exact_prefill_attention_in_query_blocks_equals_eager(monkeypatch, mask)
     truth = torch.stack([eager(q[b] * 1.0, k[b], v[b], 9, 0.4, sinks=sinks, softcap=SOFTCAP) for b in range(2)])
     torch.testing.assert_close(blocked, whole, rtol=1e-5, atol=1e-6)  # matmuls of other shapes: rounding only
     torch.testing.assert_close(whole.transpose(1, 2).double(), truth, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("q_scale", [0.01, 30.0, 100.0])
+@pytest.mark.parametrize("isa", ["avx2", "baseline"])
+def test_gemma2_cap_of_50_on_large_and_small_scores_keeps_fp32_precision(q_scale, isa):
+    """Gemma 2's soft-cap (50) where tanh saturates (scores in the hundreds) and where it is linear (tiny scores):
+    the fp32 builds stay within twice fp32 PyTorch's error (the vectorised tanh loses nothing measurable)."""
+    args, kv = make_case(**CASES["both_segments_gqa3_d64"])
+    args = (args[0] * q_scale, *args[1:])
+    query, *_, scaling = args
+    out = cpu_ops.split_precision_attention(*args, softcap=50.0, isa=isa)
+    truth = eager_batch(query, kv, scaling, torch.float64, softcap=50.0)
+    err_low = (eager_batch(query, kv, scaling, torch.float32, softcap=50.0).double() - truth).abs().max().item()
+    assert (out.double() - truth).abs().max().item() <= 2 * err_low + 1e-7
