@@ -175,7 +175,8 @@ def cocktail_attention_forward(module, query, key, value, attention_mask, scalin
     if claimed:
         _refuse_transformed_values(module, layer, value)
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
-    out = split_precision_attention(query, layer.store, scaling, layer.config.backend, sinks=sinks, softcap=softcap)
+    extras = {} if softcap is None and sinks is None else {"sinks": sinks, "softcap": softcap}
+    out = split_precision_attention(query, layer.store, scaling, layer.config.backend, **extras)
     return out.transpose(1, 2).contiguous(), None
 
 
