@@ -12,6 +12,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 
 import torch
 import transformers
@@ -116,3 +117,32 @@ def update_run_info(out_dir: str, started_at: str, invocation: dict, config: dic
         methods = {**info["config"].get("methods", {}), **config.get("methods", {})}
         info["config"] = {**config, "methods": methods}
     write_json(path, info)
+
+
+class Invocation:
+    """One run of a script into its results folder: the commit and the start time read when it starts (a commit
+    made mid-run is not the code that runs) and its entry in ``run_info.json``."""
+
+    def __init__(self, out_dir: str, module: str):
+        self.out_dir, self.module = out_dir, module
+        self.t_start = time.time()
+        self.commit = git_commit(exclude=out_dir)
+        self.started_at = now()
+
+    def deadline(self, minutes: float | None) -> float | None:
+        """When ``--stop-after-minutes`` stops starting new cases (``None``: never)."""
+        return self.t_start + 60 * minutes if minutes else None
+
+    def running(self, **extra) -> None:
+        """Record the invocation as it starts (a run killed later keeps its command and commit)."""
+        entry = {"command": command_line(self.module), "commit": self.commit, **extra, "status": "running"}
+        update_run_info(self.out_dir, self.started_at, entry)
+
+    def finished(self, unit: str, ran: int, todo: int, config: dict | None = None) -> None:
+        """Complete the record: the runtime, ``<unit>_processed``, and ``status`` "stopped" with ``<unit>_left``
+        where ``--stop-after-minutes`` left ``todo - ran`` of them."""
+        entry = {"runtime_s": round(time.time() - self.t_start, 1), f"{unit}_processed": ran, "finished_at": now()}
+        entry["status"] = "finished" if ran >= todo else "stopped"
+        if ran < todo:
+            entry[f"{unit}_left"] = todo - ran
+        update_run_info(self.out_dir, self.started_at, entry, config)

@@ -31,10 +31,11 @@ from hf_cocktail import offline_encoder_path
 from ..cli import UsageError, parse_float_list, parse_int_list
 from ..longbench.metrics import ENGLISH_TASKS
 from ..methods.registry import add_method_args, methods_from_args
-from ..models import DTYPES, load_model_and_tokenizer, resolve_model_path, set_threads
+from ..models import load_model_and_tokenizer, resolve_model_path, set_threads
 from ..paths import ESSAY_DIR, LONGBENCH_DIR
 from ..records import append_jsonl, check_settings, iter_jsonl, left_out_note, lock_out_dir
-from ..run_info import command_line, git_commit, now, update_run_info
+from ..run_info import Invocation
+from ..script_args import add_resume_args, check_script_args, script_parser
 from .cases import KldCase, longbench_cases, needle_cases
 from .measure import KldRunner
 from .report import write_reports
@@ -61,15 +62,8 @@ SETTINGS_KEYS = (
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=f"python -m {MODULE}",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--out-dir", required=True, help="results folder (resumable)")
-    p.add_argument("--model", default="smollm2", help="'smollm2' (offline GGUF wheel) or a Hub id / local folder")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    p.add_argument("--device-map", default=None)
+    p = script_parser(MODULE, __doc__.split("\n\n")[0])
+    add_resume_args(p, "case")
     add_method_args(p, DEFAULT_METHODS)
     p.add_argument(
         "--tasks",
@@ -103,23 +97,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="feed every cache token by token (default: one forward where that is equivalent)",
     )
-    p.add_argument("--encoder", default=None, help="retrieval encoder (default: the offline all-MiniLM-L6-v2)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per process (default: cores/workers)")
     p.add_argument(
         "--workers",
         type=int,
         default=1,
         help="worker processes (cases dealt round-robin; the main process writes every file)",
     )
-    p.add_argument(
-        "--stop-after-minutes",
-        type=float,
-        default=None,
-        help="start no new case after this many minutes (the report covers the finished cases; the same "
-        "command resumes)",
-    )
-    p.add_argument("--report-only", action="store_true", help="rewrite the summary from the records, run nothing")
-    p.add_argument("--no-progress", action="store_true")
     return p
 
 
@@ -151,10 +134,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         )
     if args.tail_tokens < 0:
         raise UsageError(f"--tail-tokens must be >= 0, got {args.tail_tokens}")
-    if args.stop_after_minutes is not None and args.stop_after_minutes <= 0:
-        raise UsageError(f"--stop-after-minutes must be > 0, got {args.stop_after_minutes}")
-    if args.threads is not None and args.threads < 1:
-        raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    check_script_args(args)
     if args.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")
     if args.task_list and not os.path.isdir(args.data_dir):
@@ -229,11 +209,10 @@ def describe(args, cases: list[KldCase]) -> str:
 
 
 def run_cases(
-    args, argv: list[str], model, tok, encoder: str, todo: list, rec_path: str, done: dict, t_start: float
+    args, argv: list[str], model, tok, encoder: str, todo: list, rec_path: str, done: dict, deadline: float | None
 ) -> int:
     """Measure the pending cases in order (in ``--workers`` processes), appending a record per (case, method); no
     new case starts after ``--stop-after-minutes``. Returns the number of cases finished."""
-    deadline = t_start + 60 * args.stop_after_minutes if args.stop_after_minutes else None
     bar = tqdm(total=len(todo), desc="kld", disable=args.no_progress, dynamic_ncols=True)
 
     def on_record(rec: dict) -> None:
@@ -279,9 +258,7 @@ def load_tokenizer(name: str):
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    t_start = time.time()
-    commit = git_commit(exclude=args.out_dir)  # the code that runs (read now: a commit made mid-run is not it)
-    started_at = now()
+    run = Invocation(args.out_dir, MODULE)
     set_threads(args.workers, args.threads)
     encoder = args.encoder or offline_encoder_path()
     check_settings(args.out_dir, settings_of(args, encoder), SETTINGS_KEYS)
@@ -297,10 +274,8 @@ def main(argv=None) -> int:
     todo = [(c, ms) for c, ms in todo if ms]
     ran = 0
     if not args.report_only:
-        update_run_info(
-            args.out_dir, started_at, {"command": command_line(MODULE), "commit": commit, "status": "running"}
-        )
-        ran = run_cases(args, argv, model, tok, encoder, todo, rec_path, done, t_start)
+        run.running()
+        ran = run_cases(args, argv, model, tok, encoder, todo, rec_path, done, run.deadline(args.stop_after_minutes))
         if ran < len(todo):
             print(
                 f"stopped after {ran} of {len(todo)} cases (--stop-after-minutes {args.stop_after_minutes:g}); "
@@ -313,12 +288,5 @@ def main(argv=None) -> int:
     if note := left_out_note(done, names):
         print(note)
     if not args.report_only:
-        finished = {
-            "runtime_s": round(time.time() - t_start, 1),
-            "cases_processed": ran,
-            "finished_at": now(),
-            "status": "finished" if ran == len(todo) else "stopped",
-            "cases_left": len(todo) - ran,
-        }
-        update_run_info(args.out_dir, started_at, finished, run_config(args, encoder))
+        run.finished("cases", ran, len(todo), run_config(args, encoder))
     return 0

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from dataclasses import dataclass
 
 from tqdm.auto import tqdm
@@ -30,11 +29,12 @@ from hf_cocktail import offline_encoder_path
 
 from ..cli import UsageError
 from ..methods.registry import add_method_args, methods_from_args
-from ..models import DTYPES, load_model_and_tokenizer, set_threads
+from ..models import load_model_and_tokenizer, set_threads
 from ..paths import LONGBENCH_DIR
 from ..records import check_settings, lock_out_dir
-from ..run_info import command_line, git_commit, now, update_run_info
+from ..run_info import Invocation
 from ..runner import CaseRunner
+from ..script_args import check_script_args, script_parser
 from .data import example_ids, load_config, load_task_rows
 from .metrics import ENGLISH_TASKS, metric_for
 from .predictions import append_part, prediction_record, read_records
@@ -71,15 +71,7 @@ def parse_task_ints(spec: str | None, name: str) -> dict[str, int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=f"python -m {MODULE}",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--out-dir", required=True, help="results folder (resumable)")
-    p.add_argument("--model", default="smollm2", help="'smollm2' (offline GGUF wheel) or a Hub id / local folder")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    p.add_argument("--device-map", default=None, help="e.g. 'auto' to spread a big model over the devices")
+    p = script_parser(MODULE, __doc__.split("\n\n")[0])
     p.add_argument(
         "--data-dir",
         default=os.path.join(LONGBENCH_DIR, "minilongbench"),
@@ -101,10 +93,7 @@ def _parser() -> argparse.ArgumentParser:
         help="per-task caps on the new tokens below dataset2maxlen, e.g. 'gov_report=128'",
     )
     p.add_argument("--no-chat", action="store_true", help="never apply the chat template")
-    p.add_argument("--encoder", default=None, help="retrieval encoder (default: the offline all-MiniLM-L6-v2)")
     add_method_args(p, DEFAULT_METHODS)
-    p.add_argument("--threads", type=int, default=None, help="torch threads per process (default: cores/processes)")
-    p.add_argument("--no-progress", action="store_true")
     return p
 
 
@@ -114,8 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise UsageError(f"--window must be >= 64, got {args.window}")
     if args.limit is not None and args.limit < 1:
         raise UsageError(f"--limit must be >= 1, got {args.limit}")
-    if args.threads is not None and args.threads < 1:
-        raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    check_script_args(args)
     args.task_list = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not args.task_list:
         raise UsageError("--tasks is empty")
@@ -201,9 +189,7 @@ def run_config(args, encoder: str, max_new: dict[str, int]) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    t_start = time.time()
-    commit = git_commit(exclude=args.out_dir)  # the code that runs (read now: a commit made mid-run is not it)
-    started_at = now()
+    run = Invocation(args.out_dir, MODULE)
     state = process_state()
     set_threads(state.num_processes, args.threads)
     encoder = args.encoder or offline_encoder_path()
@@ -220,16 +206,7 @@ def main(argv=None) -> int:
     if state.is_main_process:
         lock = lock_out_dir(args.out_dir)  # noqa: F841 (held until the process exits)
         check_settings(args.out_dir, settings, SETTINGS_KEYS)
-        update_run_info(
-            args.out_dir,
-            started_at,
-            {
-                "command": command_line(MODULE),
-                "commit": commit,
-                "num_processes": state.num_processes,
-                "status": "running",
-            },
-        )
+        run.running(num_processes=state.num_processes)
     state.wait_for_everyone()
     if not state.is_main_process:
         check_settings(args.out_dir, settings, SETTINGS_KEYS)
@@ -242,17 +219,7 @@ def main(argv=None) -> int:
     if state.is_main_process:
         methods = [m.name for m in args.method_list]
         write_reports(args.out_dir, args.task_list, methods, score_run(args.out_dir, args.task_list, methods, data.ids))
-        update_run_info(
-            args.out_dir,
-            started_at,
-            {
-                "runtime_s": round(time.time() - t_start, 1),
-                "examples_processed": len(work),
-                "finished_at": now(),
-                "status": "finished",
-            },
-            run_config(args, encoder, data.max_new),
-        )
+        run.finished("examples", len(work), len(work), run_config(args, encoder, data.max_new))
         if not args.no_progress:
             with open(os.path.join(args.out_dir, "summary.md"), encoding="utf-8") as f:
                 print(f.read())

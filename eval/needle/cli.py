@@ -37,11 +37,12 @@ from ..cli import UsageError, parse_float_list, parse_int_list
 from ..essays import load_essays
 from ..methods.kinds import Request
 from ..methods.registry import add_method_args, methods_from_args
-from ..models import DTYPES, load_model_and_tokenizer, resolve_model_path, set_threads
+from ..models import load_model_and_tokenizer, resolve_model_path, set_threads
 from ..paths import ESSAY_DIR
 from ..records import append_jsonl, check_settings, iter_jsonl, left_out_note, lock_out_dir
-from ..run_info import command_line, git_commit, now, update_run_info
+from ..run_info import Invocation
 from ..runner import CaseRunner, Outcome
+from ..script_args import add_resume_args, check_script_args, script_parser
 from . import ruler
 from .cases import NEEDLE, QUESTION, build_prompt, case_key, make_case, needle_chunk_bits
 from .report import write_reports
@@ -54,15 +55,8 @@ RULER_TASK = "ruler-niah"  # settings "task" of a RULER-style folder (None: the 
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=f"python -m {MODULE}",
-        description="Needle in a haystack (Paul Graham essays) per KV-cache method",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--out-dir", required=True)
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    p.add_argument("--device-map", default=None)
+    p = script_parser(MODULE, "Needle in a haystack (Paul Graham essays) per KV-cache method")
+    add_resume_args(p, "case")
     p.add_argument("--essay-dir", default=ESSAY_DIR)
     p.add_argument(
         "--variant",
@@ -95,23 +89,12 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help=f"default 16, with --variant {ruler.TOKENS_TO_GENERATE} (RULER's)",
     )
-    p.add_argument("--encoder", default=None)
-    p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--raw-prompt",
         action="store_true",
         help="haystack first, no instruction or chat template (the attention-sink study)",
     )
-    p.add_argument(
-        "--stop-after-minutes",
-        type=float,
-        default=None,
-        help="start no new case after this many minutes; the reports cover the finished cases and the "
-        "same command resumes",
-    )
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--report-only", action="store_true", help="rewrite the reports from the records, run nothing")
     return p
 
 
@@ -142,8 +125,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise UsageError(f"--samples must be >= 1, got {args.samples}")
     if args.max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be >= 1")
-    if args.stop_after_minutes is not None and args.stop_after_minutes <= 0:
-        raise UsageError(f"--stop-after-minutes must be > 0, got {args.stop_after_minutes}")
+    check_script_args(args)
     return args
 
 
@@ -299,9 +281,7 @@ def run_config(args, methods, encoder: str) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    t_start = time.time()
-    commit = git_commit(exclude=args.out_dir)  # the code that runs (read now: a commit made mid-run is not it)
-    started_at = now()
+    run = Invocation(args.out_dir, MODULE)
     methods = methods_from_args(args)
     essays = load_essays(args.essay_dir)
     set_threads(1, args.threads)
@@ -311,9 +291,7 @@ def main(argv=None) -> int:
     check_resume_settings(args)
     lock = lock_out_dir(args.out_dir)  # noqa: F841 (held until the process exits)
     if not args.report_only:
-        update_run_info(
-            args.out_dir, started_at, {"command": command_line(MODULE), "commit": commit, "status": "running"}
-        )
+        run.running()
     rec_path = os.path.join(args.out_dir, "records.jsonl")
     done = read_done(rec_path)
     if args.variant_list:
@@ -325,7 +303,7 @@ def main(argv=None) -> int:
         key = case_key
     todo = [(c, [m for m in methods if (key(*c), m.name) not in done]) for c in cases]
     todo = [(c, ms) for c, ms in todo if ms]
-    deadline = t_start + 60 * args.stop_after_minutes if args.stop_after_minutes else None
+    deadline = run.deadline(args.stop_after_minutes)
     ran = (
         (run_ruler_cases if args.variant_list else run_cases)(args, todo, essays, encoder, rec_path, done, deadline)
         if todo and not args.report_only
@@ -352,15 +330,6 @@ def main(argv=None) -> int:
         )
     if note := left_out_note(done, [m.name for m in methods]):
         print(note)
-    if args.report_only:
-        return 0
-    finished = {
-        "runtime_s": round(time.time() - t_start, 1),
-        "cases_processed": ran,
-        "finished_at": now(),
-        "status": "finished",
-    }
-    if ran < len(todo):
-        finished.update(status="stopped", cases_left=len(todo) - ran)
-    update_run_info(args.out_dir, started_at, finished, run_config(args, methods, encoder))
+    if not args.report_only:
+        run.finished("cases", ran, len(todo), run_config(args, methods, encoder))
     return 0

@@ -26,10 +26,11 @@ from hf_cocktail import offline_encoder_path
 
 from ..cli import UsageError
 from ..methods.registry import add_method_args, methods_from_args
-from ..models import DTYPES, load_model_and_tokenizer, resolve_model_path, set_threads
+from ..models import load_model_and_tokenizer, resolve_model_path, set_threads
 from ..paths import ESSAY_DIR
 from ..records import append_jsonl, check_settings, iter_jsonl, lock_out_dir
-from ..run_info import command_line, git_commit, now, update_run_info
+from ..run_info import Invocation
+from ..script_args import add_resume_args, check_script_args, script_parser
 from .measure import PplRunner
 from .report import write_reports
 from .windows import SOURCES, Window, make_windows, source_text
@@ -40,14 +41,8 @@ SETTINGS_KEYS = ("model", "dtype", "context", "lead", "continuation", "encoder")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=f"python -m {MODULE}",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--out-dir", required=True, help="results folder (resumable)")
-    p.add_argument("--model", default="smollm2", help="an offline model (smollm2, gemma-3-270m) or a Hub id / folder")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p = script_parser(MODULE, __doc__.split("\n\n")[0])
+    add_resume_args(p, "window")
     add_method_args(p, DEFAULT_METHODS)
     p.add_argument("--sources", default=",".join(SOURCES), help=f"comma-separated, from {SOURCES}")
     p.add_argument("--windows", type=int, default=8, help="windows per source (evenly spaced, non-overlapping)")
@@ -56,11 +51,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--continuation", type=int, default=129, help="continuation tokens (the first is not scored)")
     p.add_argument("--essay-dir", default=ESSAY_DIR)
     p.add_argument("--wikitext-file", default=None, help="default: ../shared/data/wikitext2/wiki.test.raw")
-    p.add_argument("--encoder", default=None, help="retrieval encoder (default: the offline all-MiniLM-L6-v2)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
-    p.add_argument("--stop-after-minutes", type=float, default=None, help="start no new window after this")
-    p.add_argument("--report-only", action="store_true", help="rewrite the summary from the records, run nothing")
-    p.add_argument("--no-progress", action="store_true")
     return p
 
 
@@ -74,10 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name, low in (("windows", 1), ("context", 64), ("lead", 1), ("continuation", 2)):
         if getattr(args, name) < low:
             raise UsageError(f"--{name} must be >= {low}, got {getattr(args, name)}")
-    if args.threads is not None and args.threads < 1:
-        raise UsageError(f"--threads must be >= 1, got {args.threads}")
-    if args.stop_after_minutes is not None and args.stop_after_minutes <= 0:
-        raise UsageError(f"--stop-after-minutes must be > 0, got {args.stop_after_minutes}")
+    check_script_args(args)
     return args
 
 
@@ -118,8 +105,7 @@ def describe(args) -> str:
     )
 
 
-def run_windows(args, model, tok, encoder, todo, rec_path, done, t_start) -> int:
-    deadline = t_start + 60 * args.stop_after_minutes if args.stop_after_minutes else None
+def run_windows(args, model, tok, encoder, todo, rec_path, done, deadline: float | None) -> int:
     runner = PplRunner(model, tok, encoder)
     ran = 0
     for window, methods in tqdm(todo, desc="ppl", disable=args.no_progress, dynamic_ncols=True):
@@ -135,47 +121,36 @@ def run_windows(args, model, tok, encoder, todo, rec_path, done, t_start) -> int
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    t_start, started_at = time.time(), now()
-    commit = git_commit(exclude=args.out_dir)
+    run = Invocation(args.out_dir, MODULE)
     set_threads(1, args.threads)
     encoder = args.encoder or offline_encoder_path()
     check_settings(args.out_dir, settings_of(args, encoder), SETTINGS_KEYS)
     lock = lock_out_dir(args.out_dir)  # held until the run ends
     try:
-        return _run(args, encoder, commit, started_at, t_start)
+        return _run(args, encoder, run)
     finally:
         if lock is not None:
             lock.close()
 
 
-def _run(args, encoder: str, commit: str, started_at: str, t_start: float) -> int:
+def _run(args, encoder: str, run: Invocation) -> int:
     rec_path = os.path.join(args.out_dir, "records.jsonl")
     done = {(r["window"], r["method"]): r for r in iter_jsonl(rec_path)} if os.path.isfile(rec_path) else {}
     if args.report_only:  # the tokenizer cuts the windows; no model
         model, tok = None, AutoTokenizer.from_pretrained(resolve_model_path(args.model), use_fast=True)
     else:
-        model, tok = load_model_and_tokenizer(args.model, args.dtype, "cocktail")
+        model, tok = load_model_and_tokenizer(args.model, args.dtype, "cocktail", args.device_map)
     windows = build_windows(args, tok)
     todo = [(w, [m for m in args.method_list if (w.key, m.name) not in done]) for w in windows]
     todo = [(w, ms) for w, ms in todo if ms]
     ran = 0
     if not args.report_only:
-        update_run_info(
-            args.out_dir, started_at, {"command": command_line(MODULE), "commit": commit, "status": "running"}
-        )
-        ran = run_windows(args, model, tok, encoder, todo, rec_path, done, t_start)
+        run.running()
+        ran = run_windows(args, model, tok, encoder, todo, rec_path, done, run.deadline(args.stop_after_minutes))
     names = [m.name for m in args.method_list]
     keys = {w.key for w in windows}
     records = [r for (k, m), r in done.items() if k in keys and m in names]
     print(write_reports(args.out_dir, records, names, describe(args)))
     if not args.report_only:
-        finished = {
-            "runtime_s": round(time.time() - t_start, 1),
-            "windows_processed": ran,
-            "finished_at": now(),
-            "status": "finished" if ran == len(todo) else "stopped",
-            "windows_left": len(todo) - ran,
-        }
-        config = {"methods": {m.name: m.config_dict(encoder) for m in args.method_list}}
-        update_run_info(args.out_dir, started_at, finished, config)
+        run.finished("windows", ran, len(todo), {"methods": {m.name: m.config_dict(encoder) for m in args.method_list}})
     return 0
