@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Callable
 
 from tqdm.auto import tqdm
 
@@ -171,29 +172,6 @@ def case_record(case: dict, prompt: str, kw: dict, out: Outcome, tok) -> dict:
     }
 
 
-def _out_of_time(deadline: float | None) -> bool:
-    return deadline is not None and time.time() > deadline
-
-
-def run_cases(
-    args, todo: list, essays: list[str], encoder: str, rec_path: str, done: dict, deadline: float | None = None
-) -> int:
-    """The passcode cases of ``todo``, until ``deadline`` (checked before each case); returns how many ran."""
-    model, tok = load_model_and_tokenizer(args.model, args.dtype, "cocktail", args.device_map)
-    runner = CaseRunner(model, tok, encoder)
-    for n, ((L, d, s), methods) in enumerate(tqdm(todo, desc="needle", disable=args.no_progress, dynamic_ncols=True)):
-        if _out_of_time(deadline):
-            return n
-        case = make_case(tok, essays, L, d, s, args.seed)
-        prompt, kw = build_prompt(tok, case["context"], raw=args.raw_prompt)
-        request = Request(prompt, case["context"], QUESTION, case_key(L, d, s), kw)
-        for out in runner.run(request, methods, args.max_new_tokens):
-            rec = case_record(case, prompt, kw, out, tok)
-            append_jsonl(rec_path, rec)
-            done[(rec["case"], rec["method"])] = rec
-    return len(todo)
-
-
 def ruler_record(case: dict, out: Outcome, tok) -> dict:
     """The record of one method on one RULER-style case; ``score`` is RULER's string_match_all."""
     prompt, kw, cache = case["prompt"], case["tokenizer_kwargs"], out.branch.cache
@@ -234,21 +212,36 @@ def ruler_record(case: dict, out: Outcome, tok) -> dict:
     }
 
 
-def run_ruler_cases(
+def passcode_case(args, tok, essays: list[str], L: int, d: float, s: int) -> tuple[Request, Callable]:
+    """The passcode case ``(L, d, s)``: its request and the function that makes a method's record of it."""
+    case = make_case(tok, essays, L, d, s, args.seed)
+    prompt, kw = build_prompt(tok, case["context"], raw=args.raw_prompt)
+    request = Request(prompt, case["context"], QUESTION, case_key(L, d, s), kw)
+    return request, lambda out: case_record(case, prompt, kw, out, tok)
+
+
+def ruler_case(args, tok, essays: list[str], v: str, L: int, s: int) -> tuple[Request, Callable]:
+    """The RULER-style case ``(v, L, s)``: its request and the function that makes a method's record of it."""
+    case = ruler.make_case(tok, essays, v, L, s, args.seed)
+    key = ruler.case_key(v, L, s)
+    request = Request(case["prompt"], case["context"], case["question"], key, case["tokenizer_kwargs"])
+    return request, lambda out: ruler_record(case, out, tok)
+
+
+def run_cases(
     args, todo: list, essays: list[str], encoder: str, rec_path: str, done: dict, deadline: float | None = None
 ) -> int:
-    """The RULER-style cases of ``todo``, until ``deadline`` (checked before each case); returns how many ran."""
+    """The cases of ``todo`` (RULER-style with ``--variant``, else passcode), until ``deadline`` (checked before
+    each case); returns how many ran."""
     model, tok = load_model_and_tokenizer(args.model, args.dtype, "cocktail", args.device_map)
     runner = CaseRunner(model, tok, encoder)
-    for n, ((v, L, s), methods) in enumerate(tqdm(todo, desc="ruler", disable=args.no_progress, dynamic_ncols=True)):
-        if _out_of_time(deadline):
+    make, desc = (ruler_case, "ruler") if args.variant_list else (passcode_case, "needle")
+    for n, (key, methods) in enumerate(tqdm(todo, desc=desc, disable=args.no_progress, dynamic_ncols=True)):
+        if deadline is not None and time.time() > deadline:
             return n
-        case = ruler.make_case(tok, essays, v, L, s, args.seed)
-        request = Request(
-            case["prompt"], case["context"], case["question"], ruler.case_key(v, L, s), case["tokenizer_kwargs"]
-        )
+        request, record_of = make(args, tok, essays, *key)
         for out in runner.run(request, methods, args.max_new_tokens):
-            rec = ruler_record(case, out, tok)
+            rec = record_of(out)
             append_jsonl(rec_path, rec)
             done[(rec["case"], rec["method"])] = rec
     return len(todo)
@@ -304,11 +297,7 @@ def main(argv=None) -> int:
     todo = [(c, [m for m in methods if (key(*c), m.name) not in done]) for c in cases]
     todo = [(c, ms) for c, ms in todo if ms]
     deadline = run.deadline(args.stop_after_minutes)
-    ran = (
-        (run_ruler_cases if args.variant_list else run_cases)(args, todo, essays, encoder, rec_path, done, deadline)
-        if todo and not args.report_only
-        else 0
-    )
+    ran = run_cases(args, todo, essays, encoder, rec_path, done, deadline) if todo and not args.report_only else 0
     if ran < len(todo) and not args.report_only:
         print(
             f"stopped after {ran} of {len(todo)} cases (--stop-after-minutes {args.stop_after_minutes:g}); the "
