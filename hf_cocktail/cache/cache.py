@@ -385,7 +385,7 @@ class CocktailCache(CacheLifecycles, HybridStates, Cache):
         :func:`hf_cocktail.cache.reports.memory_report`)."""
         copies = [layer.context_copy for layer in self._cocktail_layers() if layer.context_copy is not None]
         natives = [layer for layer in self.layers if not isinstance(layer, CocktailLayer)]
-        native = [t for layer in natives for t in reports.object_tensors(layer)]
+        native = [t for n in natives for t in reports.object_tensors(n)] + layout.hybrid_state_tensors(self.layers)
         stores = self._stores()
         rep = reports.memory_report(
             stores,

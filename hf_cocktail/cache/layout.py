@@ -88,6 +88,17 @@ def holds_states(layer: Any) -> bool:
     )
 
 
+def hybrid_state_tensors(layers: list) -> list[torch.Tensor]:
+    """The state tensors (conv, recurrent, the length counter) that the :class:`HybridCocktailLayer` s among
+    ``layers`` hold beside their stores: bytes held, as the model's own layers' states are."""
+    out: list[torch.Tensor] = []
+    for layer in layers:
+        if isinstance(layer, HybridCocktailLayer):
+            states = [*layer.conv_states.values(), *layer.recurrent_states.values(), layer.cumulative_length_linear]
+            out += [t for t in states if isinstance(t, torch.Tensor)]
+    return out
+
+
 def native_nbytes(layer: Any, fp16: bool = False) -> int:
     """Bytes held by a native layer's key/value tensors (``fp16``: counted at 2 bytes per element)."""
     total = 0
