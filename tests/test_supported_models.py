@@ -237,3 +237,16 @@ def test_cpm_ant_is_refused_saying_why(tiny_tokenizer):
     cache = CocktailCache(CocktailConfig(chunk_size=8, group_size=16, uniform_bits=16), encoder=FakeEncoder())
     with pytest.raises(ValueError, match="does not support CPM-Ant: its forward puts its own prompt tokens"):
         generate(model, tiny_tokenizer, cache, prompt, ctx, q)
+
+
+def test_rotation_matrices_of_wide_heads_are_built_once_and_shared(tiny_tokenizer):
+    """Gemma 4's global layers have head dim 512: their rotation matrices (1 MiB per key/value head in fp32) are
+    built once per (heads, head dim, seed, device) in the process and shared by every layer and every cache."""
+    prompt, ctx, q = make_prompt(40)
+    model = make_model("llama", {"head_dim": 512, "num_attention_heads": 2, "num_key_value_heads": 1}, "cocktail")
+    caches = [CocktailCache(CocktailConfig.recommended(), encoder=FakeEncoder()) for _ in range(2)]
+    for cache in caches:
+        generate(model, tiny_tokenizer, cache, prompt, ctx, q)
+    mats = {id(layer.store.rotation.keys) for cache in caches for layer in cache.layers}
+    assert len(mats) == 1  # one tensor for 2 layers x 2 caches
+    assert caches[0].memory_report()["rotation_bytes"] == 512 * 512 * 4  # one head's matrix, counted once per cache
