@@ -164,8 +164,8 @@ QUESTIONS = (
     Question(
         "calibrate_search",
         "Chunk search on top of calibrated widths, at low byte targets",
-        "`eval.calibrate_search --targets 0.20,0.15`: the best setting with and without Cocktail's chunk search "
-        "(`python -m hf_cocktail.calibrate --search`), on held-out texts.",
+        "`eval.calibrate_search --targets 0.20,0.15` (left at `78ae457`): the best setting with and without "
+        "Cocktail's chunk search (`python -m hf_cocktail.calibrate --search`), on held-out texts.",
         (Report("gemma-3-270m/summary.md"), Report("smollm2-135m-instruct/summary.md")),
     ),
     Question(

@@ -167,22 +167,6 @@ def test_longbench_report(tmp_path, drawn):
     _check_plot(drawn)
 
 
-def test_calibrate_search_report(tmp_path, drawn):
-    from eval.calibrate_search import plot, summary
-
-    def cand(name, kind, ratio, kld):
-        return {"name": name, "kind": kind, "fits": True, "quantized_ratio": ratio, "kld": kld}
-
-    caps, search = "caps2.4_f8_sal1", "search_bm25_l2_caps2.9_t3.52_f8_sal1"
-    results = {"0.2": {"candidates": [cand(caps, "caps", 0.19, 0.005), cand(search, "search", 0.2, 0.008),
-                                      cand("uniform INT4", "baseline", 0.34, 0.0003)]}}  # fmt: skip
-    md = summary(results)
-    for name in (caps, search):
-        assert label(name) != name and method_heading(name) in md and not _bare(name, md.replace(f"`{name}`", ""))
-    plot(results, str(tmp_path / "kld_vs_bytes.png"))
-    assert any("per-layer caps" in t for t in drawn) and not [t for t in drawn if t.startswith(("caps ", "search "))]
-
-
 def _latency_row(m: str) -> dict:
     return {"context_tokens": 1000, "method": m, "dtype": "float32", "prefill_s": 1.0, "decode_ms_per_token": 50.0}
 
