@@ -106,9 +106,9 @@ SETTINGS = (
 
 
 def model_cases() -> list[Case]:
-    """Model-shaped decode: every model x every setting in bf16 at L_q 1, fp16 once, L_q 4 once (speculative
-    decoding), 0 and 1 segments once; gpt-oss-20b's sinks (D 64, 8 KV heads, GQA 8) and Gemma 2 9B's soft-capping
-    (D 256, 8 KV heads, GQA 2, cap 50)."""
+    """Model-shaped decode: every model x every setting in bf16 at L_q 1, fp16 once, L_q 4 plain and with the 8-bit
+    formats (speculative decoding), 0 and 1 segments once; gpt-oss-20b's sinks (D 64, 8 KV heads, GQA 8) and
+    Gemma 2 9B's soft-capping (D 256, 8 KV heads, GQA 2, cap 50)."""
     out = []
     for name, D, H_kv, n_rep in MODELS:
         base: dict[str, Any] = dict(D=D, H_kv=H_kv, n_rep=n_rep, model_shaped=True)
@@ -116,6 +116,7 @@ def model_cases() -> list[Case]:
             out.append(Case(name, segs=segs, p8=p8, f8=f8, **base))
         out.append(Case(name, dtype=torch.float16, p8=True, f8=True, **base))
         out.append(Case(name, L_q=4, **base))
+        out.append(Case(name, L_q=4, p8=True, f8=True, **base))
         out.append(Case(name, segs=(), **base))
         out.append(Case(name, segs=((4, 4),), p8=True, f8=True, **base))
     for p8 in (False, True):

@@ -21,6 +21,8 @@ from .launch import Launch
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 _TILE = 4096  # elements of one (tokens x channels) tile held in registers
+# launches cap registers at 128 per thread (maxnreg): uncapped, ptxas spilled 8 B in the fp32 value kernel on sm_80
+# at 80 registers (python -m triton_ops.aot)
 
 
 @triton.jit
@@ -231,7 +233,7 @@ def plan_quantize_keys(k: torch.Tensor, bits: int, chunk_size: int, scale_dtype:
         (H, M),
         (k, codes, scale, zero, N, chunk_size, k.stride(0), k.stride(1), M),
         dict(D=D, BLOCK_D=block_d, BLOCK_T=block_t, BITS=bits, SD=_TL_DTYPES[scale_dtype]),
-        options=dict(enable_fp_fusion=False),
+        options=dict(enable_fp_fusion=False, maxnreg=128),
     )
     return launch, codes, scale, zero
 
@@ -278,6 +280,6 @@ def plan_quantize_values(v: torch.Tensor, bits: int, group_size: int, scale_dtyp
         (H, triton.cdiv(N, block_n)),
         (v, codes, scale, zero, N, v.stride(0), v.stride(1)),
         dict(D=D, G=group_size, NG_P=ng_p, BLOCK_N=block_n, BITS=bits, SD=_TL_DTYPES[scale_dtype]),
-        options=dict(enable_fp_fusion=False),
+        options=dict(enable_fp_fusion=False, maxnreg=128),
     )
     return launch, codes, scale, zero
