@@ -238,6 +238,9 @@ class CocktailLayer(CacheLayerMixin):
             16 if self.all_full else cfg.full_part_bits,
         )
         self.store.packing = self._appended_packing(quantize_k, quantize_v, cfg.torch_scale_dtype(k.dtype))
+        # the prefill's tokens past the cache's prompt_len age like appended ones: the prompt's tail without
+        # prepare_inputs (the full part's last residual_tokens), assisted decoding's first candidates with it
+        self.store.appended_from -= max(0, k.shape[2] - self.cache.prompt_len)
         attach_fused_writer(self.store, cfg.backend)
         if cfg.keep_context_copy and self.context_copy is None:
             end = max(p.ctx_end for p in plans)
