@@ -16,7 +16,7 @@ from hf_cocktail.integration.compat import cache_kwargs
 from hf_cocktail.storage.generated import CHUNK_FIELDS, TOKEN_FIELDS, insert_chunks, split_before_tails
 from hf_cocktail.storage.store import PackedSegment
 
-from .conftest import FakeEncoder, make_prompt, make_tiny_llama, random_text
+from .conftest import FakeEncoder, make_prompt, make_tiny_llama, random_text, two_question_document
 from .test_memory import reachable_bytes
 
 SMALL = dict(chunk_size=8, group_size=16, residual_tokens=8)  # packs every 8 tokens past 16 appended
@@ -281,3 +281,22 @@ def test_long_generation_bytes_stay_below_the_issue_bar(tiny_tokenizer):
     assert rep["total_bytes"] == reachable_bytes(cache)
     assert rep["appended_packed_tokens"] == 1536 - 160  # the rest in the residual window (128 to 159 tokens)
     assert rep["ratio_to_fp16"] <= 0.40, rep["ratio_to_fp16"]
+
+
+def test_requery_after_packing_equals_a_fresh_run(tiny_tokenizer):
+    """``requery`` drops the store with its packed generated tokens and re-packs the document from the CPU copy:
+    the next generation (packing again) gives what a fresh cache gives on the new question."""
+    model = make_tiny_llama()
+    ctx, (p1, q1), (p2, q2) = two_question_document()
+    config = small(keep_context_copy=True)
+    cache = CocktailCache(config, encoder=FakeEncoder())
+    gen = dict(do_sample=False, max_new_tokens=40, min_new_tokens=40)
+    model.generate(
+        **cache.prepare_inputs(tiny_tokenizer, p1, contexts=ctx, queries=q1), **cache_kwargs(model, cache), **gen
+    )
+    assert cache.layers[0].store.packed_appended > 0
+    inputs = cache.requery(tiny_tokenizer, p2, q2)
+    out = model.generate(**inputs, **cache_kwargs(model, cache), **gen)
+    fresh, fcache = _generate(model, tiny_tokenizer, small(), [(p2, ctx, q2)], max_new_tokens=40, min_new_tokens=40)
+    assert torch.equal(out[:, inputs["input_ids"].shape[1] :], fresh)
+    assert cache.layers[0].store.packed_appended == fcache.layers[0].store.packed_appended > 0

@@ -20,9 +20,16 @@ the PyTorch path; plain names use ``backend="auto"``, the fused CPU kernel on CP
     python -m eval.benchmarks.bench_latency --contexts 1024,2048,4096,8192 --methods fp16,cocktail,int4,int2,kivi2
     python -m eval.benchmarks.bench_latency --contexts 8000 --methods fp16,cocktail,recommended,int2,hqq4,quanto4 \
         --rounds 5 --steps-per-round 8 --threads 2 --no-ablation --out eval/results/bench_latency_rounds_8k.json
+
+``--unpacked-twins`` (with ``--rounds``) adds ``NAME_unpacked`` beside every Cocktail method: the same config with
+``residual_tokens`` beyond any generation, so generated tokens stay in the full part as before they were packed
+(issue 44); ``--warmup-steps`` past ``residual_tokens + chunk_size`` (160 by default) times the packed methods with
+packing under way (one pack per ``chunk_size`` steps).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from tqdm.auto import tqdm
@@ -30,6 +37,7 @@ from tqdm.auto import tqdm
 from ..cli import run_cli
 from ..essays import essay_prefix
 from ..kv_bytes import cache_kv_bytes, fp16_kv_bytes
+from ..methods.kinds import CocktailMethod
 from ..models import load_model_and_tokenizer, set_threads
 from ..reporting import METHOD_COLUMNS, METHOD_RULE, method_cells
 from .harness import measure, parse_args, ratio, run, save, with_fp16_baseline
@@ -131,8 +139,31 @@ def run_rounds(args) -> tuple[list[dict], object, object]:
     return results, model, tok
 
 
+NEVER_PACKED = 10**9  # residual_tokens of the unpacked twins: beyond any generation
+
+
+def unpacked_twins(methods: list) -> list:
+    """``methods`` with ``NAME_unpacked`` after every Cocktail method (``residual_tokens`` = :data:`NEVER_PACKED`)."""
+    out = []
+    for m in methods:
+        out.append(m)
+        if isinstance(m, CocktailMethod):
+            overrides = {**m.overrides, "residual_tokens": NEVER_PACKED}
+            out.append(
+                dataclasses.replace(
+                    m,
+                    name=f"{m.name}_unpacked",
+                    description=f"{m.description} [never packs generated tokens]",
+                    overrides=overrides,
+                )
+            )
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv, MODULE, __doc__.split("\n\n")[0], rounds=True)
+    if args.unpacked_twins:
+        args.method_list = unpacked_twins(args.method_list)
     if args.rounds:
         results, model, tok = run_rounds(args)
         table = rounds_table(results)

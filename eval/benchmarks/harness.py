@@ -86,6 +86,12 @@ def parse_args(
         p.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps per method first")
         p.add_argument("--no-ablation", action="store_true", help="skip the no-reorder ablation")
         p.add_argument(
+            "--unpacked-twins",
+            action="store_true",
+            help="also time NAME_unpacked for every Cocktail method: its config with residual_tokens beyond any "
+            "generation (generated tokens never packed, the cache before issue 44), in the same rounds",
+        )
+        p.add_argument(
             "--prefill-dtype",
             default=None,
             choices=list(DTYPES),
