@@ -116,7 +116,9 @@ class FullPart:
     def remove(self, at: int, n: int) -> None:
         """Drop tokens ``[at, at + n)`` of every sequence (each must own them: ``at >= max(start)``); the tokens after
         them move down ``n`` places, within the buffers where the part has them (one copy of those later tokens:
-        the residual window, when the dropped ones were packed), so the room stays for the next appends."""
+        the residual window, when the dropped ones were packed), so the room stays for the next appends; where the
+        room left would exceed the tokens held (a long turn appended at once, then packed), the part moves to
+        buffers with half its tokens' room instead (one copy of the part)."""
         R = self.length
         if n == 0:
             return
@@ -125,9 +127,17 @@ class FullPart:
                 torch.cat([t[:, :, :at], t[:, :, at + n :]], dim=2) for t in (self.keys, self.values)
             )
             return
-        for buf in self._buffers:
-            buf[:, :, at : R - n] = buf[:, :, at + n : R].clone()
-        self.keys, self.values = self._buffers[0].narrow(2, 0, R - n), self._buffers[1].narrow(2, 0, R - n)
+        bufs = self._buffers
+        if bufs[0].shape[2] - (R - n) > max(HEADROOM_STEP, R - n):  # a bulk append's room, now packed: give it back
+            room = max(HEADROOM_STEP, (R - n) // 2)
+            bufs = tuple(b.new_empty((*b.shape[:2], R - n + room, b.shape[3])) for b in bufs)
+            for new, old in zip(bufs, self._buffers):
+                new[:, :, :at], new[:, :, at : R - n] = old[:, :, :at], old[:, :, at + n : R]
+            self._buffers = (bufs[0], bufs[1])
+        else:
+            for buf in bufs:
+                buf[:, :, at : R - n] = buf[:, :, at + n : R].clone()
+        self.keys, self.values = bufs[0].narrow(2, 0, R - n), bufs[1].narrow(2, 0, R - n)
 
     def reserved_bytes(self) -> int:
         """Buffer capacity held beyond the valid tokens (room for the next appended tokens)."""
