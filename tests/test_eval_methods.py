@@ -256,3 +256,16 @@ def test_layer_methods_come_from_the_calibration_file(tmp_path):
     path.write_text(json.dumps({**solved, "config": {**storage, "rotation": None}}))
     with pytest.raises(ValueError, match="need a hadamard / scale_bits=8 calibration"):
         layer_methods(str(path))
+
+
+def test_report_only_reads_ids_the_registry_no_longer_lists():
+    """A study's variant that left the registry is refused for a run but names its records for --report-only."""
+    from eval.cli import UsageError
+    from eval.methods.registry import parse_methods
+
+    with pytest.raises(UsageError, match=r"unknown method\(s\) \['budget3.3_had'\]"):
+        parse_methods("fp16,budget3.3_had")
+    fp16, old = parse_methods("fp16,budget3.3_had", recorded=True)
+    assert fp16.kind == "dynamic" and old.name == "budget3.3_had"
+    with pytest.raises(NotImplementedError):
+        old.new_cache(None)

@@ -42,11 +42,7 @@ from .report import write_reports
 from .workers import run_parallel
 
 MODULE = "eval.kld"
-# budget3.6_had is left out: it is the same config as `recommended` (rotation="hadamard", target_bits=3.6)
-DEFAULT_METHODS = (
-    "fp16,cocktail,int4,int2,int4_had,int2_had,cocktail_had,cocktail_hadk,cocktail_hadv,"
-    "budget3.3_had,budget3.8_had,int2_had_g64,budget3.3_had_g64,recommended,kivi2,hqq2,hqq4"
-)
+DEFAULT_METHODS = "fp16,cocktail,int4,int2,int4_had,int2_had,int4v3_had_g64,recommended,kivi2,hqq2,hqq4"
 # must match to resume: they change what a finished record means
 SETTINGS_KEYS = (
     "model",

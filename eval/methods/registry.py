@@ -1,4 +1,10 @@
-"""The named methods of the evaluation (``--methods``), and the ``preset`` method made from a saved config."""
+"""The named methods of the evaluation (``--methods``), and the ``preset`` method made from a saved config.
+
+The registry holds the methods the documentation shows and its commands name: the paper's Cocktail and its
+baselines, rotated uniform storage, ``recommended()`` and the settings that led to it, the per-layer widths of
+eval/results/layer_calibration/. The many variants the studies measured left it (issue 47; the lab log gives their
+conclusions and the commit); their configs stay in the ``run_info.json`` of the folders that measured them, their
+records in ``records.jsonl``, and ``--report-only`` reads any id recorded there."""
 
 from __future__ import annotations
 
@@ -18,8 +24,19 @@ from .kinds import (
     QuantizedCacheMethod,
     ShuffledPlanMethod,
 )
-from .storage_variants import ROTATION_METHODS
 
+
+def _recommended_overrides() -> dict:
+    """The fields where ``CocktailConfig.recommended()`` differs from the paper's ``CocktailConfig()`` (the encoder
+    stays the evaluation's)."""
+    rec, paper = CocktailConfig.recommended().to_dict(), CocktailConfig().to_dict()
+    return {k: v for k, v in rec.items() if k not in ("encoder", "format_version") and v != paper.get(k)}
+
+
+HAD = {"rotation": "hadamard"}
+# beta=0 (no FP16 chunk): the budget buys 4-bit keys for the best-ranked chunks, 3-bit keys for the rest
+INT4FIRST_V3 = {"target_bits": 4.0, "beta": 0.0, "group_size": 64, "low_bits": 3, "value_bits": 3, **HAD}
+REC = _recommended_overrides()
 METHODS: dict[str, Method] = {
     m.name: m
     for m in [
@@ -28,7 +45,6 @@ METHODS: dict[str, Method] = {
         CocktailMethod("int4", "every context chunk INT4 (CocktailCache uniform_bits=4)", {"uniform_bits": 4}),
         CocktailMethod("int2", "every context chunk INT2 (CocktailCache uniform_bits=2)", {"uniform_bits": 2}),
         ShuffledPlanMethod("nosearch", "ablation: Cocktail's precision counts, random chunk assignment"),
-        # beyond the paper (issue 7): same retrieval encoder unless said otherwise
         BudgetMatchedMethod(
             "int4first",
             "budget mode at paper-Cocktail's bits for the example, INT4 first (no FP16 "
@@ -36,29 +52,7 @@ METHODS: dict[str, Method] = {
             {"beta": 0.0},
         ),
         CocktailMethod("bm25", "paper thresholds, chunks scored by BM25 (no encoder)", {"scorer": "bm25"}),
-        BudgetMatchedMethod(
-            "bm25_int4first",
-            "BM25 scores, budget at paper-Cocktail's bits, INT4 first",
-            {"beta": 0.0, "scorer": "bm25"},
-        ),
-        CocktailMethod(
-            "cocktail_nb1",
-            "paper Cocktail + the chunks next to each FP16 chunk at FP16 (neighbors=1)",
-            {"neighbors": 1},
-        ),
-        CocktailMethod("cocktail_a02", "paper search with alpha=0.2 (more INT4; more bytes)", {"alpha": 0.2}),
-        CocktailMethod(
-            "int2_nosink",
-            "every context chunk INT2, no attention-sink protection (sink_tokens=0)",
-            {"uniform_bits": 2, "sink_tokens": 0},
-        ),
-        CocktailMethod(
-            "cocktail_nosink", "paper Cocktail without attention-sink protection (sink_tokens=0)", {"sink_tokens": 0}
-        ),
         KiviMethod("kivi2", "KIVI-like 2-bit, K per-channel / V per-token, FP residual R=128", bits=2, residual=128),
-        KiviMethod("kivi4", "KIVI-like 4-bit, K per-channel / V per-token, FP residual R=128", bits=4, residual=128),
-        KiviMethod("kivi2_r32", "KIVI-like 2-bit, FP residual R=32", bits=2, residual=32),
-        KiviMethod("kivi4_r32", "KIVI-like 4-bit, FP residual R=32", bits=4, residual=32),
         QuantizedCacheMethod("hqq2", "transformers QuantizedCache, hqq backend, 2 bits", bits=2, backend="hqq"),
         QuantizedCacheMethod("hqq4", "transformers QuantizedCache, hqq backend, 4 bits", bits=4, backend="hqq"),
         QuantizedCacheMethod(
@@ -67,11 +61,37 @@ METHODS: dict[str, Method] = {
         QuantizedCacheMethod(
             "quanto4", "transformers QuantizedCache, quanto backend, 4 bits", bits=4, backend="quanto"
         ),
+        CocktailMethod("int4_had", "every context chunk INT4, Hadamard-rotated", {"uniform_bits": 4, **HAD}),
+        CocktailMethod("int2_had", "every context chunk INT2, Hadamard-rotated", {"uniform_bits": 2, **HAD}),
+        CocktailMethod(
+            "int4v3_had_g64",
+            "every context chunk INT4 keys + INT3 values, Hadamard-rotated, values in groups of 64 channels",
+            {"uniform_bits": 4, "value_bits": 3, "group_size": 64, **HAD},
+        ),
+        CocktailMethod(
+            "int4v3_had_c64_g64",
+            "every context chunk 4-bit keys + 3-bit values, Hadamard-rotated, 64-token chunks, value groups of 64",
+            {"uniform_bits": 4, "value_bits": 3, "chunk_size": 64, "group_size": 64, **HAD},
+        ),
+        CocktailMethod(
+            "int4v3_had_s8",
+            "every context chunk INT4 keys + INT3 values, Hadamard-rotated, 8-bit scales and zeros",
+            {"uniform_bits": 4, "value_bits": 3, "scale_bits": 8, **HAD},
+        ),
+        CocktailMethod(
+            "int4first4_v3_had_g64",
+            "budget mode target_bits=4 with beta=0 (no FP16 chunk): 4-bit keys for the best-ranked chunks, the rest "
+            "3-bit keys; 3-bit values, Hadamard-rotated, value groups of 64",
+            INT4FIRST_V3,
+        ),
+        ShuffledPlanMethod(
+            "int4first4_v3_had_g64_shuffled",
+            "ablation of int4first4_v3_had_g64: its precision counts on random chunks",
+            INT4FIRST_V3,
+        ),
+        CocktailMethod("recommended", f"CocktailConfig.recommended(): {REC}", REC),
     ]
 }
-
-
-METHODS.update({m.name: m for m in ROTATION_METHODS})  # beyond the paper's storage (eval.methods.storage_variants)
 
 
 def layer_methods(path: str, tag: str = "") -> list[Method]:
@@ -97,62 +117,23 @@ def layer_methods(path: str, tag: str = "") -> list[Method]:
 
 METHODS.update({m.name: m for tag, path in LAYER_BITS_FILES.items() for m in layer_methods(path, tag)})
 
-# salient tokens (salient_tokens=f): per layer the fraction f of the packed context tokens that the question attends
-# to most kept at full precision; ``<method>_sal<percent>``, each the twin of a method above
-_SALIENT_TWINS = (
-    "int4v3_had_s8",
-    "recommended",
-    "int3_had",
-    "layers2.4_had_s8",
-    "layers2.6_had_s8",
-    "layers2.8_had_s8",
-    "layers3r2_had_s8",
-    "layers3.2r2_had_s8",
-)
+
+def _twin(name: str, suffix: str, note: str, fields: dict) -> dict[str, Method]:
+    """``<name><suffix>``: the registered ``name``'s method with ``fields`` on top of its overrides (none where
+    ``name`` is absent: the layers* methods exist only where their calibration file does)."""
+    if name not in METHODS:
+        return {}
+    base = METHODS[name]
+    return {name + suffix: CocktailMethod(name + suffix, f"{base.description}; {note}", {**base.overrides, **fields})}
 
 
-def _twins(names: tuple[str, ...], suffix: str, note: str, fields: dict) -> dict[str, Method]:
-    """``<name><suffix>`` for each registered ``name``: its method with ``fields`` on top of its overrides."""
-    return {
-        f"{name}{suffix}": CocktailMethod(
-            f"{name}{suffix}", f"{METHODS[name].description}; {note}", {**METHODS[name].overrides, **fields}
-        )
-        for name in names
-        if name in METHODS  # the layers* methods exist only where their calibration file does
-    }
-
-
-for _pct in (1, 2, 3, 5):
-    METHODS.update(
-        _twins(_SALIENT_TWINS, f"_sal{_pct}", f"salient_tokens={_pct / 100:g}", {"salient_tokens": _pct / 100})
-    )
-
-# the full part (template, question, salient and generated tokens) as 8-bit codes (full_part_bits=8): ``<method>_f8``
-_FULL8_TWINS = (
-    "int4_had_s8",
-    "recommended",
-    "int4v3_had_s8_sal1",
-    "layers3r2_had_s8",
-    "layers2.8_had_s8_sal1",
-    "layers3r2_had_s8_sal1",
-    "layers3r2_had_s8_sal2",
-    "layers3.2r2_had_s8_sal1",
-    "layers3.2r2_had_s8_sal2",
-)
-_F8_NOTE = "full_part_bits=8 (the tokens outside the packed chunks as 8-bit codes)"
-METHODS.update(_twins(_FULL8_TWINS, "_f8", _F8_NOTE, {"full_part_bits": 8}))
-
-# the same storage with other random signs of the rotation (rotation_seed=1): how much a comparison moves by chance
-_SEED_TWINS = (
-    "int4_had_s8",
-    "int4v3_had_s8",
-    "layers3.2r2_had_s8",
-    "layers3.2r2_had_s8_sal2",
-    "layers3r2_had_s8_sal1",
-    "layers3r2_had_s8_sal1_f8",
-)
-_SEED_NOTE = "rotation_seed=1 (other random signs of the Hadamard rotation)"
-METHODS.update(_twins(_SEED_TWINS, "_seed1", _SEED_NOTE, {"rotation_seed": 1}))
+# salient tokens (salient_tokens=f: per layer the fraction f of the packed context tokens that the question attends
+# to most, kept at full precision) and the full part as 8-bit codes (full_part_bits=8); the first SmolLM2 preset is
+# layers3r2_had_s8_sal1_f8
+for _name, _pct in (("int4v3_had_s8", 1), ("int4v3_had_s8", 3), ("layers3r2_had_s8", 1)):
+    METHODS.update(_twin(_name, f"_sal{_pct}", f"salient_tokens={_pct / 100:g}", {"salient_tokens": _pct / 100}))
+METHODS.update(_twin("layers3r2_had_s8_sal1", "_f8", "full_part_bits=8 (the tokens outside the packed chunks as "
+                     "8-bit codes)", {"full_part_bits": 8}))  # fmt: skip
 
 
 def register_preset(name_or_path: str) -> Method:
@@ -181,20 +162,22 @@ def add_method_args(p, default: str) -> None:
 
 
 def methods_from_args(args) -> list[Method]:
-    """The methods of parsed ``--methods`` / ``--preset`` (:func:`add_method_args`), the preset registered first."""
+    """The methods of parsed ``--methods`` / ``--preset`` (:func:`add_method_args`), the preset registered first;
+    with ``--report-only`` an id no longer registered stands for the records it left in the results folder."""
     if args.preset:
         register_preset(args.preset)
-    return parse_methods(args.methods)
+    return parse_methods(args.methods, recorded=getattr(args, "report_only", False))
 
 
-def parse_methods(spec: str) -> list[Method]:
-    """``--methods``: comma-separated names from :data:`METHODS`, each once."""
+def parse_methods(spec: str, recorded: bool = False) -> list[Method]:
+    """``--methods``: comma-separated names from :data:`METHODS`, each once; ``recorded``: other names too, as
+    methods that only name records (they make no cache)."""
     names = [s.strip() for s in spec.split(",") if s.strip()]
     if not names:
         raise UsageError("--methods is empty")
     bad = [n for n in names if n not in METHODS]
-    if bad:
+    if bad and not recorded:
         raise UsageError(f"unknown method(s) {bad}; known: {sorted(METHODS)}")
     if len(set(names)) != len(names):
         raise UsageError(f"--methods lists a method twice: {names}")
-    return [METHODS[n] for n in names]
+    return [METHODS.get(n) or Method(n, "a method of earlier runs, read from their records") for n in names]
