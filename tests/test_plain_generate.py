@@ -264,3 +264,15 @@ def test_second_turn_after_prepare_inputs_needs_no_new_prepare(tiny_tokenizer):
     turn1, ref1 = gen(model, inputs, ours), gen(model, inputs, ref := DynamicCache())
     turn2 = gen(model, _second_turn(turn1, tiny_tokenizer), ours)
     assert torch.equal(turn2.sequences, gen(model, _second_turn(ref1, tiny_tokenizer), ref).sequences)
+
+
+def test_a_long_turn_packed_gives_its_room_back(tiny_llama, tiny_tokenizer):
+    """A second turn appends its tokens at once (the full part grows room for them); once they are packed, the full
+    part keeps no more room than the tokens it holds."""
+    inputs = tiny_tokenizer(prompt_of(61), return_tensors="pt")
+    cache = CocktailCache(rec())
+    turn1 = gen(tiny_llama, inputs, cache, n=4)
+    gen(tiny_llama, _second_turn(turn1, tiny_tokenizer, n=150), cache, n=4)
+    store, rep = cache.layers[0].store, cache.memory_report()
+    assert store.packed_appended >= 150 - 16 - 8  # all but the residual window, in whole chunks
+    assert 0 < rep["headroom_bytes"] <= rep["full_precision_bytes"]
