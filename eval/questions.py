@@ -191,6 +191,15 @@ QUESTIONS = (
         (Report("4k_8k.md", preamble=True, methods=("fp16", "cocktail", "int4", "kivi2")),),
     ),
     Question(
+        "dropin",
+        "A drop-in for plain generate: long generations and a second turn packed",
+        "`python -m eval.dropin_check`: a tiny random Llama (head dim 64) on CPU, token ids straight into `generate` "
+        "with `recommended()` (no `prepare_inputs`): uniform 16-bit against `DynamicCache`, then a 512-token prompt, "
+        "1,536 generated tokens and a 550-token second turn on the same cache, against issue 44's bars.",
+        (Report("report.md", preamble=True),),
+        ("ratio.png",),
+    ),
+    Question(
         "throughput",
         "Throughput under a fixed KV budget",
         f"`eval.benchmarks.bench_throughput`: the largest batch of 4K-token prompts that fits each "
