@@ -254,6 +254,16 @@ def _kernel_formats(chosen: str, op: str = "attention") -> tuple[int, ...]:
     return module.SUPPORTED_BITS
 
 
+@functools.cache
+def _reads_key_outliers(chosen: str) -> bool:
+    """Whether the chosen kernel package reads segments with outlier key channels (``READS_KEY_OUTLIERS``)."""
+    if chosen == "triton":
+        from triton_ops import checks as module
+    else:
+        import cpu_ops.attention as module
+    return getattr(module, "READS_KEY_OUTLIERS", False)
+
+
 def _kernel_reads(chosen: str, op: str, bits: int) -> bool:
     """Whether the chosen kernel package handles ``bits``-bit codes for ``op``."""
     return bits in _kernel_formats(chosen, op)
@@ -298,9 +308,11 @@ def _route(query: torch.Tensor, store: LayerStore, backend: str) -> str:
     chosen = resolve_backend(backend, query.device)
     if chosen != "torch":
         missing = [
-            s.code_bits
+            s.code_bits if s.key_outliers is None or _reads_key_outliers(chosen) else "outlier key channels"
             for s in store.segments
-            if not _kernel_reads(chosen, "attention", s.bits) or not _kernel_reads(chosen, "attention", s.value_width)
+            if not _kernel_reads(chosen, "attention", s.bits)
+            or not _kernel_reads(chosen, "attention", s.value_width)
+            or (s.key_outliers is not None and not _reads_key_outliers(chosen))
         ]
         if missing:
             _warn_once(

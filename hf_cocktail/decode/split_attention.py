@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from hf_cocktail.storage import quant
+from hf_cocktail.storage import key_outliers, quant
 from hf_cocktail.storage.store import LayerStore, PackedSegment
 
 BLOCK_TOKENS = 4096  # the PyTorch path dequantizes at most this many tokens of one segment at a time
@@ -42,13 +42,7 @@ def _dequantize_block(seg: PackedSegment, which: str, *, a: int, e: int, first_t
             seg.value_width,
             seg.group_size,
         )
-    return quant.dequantize_keys(
-        seg.k_codes[:, a:e],
-        *seg.key_params(c0),
-        seg.bits,
-        seg.chunk_size,
-        first_token=first_token,
-    )
+    return key_outliers.segment_keys(seg, a, e, c0, first=first_token)  # (outlier key channels too)
 
 
 def causal_mask_full_part(scores: torch.Tensor, start: int, R: int, Lq: int, n_rep: int) -> torch.Tensor:

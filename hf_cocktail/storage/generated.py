@@ -153,6 +153,7 @@ def pack_appended(store: Any, keep: int) -> int:
         packing.quantize_values,
         seg.value_width,
         packing.scale_bits,
+        seg.key_outliers,  # the segment's outlier key channels (the prefill chose them), as its other chunks
     )
     _replace_segment(store, packing.segment, insert_chunks(seg, new))
     full.remove(at, n)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hf_cocktail.storage import key_outliers as outl
 from hf_cocktail.storage import params8, quant
 from hf_cocktail.storage.full_part import FullPart, Int8FullPart, full_part_from_sequences
 from hf_cocktail.storage.generated import AppendedPacking, appended_order
@@ -55,6 +56,7 @@ class PackedSegment:
     value_bits: int | None = None  # the values' code width (None: ``bits``, as the keys'); never above ``bits``
     k_block: torch.Tensor | None = None  # (H_kv, M, 3) scale_dtype: 8-bit scales and zeros (params8.encode_params8)
     v_block: torch.Tensor | None = None  # (H_kv, M, 3): the values' blocks, one per chunk as the keys'
+    key_outliers: outl.OutlierChannels | None = None  # outlier key channels at 8 bits (.key_outliers: their format)
     _dev_offsets: tuple | None = field(default=None, repr=False)
     _coded_args: tuple | None = field(default=None, repr=False)  # coded_kernel_args, built once (asked every step)
 
@@ -80,6 +82,7 @@ class PackedSegment:
         quantize_values=None,
         value_bits: int | None = None,
         scale_bits: int = 16,
+        key_outliers: outl.OutlierChannels | None = None,
     ) -> PackedSegment:
         """Quantize and pack per-sequence chunk-ordered segments ``ks[b], vs[b]: (H_kv, N_b, D)``: keys at ``bits``,
         values at ``value_bits`` (default ``bits``; at most ``bits``).
@@ -87,7 +90,7 @@ class PackedSegment:
         ``quantize_keys`` / ``quantize_values`` default to the PyTorch reference in :mod:`hf_cocktail.storage.quant`;
         :func:`hf_cocktail.decode.dispatch.quantizers` gives the Triton / fused CPU ones with the same signature.
         ``scale_bits=8`` stores 8-bit scales and zeros (:func:`params8.encode_params8`),
-        always quantized by the PyTorch reference.
+        always quantized by the PyTorch reference; ``key_outliers``: outlier key channels at 8 bits (16-bit scales).
         """
         value_bits = bits if value_bits is None else value_bits
         check_value_bits(bits, value_bits)
@@ -98,11 +101,12 @@ class PackedSegment:
         if scale_bits == 8:
             qk = params8.quantize_pack_keys8
             qv = functools.partial(params8.quantize_pack_values8, chunk_size=chunk_size)
+        qk = outl.outlier_quantizer(qk, key_outliers, scale_bits)
         parts = [
             (qk(k, bits, chunk_size, scale_dtype), qv(v, value_bits, group_size, scale_dtype)) for k, v in zip(ks, vs)
         ]
         cat = lambda i, j: torch.cat([p[i][j] for p in parts], dim=1)  # noqa: E731
-        blocks = (cat(0, 3), cat(1, 3)) if scale_bits == 8 else (None, None)
+        k_block, v_block = (cat(0, 3), cat(1, 3)) if scale_bits == 8 else (None, None)
         return cls(
             bits,
             chunk_size,
@@ -116,7 +120,9 @@ class PackedSegment:
             _offsets([k.shape[1] for k in ks]),
             _offsets([-(-k.shape[1] // chunk_size) for k in ks]),
             value_bits,
-            *blocks,
+            k_block,
+            v_block,
+            key_outliers,
         )
 
     @property
@@ -165,19 +171,9 @@ class PackedSegment:
         """Dequantized keys and values of sequence ``b``: ``(H_kv, N_b, D)`` each."""
         t0, t1 = self.tok_off[b], self.tok_off[b + 1]
         c0, c1 = self.chunk_off[b], self.chunk_off[b + 1]
-        k = quant.dequantize_keys(
-            self.k_codes[:, t0:t1],
-            *self.key_params(c0, c1),
-            self.bits,
-            self.chunk_size,
-            out_dtype,
-        )
+        k = outl.segment_keys(self, t0, t1, c0, c1, out_dtype)
         v = quant.dequantize_values(
-            self.v_codes[:, t0:t1],
-            *self.value_params(t0, t1),
-            self.value_width,
-            self.group_size,
-            out_dtype,
+            self.v_codes[:, t0:t1], *self.value_params(t0, t1), self.value_width, self.group_size, out_dtype
         )
         return k, v
 
@@ -253,6 +249,7 @@ class PackedSegment:
             self.value_bits,
             None if self.k_block is None else cat(self.k_block, chk),
             None if self.v_block is None else cat(self.v_block, chk),
+            self.key_outliers,
         )
 
     def nbytes_codes(self) -> int:
@@ -260,7 +257,7 @@ class PackedSegment:
 
     def nbytes_params(self) -> int:
         params = [self.k_scale, self.k_zero, self.v_scale, self.v_zero]
-        params += [t for t in (self.k_block, self.v_block) if t is not None]
+        params += [t for t in (self.k_block, self.v_block, outl.channels_of(self.key_outliers)) if t is not None]
         return sum(t.numel() * t.element_size() for t in params)
 
     def index_bytes(self) -> int:
@@ -333,10 +330,11 @@ class LayerStore:
         max_value_bits: int | None = None,
         scale_bits: int = 16,
         full_part_bits: int = 16,
+        key_outlier_share: float = 0.0,
     ) -> LayerStore:
         """Store a prefill: ``k, v (B, H_kv, L, D)``; ``positions[b]`` maps ``"full"`` and each packed bit width to
         the prompt positions of sequence ``b`` that go there (chunk order kept). With ``rotation`` everything is
-        stored rotated (see :mod:`.rotation`);
+        stored rotated (:mod:`.rotation`); that ``key_outlier_share`` of key channels at 8 bits (:mod:`.key_outliers`);
         ``max_value_bits`` caps the values' code width (``None``: values get their chunk's bits, as keys do);
         ``scale_bits=8`` stores 8-bit scales and zeros; ``full_part_bits=8`` the full part as 8-bit codes."""
         if rotation is not None:
@@ -351,6 +349,7 @@ class LayerStore:
             for bits in packed_bits:
                 segs[bits][0].append(k[b].index_select(1, pos[bits]))
                 segs[bits][1].append(v[b].index_select(1, pos[bits]))
+        scores = outl.layer_channel_scores(segs, chunk_size, key_outlier_share)
         packed = [
             PackedSegment.from_sequences(
                 *segs[bits],
@@ -362,6 +361,7 @@ class LayerStore:
                 quantize_values,
                 bits if max_value_bits is None else min(bits, max_value_bits),
                 scale_bits,
+                outl.segment_outliers(scores, key_outlier_share, bits),
             )
             for bits in packed_bits
         ]
