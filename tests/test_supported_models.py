@@ -250,3 +250,27 @@ def test_rotation_matrices_of_wide_heads_are_built_once_and_shared(tiny_tokenize
     mats = {id(layer.store.rotation.keys) for cache in caches for layer in cache.layers}
     assert len(mats) == 1  # one tensor for 2 layers x 2 caches
     assert caches[0].memory_report()["rotation_bytes"] == 512 * 512 * 4  # one head's matrix, counted once per cache
+
+
+def test_falcon_h1_beam_search_reorders_the_mamba_states_with_the_store(tiny_tokenizer):
+    """Beams reorder a HybridCocktailLayer's store and its Mamba states together: the beams and beam scores of the
+    model's own cache (equal here; 6e-5 apart where the tiny random Mamba's states are not reordered)."""
+    prompt, ctx, q = make_prompt(60, needle_at=30)
+    model = make_model(*FAMILIES["Falcon-H1"], "eager")
+    beams = dict(
+        max_new_tokens=8,
+        do_sample=False,
+        num_beams=4,
+        num_return_sequences=4,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
+    with torch.no_grad():
+        dyn = cache_kwargs(model, DynamicCache(config=model.config))
+        ref = model.generate(**tiny_tokenizer(prompt, return_tensors="pt"), **dyn, **beams)
+        model.config._attn_implementation = "cocktail"
+        cache = CocktailCache(CocktailConfig(chunk_size=8, group_size=16, uniform_bits=16), encoder=FakeEncoder())
+        inputs = cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q)
+        out = model.generate(**inputs, **cache_kwargs(model, cache), **beams)
+    assert torch.equal(out.sequences, ref.sequences)
+    torch.testing.assert_close(out.sequences_scores, ref.sequences_scores, rtol=0, atol=1e-6)
