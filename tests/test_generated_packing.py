@@ -5,6 +5,7 @@ attention over the grown store against attention on its dequantized keys, crop /
 a long generation (issue 44: 512-token prompt + 1,536 generated under ``recommended()`` at most 0.40x FP16)."""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -300,3 +301,29 @@ def test_requery_after_packing_equals_a_fresh_run(tiny_tokenizer):
     fresh, fcache = _generate(model, tiny_tokenizer, small(), [(p2, ctx, q2)], max_new_tokens=40, min_new_tokens=40)
     assert torch.equal(out[:, inputs["input_ids"].shape[1] :], fresh)
     assert cache.layers[0].store.packed_appended == fcache.layers[0].store.packed_appended > 0
+
+
+def test_triton_reads_the_grown_segments(tiny_tokenizer):
+    """The Triton kernel (interpreted on CPU: conftest sets TRITON_INTERPRET=1) over a store grown by packing equals
+    attention on its dequantized keys (head dim 64, the smallest it takes; 8-bit scales and full part; layer 0, to
+    keep the interpreter short; 16-bit scales checked the same way when this was written)."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    model = make_tiny_llama(head_dim=64)
+    _, cache = teacher_forced(
+        model,
+        tiny_tokenizer,
+        small(backend="torch", scale_bits=8, full_part_bits=8),
+        _prompts(),
+        _tokens(tiny_tokenizer, 31),
+        block=3,
+    )
+    layer = cache.layers[0]
+    assert layer.store.packed_appended == 16
+    torch.manual_seed(1)
+    for Lq in (1, 3):
+        query = torch.randn(2, 4, Lq, 64)
+        got = split_precision_attention(query, layer.store, 64**-0.5, "triton")
+        ref = _reference_attention(layer, query, 64**-0.5, [plan.pad for plan in cache._plans])
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
