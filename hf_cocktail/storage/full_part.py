@@ -130,10 +130,11 @@ class FullPart:
         bufs = self._buffers
         if bufs[0].shape[2] - (R - n) > max(HEADROOM_STEP, R - n):  # a bulk append's room, now packed: give it back
             room = max(HEADROOM_STEP, (R - n) // 2)
-            bufs = tuple(b.new_empty((*b.shape[:2], R - n + room, b.shape[3])) for b in bufs)
-            for new, old in zip(bufs, self._buffers):
+            shape = (*bufs[0].shape[:2], R - n + room, bufs[0].shape[3])
+            new_k, new_v = bufs[0].new_empty(shape), bufs[1].new_empty(shape)
+            for new, old in ((new_k, bufs[0]), (new_v, bufs[1])):
                 new[:, :, :at], new[:, :, at : R - n] = old[:, :, :at], old[:, :, at + n : R]
-            self._buffers = (bufs[0], bufs[1])
+            bufs = self._buffers = (new_k, new_v)
         else:
             for buf in bufs:
                 buf[:, :, at : R - n] = buf[:, :, at + n : R].clone()
