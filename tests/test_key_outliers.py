@@ -175,3 +175,37 @@ def test_appended_tokens_pack_with_the_segments_outlier_channels():
     keys, _ = packed.sequence(0)
     torch.testing.assert_close(keys[:, 24:40], new_k[0], atol=0.3, rtol=0)  # 4-bit rest, 8-bit outliers
     assert dataclasses.replace(packed).key_outliers is seg.key_outliers
+
+
+@pytest.mark.parametrize("bad", [-0.1, 0.6, "0.1", True, None])
+def test_config_validates_key_outlier_share(bad):
+    from hf_cocktail import CocktailConfig
+
+    with pytest.raises(ValueError, match=rf"key_outlier_share must be a number in \[0, 0.5\].*got {bad!r}"):
+        CocktailConfig(key_outlier_share=bad)
+
+
+def test_config_key_outlier_share_needs_16_bit_scales_and_counts_its_bits():
+    from hf_cocktail import CocktailConfig
+
+    with pytest.raises(ValueError, match=r"key_outlier_share=0.125 needs scale_bits=16 .* got scale_bits=8"):
+        CocktailConfig(key_outlier_share=0.125, scale_bits=8)
+    cfg = CocktailConfig.recommended(key_outlier_share=0.125)
+    assert CocktailConfig.from_dict(cfg.to_dict()) == cfg
+    # 1/8 of the key channels at 8 bits instead of 4: half a bit per key element, a quarter per K/V element
+    assert cfg.packed_bits_per_element(4) == CocktailConfig.recommended().packed_bits_per_element(4) + 0.25
+
+
+def test_generate_with_outlier_channels_equals_dequantized_sdpa(tiny_tokenizer):
+    from hf_cocktail import CocktailConfig
+
+    from .conftest import generate_split_and_sdpa
+
+    cfg = CocktailConfig(chunk_size=8, group_size=16, alpha=0.3, beta=0.3, rotation="hadamard", key_outlier_share=0.1)
+    runs = generate_split_and_sdpa(tiny_tokenizer, cfg)
+    for _, cache in runs.values():
+        segments = cache.layers[0].store.segments
+        assert [s.key_outliers.count for s in segments] == [4, 4]  # D=32: 3.2 channels, rounded to whole bytes
+    (split, _), (sdpa, _) = runs["cocktail"], runs["sdpa"]
+    assert torch.equal(split.sequences, sdpa.sequences)
+    torch.testing.assert_close(torch.stack(split.logits), torch.stack(sdpa.logits), atol=1e-4, rtol=1e-4)

@@ -37,6 +37,7 @@ SAMPLES: dict = {
     "salient_tokens": [0.1],
     "full_part_bits": [8],
     "residual_tokens": [64],
+    "key_outlier_share": [0.125],
 }
 ANY = None
 ALL_UNIFORM = {16, 4, 3, 2}
@@ -48,6 +49,7 @@ MOOT = [
         (f, ANY, "uniform_bits", {16})
         for f in ("value_bits", "scale_bits", "salient_tokens", "sink_tokens", "recent_tokens", "residual_tokens")
     ],
+    ("key_outlier_share", ANY, "uniform_bits", {16}),
     ("rotation", ANY, "uniform_bits", {16}),  # with full_part_bits at its default 16
     ("scale_dtype", ANY, "uniform_bits", {16}),  # the same
     ("layer_bits", ANY, "uniform_bits", {16, 2}),
@@ -96,7 +98,10 @@ def test_each_sample_alone(field):
 def test_every_pair_of_fields(a, b):
     for va, vb in itertools.product(SAMPLES[a], SAMPLES[b]):
         expected, values = expected_refusal(a, va, b, vb), {"rotation": None, a: va, b: vb}
-        if expected is None:
+        if {a, b} == {"key_outlier_share", "scale_bits"}:  # not moot: incompatible (8-bit scales have no outliers)
+            with pytest.raises(ValueError, match=r"key_outlier_share=0.125 needs scale_bits=16"):
+                CocktailConfig(**{a: va, b: vb})
+        elif expected is None:
             CocktailConfig(**{a: va, b: vb})
         else:
             moot, cause = expected

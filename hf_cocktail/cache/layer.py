@@ -236,6 +236,7 @@ class CocktailLayer(CacheLayerMixin):
             code_widths(16, self.cache.layer_bits_pair(self.layer_idx), cfg.value_bits)[1],
             cfg.scale_bits,
             16 if self.all_full else cfg.full_part_bits,
+            0.0 if self.all_full else cfg.key_outlier_share,
         )
         self.store.packing = self._appended_packing(quantize_k, quantize_v, cfg.torch_scale_dtype(k.dtype))
         # the prefill's tokens past the cache's prompt_len age like appended ones: the prompt's tail without

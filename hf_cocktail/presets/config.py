@@ -120,6 +120,11 @@ class CocktailConfig(ConfigFiles):
             widths a chunk at a time as they fall more than ``residual_tokens`` behind the newest token; without
             :meth:`~hf_cocktail.CocktailCache.prepare_inputs` the prompt's last ``residual_tokens`` tokens stay at
             full precision too and the rest of it (after ``sink_tokens``) is packed as context.
+        key_outlier_share: the share (0 to 0.5) of each KV head's key channels stored with 8-bit codes in the packed
+            chunks: per layer and head those of the largest per-chunk ranges in the prefill's own (rotated) keys, key
+            outliers being fixed per channel (KIVI, KVQuant); the rest keep the chunk's width, values are unchanged.
+            Rounded up per segment so the rest fill whole code bytes (:mod:`hf_cocktail.storage.key_outliers`).
+            0 (default): none. Needs ``scale_bits=16``.
         keep_context_copy: keep a full-precision copy of the prompt up to the end of the context on CPU, so that
             :meth:`CocktailCache.requery` can answer a new question about the same document without a new prefill.
     """
@@ -150,6 +155,7 @@ class CocktailConfig(ConfigFiles):
     salient_tokens: float = 0.0
     full_part_bits: int = 16
     residual_tokens: int = 128
+    key_outlier_share: float = 0.0
 
     def __post_init__(self) -> None:
         for name, allowed in _CHOICES.items():  # of the allowed values' own types (True is not 1, 8.0 is not 8)
@@ -214,6 +220,16 @@ class CocktailConfig(ConfigFiles):
             _is_real(self.salient_tokens) and 0.0 <= self.salient_tokens <= 1.0,
             f"salient_tokens must be a number in [0, 1] (a fraction of the packed context tokens), got "
             f"{self.salient_tokens!r}",
+        )
+        share = self.key_outlier_share
+        _check(
+            _is_real(share) and 0.0 <= share <= 0.5,
+            f"key_outlier_share must be a number in [0, 0.5] (a share of each head's key channels), got {share!r}",
+        )
+        _check(
+            share == 0 or self.scale_bits == 16,
+            f"key_outlier_share={share!r} needs scale_bits=16 (outlier key channels keep 16-bit scales), got "
+            f"scale_bits={self.scale_bits!r}",
         )
         object.__setattr__(self, "layer_bits", check_layer_bits(self.layer_bits))  # lists -> tuples
         check_moot(self)  # a field another makes ineffective (hf_cocktail.presets.moot)
@@ -284,7 +300,13 @@ class CocktailConfig(ConfigFiles):
         (``layer_bits``). With ``scale_bits=8`` each is 8 bits; the 3 numbers per chunk and head (~0.02 bits at C=32,
         D=64) are left out."""
         p = 8 if self.scale_bits == 8 else 32 if self.scale_dtype == "float32" else 16
-        return mean_code_bits(bits, self.layer_bits, self.value_bits) + p / self.chunk_size + p / self.group_size
+        outliers = self.key_outlier_share * (8 - bits) / 2  # 8-bit outlier key channels (their rounding left out)
+        return (
+            mean_code_bits(bits, self.layer_bits, self.value_bits)
+            + p / self.chunk_size
+            + p / self.group_size
+            + outliers
+        )
 
     def torch_scale_dtype(self, model_dtype):
         """The torch dtype of scales/zeros for a model whose keys/values have ``model_dtype``."""
@@ -295,6 +317,8 @@ class CocktailConfig(ConfigFiles):
         d = dataclasses.asdict(self)
         d["full_precision_layers"] = list(self.full_precision_layers)  # JSON-native
         d["format_version"] = FORMAT_VERSION
+        if not d["key_outlier_share"]:  # a setting without outlier key channels serialises as before they existed
+            del d["key_outlier_share"]
         return d
 
     @classmethod

@@ -58,7 +58,10 @@ MOOT: tuple[Moot, ...] = (
         Moot(f, "uniform_bits", _all_full, _NOTHING_PACKED)
         for f in ("value_bits", "scale_bits", "layer_bits", "salient_tokens", "sink_tokens")
     ),
-    *(Moot(f, "uniform_bits", _all_full, _NOTHING_PACKED) for f in ("recent_tokens", "residual_tokens")),
+    *(
+        Moot(f, "uniform_bits", _all_full, _NOTHING_PACKED)
+        for f in ("recent_tokens", "residual_tokens", "key_outlier_share")
+    ),
     Moot("rotation", "uniform_bits", _all_full_stored_full, _NOTHING_QUANTIZED),
     Moot("scale_dtype", "uniform_bits", _all_full_stored_full, _NOTHING_QUANTIZED),
     Moot(
