@@ -20,7 +20,6 @@ from .checks import check_device
 from .launch import Launch
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
-MAX_REGISTERS = 128  # per thread, split_attn_kernel's maxnreg (4 programs of 4 warps fit an SM)
 _LOG2E = 1.4426950408889634
 
 __all__ = ["SUPPORTED_HEAD_DIMS", "code_widths", "plan_split_attention", "split_precision_attention"]
@@ -37,21 +36,18 @@ def tiles(D: int, rows: int) -> tuple[int, int, int, int, bool]:
 
     Chosen from the ahead-of-time compile report (``python -m triton_ops.aot``; no spills, <= 128 registers per
     thread in the model-shaped cases on sm_80 / sm_90): more than 8 rows go through ``tl.dot`` (fp32, ``ieee``) in
-    blocks of 16 rows and 16 tokens; fewer rows through a broadcast product of BQ x BT x D elements held at 16 per
-    thread (8 for blocks of 1 or 8 rows, whose layouts replicate more, and for head dim 256), with 8 warps for those
-    and where 4 would leave fewer than 4 tokens a step, 16 for 8 rows of 256. The launch caps registers at
-    :data:`MAX_REGISTERS` (``maxnreg``): without the cap ptxas spilled a few bytes at 80-128 registers in some
-    8-bit-format cases on sm_80. Blocks of 16 rows take D / 16 warps (with the 8-bit formats on sm_80, 4 warps
-    spilled 80 B at head dim 128, 8 needed 183 registers at 256). One stage: Triton does not pipeline the loads
-    that feed the broadcast products, and two stages on the ``tl.dot`` path spilled (Qwen2.5-7B shape, sm_90: 255
-    registers, 640 B).
+    blocks of 16 rows and 16 tokens with D / 16 warps (4 warps spilled 80 B at head dim 128 with the 8-bit formats on
+    sm_80, 8 needed 183 registers at 256); fewer rows through a broadcast product of BQ x BT x D elements held at 8
+    per thread by 8 warps, 16 where BQ x D >= 1024 (8 warps spilled 12-16 B there at 2 tokens a step: Qwen2.5-7B
+    with the 8-bit formats on sm_80). At 16 elements per thread ptxas spilled 4-40 B in some 8-bit-format and
+    head-dim-256 cases, and capping registers (``maxnreg=128``) made it spill elsewhere. One stage: Triton does not pipeline the loads that feed the broadcast products, and two
+    stages on the ``tl.dot`` path spilled (Qwen2.5-7B shape, sm_90: 255 registers, 640 B).
     """
     if rows > 8:
         return 16, 16, D // 16, 1, True
     BQ = triton.next_power_of_2(rows)
-    warps = 16 if BQ * D >= 2048 else 8 if BQ * D >= 1024 or BQ in (1, 8) else 4
-    per_thread = 8 if BQ in (1, 8) or D == 256 else 16
-    return BQ, max(2, min(64, per_thread * 32 * warps // (BQ * D))), warps, 1, False
+    warps = 16 if BQ * D >= 1024 else 8
+    return BQ, max(2, min(64, 8 * 32 * warps // (BQ * D))), warps, 1, False
 
 
 def split_precision_attention(
@@ -206,7 +202,6 @@ def plan_split_attention(
         ),
         warps,
         stages,
-        dict(maxnreg=MAX_REGISTERS),
     )
     merge = Launch(
         merge_kernel,
