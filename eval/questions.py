@@ -174,7 +174,9 @@ QUESTIONS = (
         f"`eval.benchmarks.bench_latency` at 8K-32K tokens, fp32 and bf16, both models; {SPEED}. "
         "The page shows SmolLM2 at 8K and 16K (fp32); `smollm2_fp32_32k.md` holds 32K, `smollm2_bf16.md` bf16, "
         "`gemma3_fp32.md` Gemma 3 270M, "
-        "`smollm2_layers_preset_8k.md` the per-layer-widths preset (cited by its card).",
+        "`smollm2_layers_preset_8k.md` the per-layer-widths preset (cited by its card), "
+        "`smollm2_generated_packing_8k.md` generated tokens packed against never packed (issue 44) and "
+        "`generated_pack_cost.md` one pack's cost against a decode step's attention (`eval.benchmarks.pack_cost`).",
         (Report("smollm2_fp32_8k_16k.md", preamble=True),),
         ("latency.png",),
     ),
@@ -198,6 +200,16 @@ QUESTIONS = (
         "1,536 generated tokens and a 550-token second turn on the same cache, against issue 44's bars.",
         (Report("report.md", preamble=True),),
         ("ratio.png",),
+    ),
+    Question(
+        "long_generation",
+        "Long generations: KL divergence from FP16 with generated tokens packed",
+        "`python -m eval.long_generation`: SmolLM2-135M-Instruct (fp32, CPU), three 512-token essay windows, each "
+        "continued by 1,024 teacher-forced tokens fed as decode steps (16 per forward); uniform INT4, "
+        "`recommended()` and the SmolLM2 preset packing generated tokens past `residual_tokens` (issue 44), beside "
+        "their never-packing twins (`*_unpacked`).",
+        (Report("summary.md", preamble=True),),
+        ("kl_by_position.png",),
     ),
     Question(
         "throughput",
