@@ -35,6 +35,7 @@ COMMON = dict(
 )
 W = 16  # sliding window of the sliding-window models (the prompts are ~100 tokens: the window matters)
 ALT = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+CAP = 1.0  # soft-cap and scale (query_pre_attn_scalar 1) that bend the tiny models' scores, as 50 does real ones
 
 # name: (config class, model class, config overrides, attention implementations to test)
 ARCHS = {
@@ -52,7 +53,12 @@ ARCHS = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}, ("cocktail", "sdpa")),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}, ("cocktail", "sdpa")),
     # Gemma 2 soft-caps its attention logits: the split-precision kernels soft-cap too (eager prefill)
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "sliding_window": W}, ("cocktail", "eager")),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {"head_dim": 16, "sliding_window": W, "attn_logit_softcapping": CAP, "query_pre_attn_scalar": 1},
+        ("cocktail", "eager"),
+    ),
     "gemma3": (
         "Gemma3TextConfig",
         "Gemma3ForCausalLM",
@@ -87,7 +93,13 @@ ARCHS = {
     "vaultgemma": (  # soft-capped logits, as Gemma 2
         "VaultGemmaConfig",
         "VaultGemmaForCausalLM",
-        {"head_dim": 16, "sliding_window": W, "layer_types": ALT},
+        {
+            "head_dim": 16,
+            "sliding_window": W,
+            "layer_types": ALT,
+            "attn_logit_softcapping": CAP,
+            "query_pre_attn_scalar": 1,
+        },
         ("cocktail", "eager"),
     ),
     # EXAONE 4 sets module.sliding_window on every layer and passes sliding_window=None to its full-attention ones
