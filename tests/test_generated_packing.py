@@ -208,6 +208,8 @@ def test_split_path_equals_dequantized_path_with_packed_tokens(tiny_tokenizer, k
     ref, _ = _generate(make_tiny_llama(attn="sdpa"), tiny_tokenizer, config, prompts, **kw)
     assert torch.equal(out, ref)
     assert cache.memory_report()["appended_packed_tokens"] >= 8
+    widths = [layer.appended_chunk_bits() for layer in cache.layers]
+    assert widths[0] == widths[1] == [4] * (cache.layers[0].store.packed_appended // 8)
 
 
 def test_beam_rows_match_each_prompt_alone_with_packed_tokens(tiny_tokenizer):

@@ -268,6 +268,16 @@ class CocktailLayer(CacheLayerMixin):
             )
         return AppendedPacking(index, scale_dtype, cfg.scale_bits, quantize_k, quantize_v)
 
+    def appended_chunk_bits(self) -> list[int]:
+        """The plan's width (``uniform_bits``; 4 for the search) of each chunk of appended tokens (generated tokens,
+        later turns) this layer has packed, oldest first, the same for every sequence (``layer_bits`` may store them
+        narrower, as the context's chunks): what a precision map shows after the context's chunks."""
+        store = self.store
+        if store is None or store.packing is None:
+            return []
+        bits = 4 if self.config.uniform_bits is None else self.config.uniform_bits
+        return [bits] * (store.packed_appended // store.segments[store.packing.segment].chunk_size)
+
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole cache at the model's precision in original token order, ``(B, H_kv, seq_len, D)`` each, left
         padding as zeros (masked by the attention mask). Used by the plain sdpa/eager fallback."""
