@@ -8,25 +8,16 @@ from dataclasses import dataclass
 import torch
 
 from ._build import extension
+from .key_outliers import outlier_item
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INT32, UINT8, INT8 = (torch.int32,), (torch.uint8,), (torch.int8,)
 _ISA_CODES = {"auto": 0, "baseline": 1, "avx2": 2}  # split_attention.cpp's Isa
 _ONE_ITEM = 1 << 62  # tokens per work item: one item per (sequence, kv head, source)
 SUPPORTED_BITS = (2, 3, 4)
-_SEGMENT_FIELDS = (
-    "bits",
-    "chunk_size",
-    "group_size",
-    "k_codes",
-    "k_scale",
-    "k_zero",
-    "v_codes",
-    "v_scale",
-    "v_zero",
-    "tok_off",
-    "chunk_off",
-)
+READS_KEY_OUTLIERS = True  # segments with outlier key channels (a last item (n_out, channels)): read
+_SEGMENT_FIELDS = ("bits", "chunk_size", "group_size", "k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
+_SEGMENT_FIELDS += ("tok_off", "chunk_off")
 
 
 def _fail(name: str, expected: str, got) -> None:
@@ -95,7 +86,9 @@ def split_precision_attention(
             ``k_scale`` ... ``v_zero`` are their uint8 codes, ``k_block`` and ``v_block`` ``(H_kv, M, 3)`` float
             ``(s_max, z_lo, z_step)`` per chunk (values: the chunk of the token), decoded in the inner loop as
             ``s_max * scale_table[code]`` and ``z_lo + code * z_step``.
-            Non-contiguous segment tensors are copied (stored segments are contiguous).
+            Outlier key channels (``hf_cocktail.storage.key_outliers``, 16-bit scales only): one more item ``(n_out,
+            channels int32 (H_kv, D))``; ``k_codes`` then ``(H_kv, N, (D - n_out) * key_bits // 8 + n_out)`` and
+            ``k_scale``, ``k_zero`` in the stored order ``channels``. Non-contiguous segment tensors are copied.
         scaling: softmax scale (usually ``D ** -0.5``).
         tokens_per_item: tokens of one (sequence, kv head, source) per parallel work item (default: chosen from the
             sizes and ``torch.get_num_threads()``).
@@ -170,8 +163,8 @@ class PreparedArguments:
     B: int
     H_kv: int
     D: int
-    seg_tensors: list  # per segment: k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, tok_off, chunk_off, blocks
-    seg_ints: list  # per segment: key bits, value bits, chunk_size, group_size
+    seg_tensors: list  # per segment: k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, offsets, blocks, channels
+    seg_ints: list  # per segment: key bits, value bits, chunk_size, group_size, outlier key channels
     tokens: int  # the segments' tokens, all sequences
     rotation: list  # [query matrices, output matrices] (H_kv, D, D) fp32, or empty tensors
     needs_table: bool  # 8-bit scales and zeros: every call passes the scale table (not kept here: it is shared)
@@ -198,15 +191,15 @@ def prepare(B: int, H_kv: int, D: int, segments, *, rotation=None, scale_table=N
         seg_tensors += tensors
         seg_ints += ints
         tokens += tensors[0].shape[1]
-    needs_table = any(t.numel() for t in seg_tensors[8::10])
+    needs_table = any(t.numel() for t in seg_tensors[8::11])
     if needs_table:
         _table(scale_table)
     return PreparedArguments(B, H_kv, D, seg_tensors, seg_ints, tokens, rotation_args, needs_table)
 
 
 def _segment(seg, i: int, B: int, H_kv: int, D: int) -> tuple[list[torch.Tensor], list[int]]:
-    """Segment ``i``'s 10 tensors (contiguous) and 4 ints for the kernel, checked."""
-    if not isinstance(seg, (list, tuple)) or len(seg) - len(_SEGMENT_FIELDS) not in (0, 2):
+    """Segment ``i``'s 11 tensors (contiguous) and 5 ints for the kernel, checked."""
+    if not isinstance(seg, (list, tuple)) or len(seg) - len(_SEGMENT_FIELDS) not in (0, 1, 2):
         _fail(
             f"segments[{i}]",
             f"a tuple {_SEGMENT_FIELDS} (+ k_block, v_block)",
@@ -220,7 +213,8 @@ def _segment(seg, i: int, B: int, H_kv: int, D: int) -> tuple[list[torch.Tensor]
         _fail(f"segments[{i}].group_size", f"a power of two dividing D={D}", repr(G))
     N, M = (t.shape[1] if isinstance(t, torch.Tensor) and t.dim() == 3 else None for t in (kc, ks))
     params8 = isinstance(ks, torch.Tensor) and ks.dtype == torch.uint8
-    _check_tensor((i, "k_codes"), kc, UINT8, (H_kv, N, D * bits // 8))
+    n_out, channels = outlier_item(seg, i, H_kv, D) if len(seg) == len(_SEGMENT_FIELDS) + 1 else (0, _EMPTY)
+    _check_tensor((i, "k_codes"), kc, UINT8, (H_kv, N, (D - n_out) * bits // 8 + n_out))
     _check_tensor((i, "k_scale"), ks, UINT8 if params8 else FLOAT_DTYPES, (H_kv, M, D))
     _check_tensor((i, "k_zero"), kz, (ks.dtype,), ks.shape)
     _check_tensor((i, "v_codes"), vc, UINT8, (H_kv, N, D * vbits // 8))
@@ -230,7 +224,7 @@ def _segment(seg, i: int, B: int, H_kv: int, D: int) -> tuple[list[torch.Tensor]
     _check_tensor((i, "chunk_off"), chk, INT32, (B + 1,))
     tensors = [t.contiguous() for t in (kc, ks, kz, vc, vs, vz, tok, chk)]
     tensors += _blocks(seg, i, params8, H_kv, M) if params8 else [_EMPTY, _EMPTY]
-    return tensors, [bits, vbits, C, G]
+    return [*tensors, channels], [bits, vbits, C, G, n_out]
 
 
 def split_precision_attention_prepared(

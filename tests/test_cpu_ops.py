@@ -385,9 +385,10 @@ def test_invalid_segments_name_the_field(change, match):
 
 
 def test_a_segment_of_12_items_is_refused():
-    """A 12th item (the codebook's level table of earlier versions) is refused, not ignored."""
+    """A 12th item (the codebook's level table of earlier versions) is refused, not ignored: a 12th item is now the
+    outlier key channels' pair."""
     (query, fk, fv, start, segments, scaling), _ = make_case(full=[4], segs=[(3, [10])])
-    with pytest.raises(ValueError, match=r"segments\[0\] must be a tuple .* \(\+ k_block, v_block\), got 12 items"):
+    with pytest.raises(ValueError, match=r"segments\[0\]'s outlier key channels must be a pair \(n_out, channels\)"):
         cpu_ops.split_precision_attention(query, fk, fv, start, [(*segments[0], torch.zeros(8))], scaling)
 
 

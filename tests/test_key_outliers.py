@@ -209,3 +209,38 @@ def test_generate_with_outlier_channels_equals_dequantized_sdpa(tiny_tokenizer):
     (split, _), (sdpa, _) = runs["cocktail"], runs["sdpa"]
     assert torch.equal(split.sequences, sdpa.sequences)
     torch.testing.assert_close(torch.stack(split.logits), torch.stack(sdpa.logits), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("low", [2, 3])
+@pytest.mark.parametrize("share,rotation", [(1 / 16, None), (1 / 8, "hadamard"), (0.3, "hadamard")])
+def test_fused_cpu_kernel_reads_outlier_channels(low, share, rotation):
+    """The 4-bit segment's rest (D=32 minus 2, 4 or 10 outliers) ends with a partial group of 8 channels; INT3's is
+    whole (8 or 16 outliers)."""
+    g = torch.Generator().manual_seed(0)
+    B, H, T, D = 2, 2, 200, 32
+    k, v = torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g)
+    k[..., [5, 30]] *= 20
+    positions = [{"full": torch.arange(180, T), 4: torch.arange(0, 77), low: torch.arange(77, 180)}] * B
+    rot = None if rotation is None else Rotation.make(rotation, H, D, seed=1)
+    store = LayerStore.build(k, v, positions, 16, 16, torch.float16, rotation=rot, key_outlier_share=share)
+    assert all(s.key_outliers is not None for s in store.segments)
+    query = torch.randn(B, 4, 2, D, generator=g)
+    from .conftest import assert_fused_cpu_kernel_matches_reference
+
+    assert_fused_cpu_kernel_matches_reference(store, query, D**-0.5)
+    assert "cpu" in store.kernel_cache  # the fused kernel read the store (no fallback to the reference)
+
+
+def test_fused_cpu_kernel_refuses_a_bad_outlier_item():
+    cpu_ops = pytest.importorskip("cpu_ops")
+    store, _, _ = _store(1 / 16)
+    seg = store.segments[0]
+    args = seg.coded_kernel_args()
+    bad = seg.key_outliers.channels.clone()
+    bad[0, 0] = bad[0, 1]
+    with pytest.raises(ValueError, match=r"permutation of range\(32\)"):
+        cpu_ops.attention.prepare(2, 2, 32, [(*args, (seg.key_outliers.count, bad))])
+    with pytest.raises(
+        ValueError, match=r"segments\[0\].k_codes must be of shape \(2, 48, 16\), got shape \(2, 48, 17\)"
+    ):
+        cpu_ops.attention.prepare(2, 2, 32, [(*args, (1, seg.key_outliers.channels))])

@@ -158,10 +158,13 @@ static void run_item(const Problem& P, const WorkItem& w, float* m, float* l, fl
   }
 
   const Segment& g = P.seg[w.src - 1];
-  const int kDp = D * g.bits / 8, vDp = D * g.vbits / 8, NG = D / g.G;
+  const int Dr = D - g.n_out, kDp = Dr * g.bits / 8 + g.n_out, vDp = D * g.vbits / 8, NG = D / g.G;
   const int64_t t0 = g.tok_off[w.b], c0 = g.chunk_off[w.b];
   // keys and values each in the tile order of their code width (INT3 orders as INT2)
-  const std::vector<int> kperm = g.bits == 4 ? tile_order<4>(D) : tile_order<2>(D);
+  // (keys with outlier channels: kperm holds stored positions, then the outliers'; kch maps them to channels)
+  std::vector<int> kperm = g.bits == 4 ? tile_order<4>(Dr) : tile_order<2>(Dr);
+  for (int p = Dr; p < D; ++p) kperm.push_back(p);
+  const int32_t* kch = g.n_out ? g.key_channels + static_cast<int64_t>(w.h) * D : nullptr;
   const std::vector<int> vperm = g.vbits == 4 ? tile_order<4>(D) : tile_order<2>(D);
   std::vector<int> lane_g(D), vgroup(D / 8);
   bool uniform = true;  // every 8 tile lanes in one value group (G >= 8 * PER, the usual case)
@@ -177,11 +180,19 @@ static void run_item(const Problem& P, const WorkItem& w, float* m, float* l, fl
   const int vpg = runs ? vpg_try : 0;
   std::vector<float> qp(static_cast<size_t>(rows) * D), qs(qp.size()), kscale(D), kzero(D), ks_tile(D),
       vsc(static_cast<size_t>(kBlock) * NG), vze(vsc.size()), lane_s(D), lane_z(D);
+  std::vector<float> qz(kch ? static_cast<size_t>(rows) * D : 0);  // outlier channels: the queries in stored order
   for (int r = 0; r < rows; ++r)  // the queries in tile order
-    for (int p = 0; p < D; ++p) qp[r * D + p] = q[static_cast<int64_t>(r) * D + kperm[p]];
+    for (int p = 0; p < D; ++p) {
+      qp[r * D + p] = q[static_cast<int64_t>(r) * D + (kch ? kch[kperm[p]] : kperm[p])];
+      if (kch) qz[r * D + p] = q[static_cast<int64_t>(r) * D + kch[p]];
+    }
+  const float* qzero = kch ? qz.data() : q;  // the queries as the zeros are ordered
   const uint8_t* kc = g.k_codes + static_cast<int64_t>(w.h) * g.N * kDp;
   const uint8_t* vc = g.v_codes + static_cast<int64_t>(w.h) * g.N * vDp;
   auto unpack_keys = g.bits == 2 ? unpack_key_block<2> : g.bits == 3 ? unpack_key_block<3> : unpack_key_block<4>;
+  auto unpack_outliers = g.bits == 2   ? unpack_key_block_outliers<2>
+                         : g.bits == 3 ? unpack_key_block_outliers<3>
+                                       : unpack_key_block_outliers<4>;
   auto unpack_values = g.vbits == 2   ? unpack_value_block<2>
                        : g.vbits == 3 ? unpack_value_block<3>
                                       : unpack_value_block<4>;
@@ -206,7 +217,7 @@ static void run_item(const Problem& P, const WorkItem& w, float* m, float* l, fl
         v8f bz{};
         for (int d = 0; d < D; d += 8) {
           store8(qs.data() + r * D + d, load8(qp.data() + r * D + d) * load8(ks_tile.data() + d));
-          bz += load8(q + static_cast<int64_t>(r) * D + d) * load8(kzero.data() + d);
+          bz += load8(qzero + static_cast<int64_t>(r) * D + d) * load8(kzero.data() + d);
         }
         bias[r] = hsum(bz);
       }
@@ -215,7 +226,10 @@ static void run_item(const Problem& P, const WorkItem& w, float* m, float* l, fl
     const int64_t voff = (static_cast<int64_t>(w.h) * g.N + a) * NG;  // (the values' blocks: one per chunk too)
     load_params(g, g.v_scale, g.v_zero, g.v_block, voff, static_cast<int64_t>(w.h) * g.M + c,
                 static_cast<int64_t>(n) * NG, vsc.data(), vze.data());
-    unpack_keys(kc + a * kDp, n, D, kt.data());
+    if (kch)
+      unpack_outliers(kc + a * kDp, n, D, g.n_out, kt.data());
+    else
+      unpack_keys(kc + a * kDp, n, D, kt.data());
 #ifdef CPU_OPS_VNNI
     if (pv16)
       unpack_pairs(vc + a * vDp, n, D, vt16.data());

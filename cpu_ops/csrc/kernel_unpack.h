@@ -177,6 +177,23 @@ static void unpack_key_block(const uint8_t* kc, int n, int D, float* kt) {
   for (int t = 0; t < n; ++t) unpack_token<BITS>(kc + static_cast<int64_t>(t) * Dp, D, kt + static_cast<int64_t>(t) * D);
 }
 
+// Keys of n tokens of a segment with n_out outlier key channels into the key tile (rows of D) as codes: positions
+// [0, Dr = D - n_out) hold the low-width codes in tile_order<BITS>(Dr) (its last Dr % 8 channels one at a time, in
+// channel order as tile_order has them; INT3 has Dr % 8 == 0), positions [Dr, D) the 8-bit codes.
+template <int BITS>
+static void unpack_key_block_outliers(const uint8_t* kc, int n, int D, int n_out, float* kt) {
+  constexpr int PER = BITS == 3 ? 1 : 8 / BITS;
+  const int Dr = D - n_out, D8 = Dr & ~7, Dp = Dr * BITS / 8;
+  for (int t = 0; t < n; ++t) {
+    const uint8_t* c = kc + static_cast<int64_t>(t) * (Dp + n_out);
+    float* row = kt + static_cast<int64_t>(t) * D;
+    if (D8) unpack_token<BITS>(c, D8, row);
+    for (int d = D8; d < Dr; ++d)
+      row[d] = static_cast<float>((c[d * BITS / 8] >> (d % PER * BITS)) & ((1 << BITS) - 1));
+    for (int j = 0; j < n_out; ++j) row[Dr + j] = static_cast<float>(c[Dp + j]);
+  }
+}
+
 // Values of n tokens of a packed segment into the value tile, dequantized, in the values' tile order; vs / vz:
 // (n, NG) value scales / zeros. vpg: vectors per group when unpack_value_runs applies, else 0. vgroup: the group of each 8 tile lanes, or null when lanes of one vector straddle
 // groups; then lane_g (the group of each tile position) gives per-lane scales.

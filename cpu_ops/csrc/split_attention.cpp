@@ -69,6 +69,11 @@ struct Segment {  // one packed segment; shapes as in cpu_ops.split_precision_at
   const void *k_block, *v_block;  // null: the scales and zeros are numbers of s_dtype
   DType b_dtype;
   const float* table;  // (256,) fp32: 2 ** (-code / 16)
+  // outlier key channels (hf_cocktail.key_outliers): per token the low-width codes of the first D - n_out stored
+  // positions, then n_out 8-bit codes; k_scale / k_zero in the stored order; position p of head h is channel
+  // key_channels[h * D + p]. n_out 0: none (key_channels null)
+  int n_out;
+  const int32_t* key_channels;
 };
 
 struct Problem {
@@ -171,11 +176,11 @@ void check_offsets(const at::Tensor& off, int B, int64_t limit, const char* what
 }  // namespace
 
 // query (B, H_q, L_q, D) and full_keys / full_values (B, H_kv, R, D), unit last strides; full_start int32 (B,);
-// seg_tensors: per segment k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, tok_off, chunk_off, k_block, v_block
-// (contiguous; k_block, v_block (H_kv, M, 3) with 8-bit scales and zeros (then k_scale ... v_zero are their uint8
-// codes), else empty);
-// seg_ints: per segment key bits, value bits, chunk_size, group_size; isa: 0 auto, 1 the baseline build, 2 the avx2
-// build (fp32 arithmetic only) where the CPU has it;
+// seg_tensors: per segment k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, tok_off, chunk_off, k_block, v_block,
+// key_channels (contiguous; k_block, v_block (H_kv, M, 3) with 8-bit scales and zeros (then k_scale ... v_zero are
+// their uint8 codes), else empty; key_channels int32 (H_kv, D) with outlier key channels, else empty);
+// seg_ints: per segment key bits, value bits, chunk_size, group_size, outlier key channels n_out; isa: 0 auto, 1
+// the baseline build, 2 the avx2 build (fp32 arithmetic only) where the CPU has it;
 // full_key_scales, full_value_scales: (B, H_kv, R, 1) for an int8 full part (full_keys / full_values its codes), else
 // empty; rot_q, rot_o: (H_kv, D, D) fp32 or empty (rotated storage); scale_table: (256,) fp32 or empty;
 // sinks: (H_q,) fp32 attention-sink logits or empty; softcap: the logit soft-cap (> 0) or 0 for none.
@@ -241,14 +246,18 @@ at::Tensor split_attention(const at::Tensor& query, const at::Tensor& full_keys,
   for (int b = 0; b < P.B; ++b)
     TORCH_CHECK_VALUE(P.f_start[b] >= 0 && P.f_start[b] <= P.R, "full_start[", b, "] must be in [0, R=", P.R,
                       "], got ", P.f_start[b]);
-  P.n_seg = static_cast<int>(seg_ints.size() / 4);
+  P.n_seg = static_cast<int>(seg_ints.size() / 5);
   for (int i = 0; i < P.n_seg; ++i) {
-    const at::Tensor* t = seg_tensors.data() + 10 * i;
+    const at::Tensor* t = seg_tensors.data() + 11 * i;
     Segment& g = P.seg[i];
-    g.bits = static_cast<int>(seg_ints[4 * i]);
-    g.vbits = static_cast<int>(seg_ints[4 * i + 1]);
-    g.C = static_cast<int>(seg_ints[4 * i + 2]);
-    g.G = static_cast<int>(seg_ints[4 * i + 3]);
+    g.bits = static_cast<int>(seg_ints[5 * i]);
+    g.vbits = static_cast<int>(seg_ints[5 * i + 1]);
+    g.C = static_cast<int>(seg_ints[5 * i + 2]);
+    g.G = static_cast<int>(seg_ints[5 * i + 3]);
+    g.n_out = static_cast<int>(seg_ints[5 * i + 4]);
+    TORCH_CHECK_VALUE(g.n_out == 0 || (t[10].numel() == static_cast<int64_t>(P.H_kv) * P.D && !t[8].numel()),
+                      "segments[", i, "]: outlier key channels need channels (H_kv, D) and 16-bit scales");
+    g.key_channels = g.n_out ? t[10].data_ptr<int32_t>() : nullptr;
     g.N = t[0].size(1), g.M = t[1].size(1);
     g.k_codes = t[0].data_ptr<uint8_t>(), g.v_codes = t[3].data_ptr<uint8_t>();
     g.k_scale = t[1].data_ptr(), g.k_zero = t[2].data_ptr(), g.v_scale = t[4].data_ptr(), g.v_zero = t[5].data_ptr();

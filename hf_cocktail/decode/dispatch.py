@@ -237,9 +237,16 @@ def _cpu_prepared(store: LayerStore):
     if rotation is not None:
         kw["rotation"] = (rotation.keys, rotation.values)
     B, H_kv, _, D = store.full.shape
-    prepared = cpu_ops.attention.prepare(B, H_kv, D, [s.coded_kernel_args() for s in segments], **kw)
+    prepared = cpu_ops.attention.prepare(B, H_kv, D, [_cpu_segment(s) for s in segments], **kw)
     store.kernel_cache["cpu"] = (rotation, tuple(segments), prepared)
     return prepared
+
+
+def _cpu_segment(seg) -> tuple:
+    """A segment as ``cpu_ops`` takes it: :meth:`PackedSegment.coded_kernel_args`, with outlier key channels one more
+    item ``(n_out, channels)``."""
+    o = seg.key_outliers
+    return seg.coded_kernel_args() if o is None else (*seg.coded_kernel_args(), (o.count, o.channels))
 
 
 @functools.cache  # asked at every decode step: the import and lookup once per (backend, op)
