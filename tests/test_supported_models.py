@@ -234,7 +234,9 @@ def test_falcon_h1_attention_is_compressed_beside_its_mamba_states(tiny_tokenize
     generate(model, tiny_tokenizer, cache, prompt, ctx, q)
     assert all(isinstance(layer, HybridCocktailLayer) for layer in cache.layers)
     states = hybrid_state_tensors(cache.layers)
-    assert all(layer.has_previous_state[0] for layer in cache.layers) and len(states) == 3 * len(cache.layers)
+    conv_and_ssm = [t for layer in cache.layers for t in (layer.conv_states[0], layer.recurrent_states[0])]
+    assert all(layer.has_previous_state[0] for layer in cache.layers)
+    assert all(any(t is s for s in states) for t in conv_and_ssm)
     rep = cache.memory_report()
     assert rep["native_layers_bytes"] == sum(t.numel() * t.element_size() for t in states)  # held, so counted
     assert rep["ratio_to_fp16"] < 0.6

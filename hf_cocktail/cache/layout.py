@@ -94,7 +94,8 @@ def hybrid_state_tensors(layers: list) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     for layer in layers:
         if isinstance(layer, HybridCocktailLayer):
-            states = [*layer.conv_states.values(), *layer.recurrent_states.values(), layer.cumulative_length_linear]
+            length = getattr(layer, "cumulative_length_linear", None)  # (transformers >= 5.2x; none before)
+            states = [*layer.conv_states.values(), *layer.recurrent_states.values(), length]
             out += [t for t in states if isinstance(t, torch.Tensor)]
     return out
 
