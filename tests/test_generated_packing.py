@@ -210,6 +210,7 @@ def test_split_path_equals_dequantized_path_with_packed_tokens(tiny_tokenizer, k
     assert cache.memory_report()["appended_packed_tokens"] >= 8
     widths = [layer.appended_chunk_bits() for layer in cache.layers]
     assert widths[0] == widths[1] == [4] * (cache.layers[0].store.packed_appended // 8)
+    assert all(row[len(row) - len(widths[0]) :] == widths[0] for row in cache.precision_map())  # after the context
 
 
 def test_beam_rows_match_each_prompt_alone_with_packed_tokens(tiny_tokenizer):
@@ -329,3 +330,30 @@ def test_triton_reads_the_grown_segments(tiny_tokenizer):
         got = split_precision_attention(query, layer.store, 64**-0.5, "triton")
         ref = _reference_attention(layer, query, 64**-0.5, [plan.pad for plan in cache._plans])
         torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_teacher_forcing_steps_where_a_block_would_hide_packing(tiny_tokenizer):
+    """eval.kld and calibrate teacher-force answers in one forward unless that differs from one forward a token
+    (``needs_steps``): with generated-token packing a block longer than what the residual window can still take
+    must go step by step, and a block that packs nothing inside equals the steps."""
+    from hf_cocktail.calibrate.divergence import needs_steps, teacher_force
+
+    model = make_tiny_llama(dtype=torch.float32)
+    ids = tiny_tokenizer(make_prompt(60)[0], return_tensors="pt")["input_ids"]
+    tokens = tiny_tokenizer(random_text(40, seed=3), return_tensors="pt")["input_ids"][:, :30]
+
+    def prefilled():
+        cache = CocktailCache(small())
+        with torch.no_grad():
+            model(input_ids=ids, **cache_kwargs(model, cache))
+        return cache
+
+    cache = prefilled()  # the prompt's last 8 tokens are unpacked appended tokens: 8 + n - 1 >= 8 + 8 packs
+    assert not needs_steps(cache, 1) and not needs_steps(cache, 8)
+    assert needs_steps(cache, 9) and needs_steps(cache, 30)
+    block = teacher_force(model, prefilled(), tokens[:, :8], step_by_step=False)
+    steps = teacher_force(model, prefilled(), tokens[:, :8], step_by_step=True)
+    torch.testing.assert_close(block, steps, rtol=1e-4, atol=1e-5)
+    block = teacher_force(model, prefilled(), tokens, step_by_step=False)  # packing hidden inside the block
+    steps = teacher_force(model, prefilled(), tokens, step_by_step=True)
+    assert not torch.allclose(block, steps, rtol=1e-4, atol=1e-5)

@@ -348,14 +348,14 @@ class CocktailCache(CacheLifecycles, HybridStates, Cache):
 
     # ----------------------------------------------------------------- reports
     def precision_map(self) -> list[list[int]]:
-        """Per sequence of the cache's batch, the bits (16, 4 or 2) of each context chunk in original order.
-
-        Rows follow generate's batch: after beam search (``num_beams=k``) or ``num_return_sequences=k`` the cache
-        holds k rows per prompt and so does this map (prompt i's rows are ``i*k`` to ``i*k+k-1``, alike)."""
+        """Per sequence of the cache's batch, the bits (16, 4 or 2) of each context chunk in original order, then of
+        each appended chunk packed since (generated, later turns). Rows follow generate's batch: ``num_beams=k`` or
+        ``num_return_sequences=k`` gives k rows per prompt (prompt i's rows are ``i*k`` to ``i*k+k-1``, alike)."""
         self._flush_deferred()
         if not self._plans or not self._searched:
             raise RuntimeError("precision_map() is available after the prefill of generate (the search runs there)")
-        return [list(p.decided_bits()) for p in self._plans]
+        appended = max((la.appended_chunk_bits() for la in self._cocktail_layers()), key=len, default=[])
+        return [[*p.decided_bits(), *appended] for p in self._plans]
 
     def chunk_scores(self) -> list[list[float] | None]:
         """Per sequence, each context chunk's similarity score (None with ``uniform_bits``); rows as in

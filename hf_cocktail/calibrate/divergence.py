@@ -4,8 +4,9 @@ position.
 :func:`teacher_force` feeds tokens through a cache that already holds a prefill and returns the logits at every fed
 position (position ``i`` predicts the token after ``tokens[i]``). One forward of all the tokens is exactly what
 feeding them one by one gives (up to floating-point rounding) only when the cache treats the new tokens the same
-whatever the block size: ``DynamicCache``; ``CocktailCache`` (new tokens stay at full precision, attention over the
-full part is causal); ``QuantizedCache`` while its full-precision residual does not fill up inside the block. Every
+whatever the block size: ``DynamicCache``; ``CocktailCache`` while no appended token would be packed inside the
+block (new tokens stay at full precision until they leave its ``residual_tokens`` window; attention over the full part
+is causal); ``QuantizedCache`` while its full-precision residual does not fill up inside the block. Every
 other cache (the KIVI-like cache, whose residual windows move with every token) is fed token by token
 (:func:`needs_steps`).
 """
@@ -16,7 +17,9 @@ import torch
 from transformers import DynamicCache, QuantizedCache
 
 from hf_cocktail.cache.cache import CocktailCache
+from hf_cocktail.cache.layer import CocktailLayer
 from hf_cocktail.integration.compat import cache_kwargs
+from hf_cocktail.storage.generated import packs_within
 
 
 def kl_and_top1(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,8 +38,11 @@ def kl_and_top1(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[torch.T
 def needs_steps(cache, n_tokens: int) -> bool:
     """True when feeding ``n_tokens`` in one forward would differ from feeding them one by one (see the module
     docstring); unknown caches are fed token by token."""
-    if isinstance(cache, CocktailCache):
-        return False
+    if isinstance(cache, CocktailCache):  # exact in one forward unless appended tokens would be packed inside it
+        keep = cache.config.residual_tokens
+        return any(
+            packs_within(layer.store, keep, n_tokens) for layer in cache.layers if isinstance(layer, CocktailLayer)
+        )
     if isinstance(cache, QuantizedCache):
         for layer in cache.layers:
             keys = getattr(layer, "keys", None)

@@ -204,3 +204,17 @@ def appended_order(positions: torch.Tensor, seg: Any, packed: int, prefill_len: 
     cut = positions.shape[0] - positions.shape[0] % seg.chunk_size
     appended = torch.arange(prefill_len, prefill_len + packed, device=positions.device)
     return torch.cat([positions[:cut], appended, positions[cut:]])
+
+
+def packs_within(store: Any, keep: int, n_tokens: int) -> bool:
+    """True when feeding ``n_tokens`` appended tokens to ``store`` one forward each would pack some of them during
+    those forwards, where one forward of all ``n_tokens`` packs none until the next (:func:`pack_appended` runs at
+    the start of a forward): the two ways then differ. ``store`` None (a layer that builds its store at its first
+    decode step) counts as no appended token yet."""
+    if n_tokens < 2 or (store is not None and store.packing is None):
+        return False
+    unpacked = 0 if store is None else store.full.length - store.appended_from
+    C = store.segments[store.packing.segment].chunk_size if store is not None else 1
+    if unpacked >= keep + C:  # the block's first forward packs these first, either way
+        unpacked = keep + (unpacked - keep) % C
+    return unpacked + n_tokens - 1 >= keep + C
