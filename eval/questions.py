@@ -219,6 +219,13 @@ QUESTIONS = (
         (Report("budget_2gib.md", preamble=True),),
     ),
     Question(
+        "triton_aot",
+        "The Triton kernels compiled for A100 / H100 without a GPU",
+        "`python -m triton_ops.aot`: every launch specialization the dispatch reaches compiled for sm_80 and sm_90 on "
+        "a CPU machine, with registers, stack, spills, shared memory and the load widths of the inner loops.",
+        (Report("report.md", preamble=True, tables=(0,)),),
+    ),
+    Question(
         "roofline",
         "Decode-attention roofline: bytes per step and predicted time at HBM bandwidth",
         "`eval.benchmarks.roofline`: the bytes each setting reads per decode step, measured on real stores, over the "
