@@ -1,7 +1,7 @@
 """Per-layer code widths (``CocktailConfig.layer_bits``): the most bits each layer's packed keys and values keep.
 
 Layers of one model differ a lot in how much low-bit noise they tolerate (on SmolLM2-135M a few of 30 layers carry
-most of the KL divergence; ``python -m eval.layers`` measures it). ``layer_bits`` gives layer ``l`` a pair
+most of the KL divergence; ``python -m hf_cocktail.calibrate`` measures it). ``layer_bits`` gives layer ``l`` a pair
 ``(key_bits, value_bits)``: a chunk the plan puts at ``b < 16`` bits stores its keys at ``min(b, key_bits)`` and its
 values at ``min(b, value_bits)`` (and at most ``CocktailConfig.value_bits``) in that layer. FP16 chunks stay FP16 in
 every layer, so the query-relevant chunks the search finds keep full precision. One plan serves every layer: a

@@ -56,8 +56,7 @@ def encode_params8(mn: torch.Tensor, mx: torch.Tensor, bits: int, scale_dtype: t
     Args:
         mn, mx: ``(..., K)`` fp32 minima and maxima of K groups; the leading dims index the blocks.
         round_offset: added before both codes are floored: 0.5, the nearest codes; 0.0, codes that cover every group
-            (the zero rounded down, the scale up: the encoder before 2026-12-03, which
-            ``eval.formats.params_rounding`` compares).
+            (the zero rounded down, the scale up: the encoder before 2026-12-03; the lab log's "Nearest codes").
 
     Returns:
         ``scale_codes uint8 (..., K)``, ``zero_codes uint8 (..., K)``, ``block (..., 3)`` in ``scale_dtype``:
