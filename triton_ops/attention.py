@@ -36,17 +36,19 @@ def tiles(D: int, rows: int) -> tuple[int, int, int, int, bool]:
 
     Chosen from the ahead-of-time compile report (``python -m triton_ops.aot``; no spills, <= 128 registers per
     thread in the model-shaped cases on sm_80 / sm_90): more than 8 rows go through ``tl.dot`` (fp32, ``ieee``) in
-    blocks of 16 rows and 16 tokens with D / 16 warps (4 warps spilled 80 B at head dim 128 with the 8-bit formats on
-    sm_80, 8 needed 183 registers at 256); fewer rows through a broadcast product of BQ x BT x D elements held at 8
-    per thread by 8 warps, 16 where BQ x D >= 1024 (8 warps spilled 12-16 B there at 2 tokens a step: Qwen2.5-7B
-    with the 8-bit formats on sm_80). At 16 elements per thread ptxas spilled 4-40 B in some 8-bit-format and
-    head-dim-256 cases, and capping registers (``maxnreg=128``) made it spill elsewhere. One stage: Triton does not pipeline the loads that feed the broadcast products, and two
-    stages on the ``tl.dot`` path spilled (Qwen2.5-7B shape, sm_90: 255 registers, 640 B).
+    blocks of 16 rows and 16 tokens with D / 16 warps (4 warps spilled 80 B at head dim 128 with the 8-bit formats
+    on sm_80, 8 needed 183 registers at 256); fewer rows through a broadcast product of BQ x BT x D elements held
+    at 8 per thread by 8 warps, 16 where BQ x D >= 512 (8 warps spilled 4-16 B there at 2-4 tokens a step:
+    Qwen2.5-7B with the 8-bit formats on sm_80, an INT3-only segment at head dim 128 on sm_90). At 16 elements per
+    thread ptxas spilled 4-40 B in some 8-bit-format and head-dim-256 cases, and capping registers
+    (``maxnreg=128``) made it spill elsewhere. One stage: Triton does not pipeline the loads that feed the
+    broadcast products, and two stages on the ``tl.dot`` path spilled (Qwen2.5-7B shape, sm_90: 255 registers,
+    640 B).
     """
     if rows > 8:
         return 16, 16, D // 16, 1, True
     BQ = triton.next_power_of_2(rows)
-    warps = 16 if BQ * D >= 1024 else 8
+    warps = 16 if BQ * D >= 512 else 8
     return BQ, max(2, min(64, 8 * 32 * warps // (BQ * D))), warps, 1, False
 
 
