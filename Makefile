@@ -38,7 +38,8 @@ lint: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra tests -m "not slow"
 
-# the oldest supported transformers (5.17, the GPU machine's): core, robustness, property and salient-token tests
+# the oldest supported transformers (5.17, the GPU machine's): core, robustness, property, salient-token, plain
+# generate and generated-token packing tests
 COMPAT_VENV ?= .venv-tf517
 $(COMPAT_VENV)/.installed: pyproject.toml Makefile
 	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
@@ -49,7 +50,7 @@ $(COMPAT_VENV)/.installed: pyproject.toml Makefile
 test-compat: $(COMPAT_VENV)/.installed
 	$(COMPAT_VENV)/bin/python -m pytest -q -ra tests/test_core_units.py tests/test_core_cache.py \
 		tests/test_robustness.py tests/test_properties.py tests/test_devices.py tests/test_salient.py \
-		tests/test_full_part.py
+		tests/test_full_part.py tests/test_plain_generate.py tests/test_generated_packing.py
 
 bench: $(STAMP)
 	$(PY) -m eval.benchmarks.bench_latency --quick
