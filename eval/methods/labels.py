@@ -51,6 +51,7 @@ _SIZED = [
     (r"g(\d+)", lambda m: f"values in groups of {m[1]}"),
     (r"c(\d+)", lambda m: f"{m[1]}-token chunks"),
     (r"sal(\d+)", lambda m: f"{m[1]}% salient tokens"),
+    (r"kout(\d+)", lambda m: f"1/{m[1]} of key channels at 8 bits"),
     (r"seed(\d+)", lambda m: f"rotation seed {m[1]}"),
     (r"r(\d+)", lambda m: f"FP residual {m[1]}"),
     (r"l(\d)", lambda m: f"INT{m[1]} low tier"),

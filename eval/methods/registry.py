@@ -135,6 +135,16 @@ for _name, _pct in (("int4v3_had_s8", 1), ("int4v3_had_s8", 3), ("layers3r2_had_
 METHODS.update(_twin("layers3r2_had_s8_sal1", "_f8", "full_part_bits=8 (the tokens outside the packed chunks as "
                      "8-bit codes)", {"full_part_bits": 8}))  # fmt: skip
 
+# outlier key channels at 8 bits (key_outlier_share, issue 46): 1/16 and 1/8 of each head's key channels, chosen per
+# layer and head from the prefill's own rotated keys
+for _share in (16, 8):
+    METHODS.update(_twin("recommended", f"_kout{_share}", f"1/{_share} of key channels at 8 bits",
+                         {"key_outlier_share": 1 / _share}))  # fmt: skip
+# the same storage unrotated, without and with outlier channels (chosen in the model's own basis, as KIVI / KVQuant)
+_INT4V3_G64 = {"uniform_bits": 4, "value_bits": 3, "group_size": 64}
+METHODS["int4v3_g64"] = CocktailMethod("int4v3_g64", "uniform INT4, 3-bit values, groups of 64, unrotated", _INT4V3_G64)
+METHODS.update(_twin("int4v3_g64", "_kout8", "1/8 of key channels at 8 bits", {"key_outlier_share": 1 / 8}))
+
 
 def register_preset(name_or_path: str) -> Method:
     """Add the method ``preset``: a CocktailCache with ``CocktailConfig.from_pretrained(name_or_path)`` (its encoder
