@@ -245,7 +245,7 @@ QUESTIONS = (
         "gpt_oss_decode",
         "gpt-oss on the fast path: decode with attention sinks at 8K",
         "`eval.benchmarks.bench_gpt_oss_decode`: a gpt-oss-20b-attention-shaped model with random weights decoding "
-        "at 8K tokens, `recommended()` under `\"cocktail\"` (sinks in the fused CPU kernel) against `DynamicCache` "
+        'at 8K tokens, `recommended()` under `"cocktail"` (sinks in the fused CPU kernel) against `DynamicCache` '
         f"under transformers' eager attention (gpt-oss has no SDPA path); {SPEED}.",
         (Report("report.md", preamble=True),),
     ),

@@ -103,8 +103,8 @@ class CocktailConfig(ConfigFiles):
         layer_bits: ``None`` (every layer alike) or one ``(key_bits, value_bits)`` pair per model layer, each of 2, 3,
             4 with ``value_bits <= key_bits``: the most code bits packed keys and values keep in that layer (a chunk
             planned at ``b`` bits stores ``min(b, key_bits)``-bit keys there; FP16 chunks stay FP16;
-            :mod:`hf_cocktail.storage.layer_bits`). Calibrated per model (``python -m hf_cocktail.calibrate``): the layers that
-            tolerate low bits give their bytes to those that do not.
+            :mod:`hf_cocktail.storage.layer_bits`). Calibrated per model (``python -m hf_cocktail.calibrate``): the
+            layers that tolerate low bits give their bytes to those that do not.
         salient_tokens: the fraction (0 to 1) of each layer's packed context tokens kept at full precision: those
             with the most attention from the tokens after the context (the question) in that layer's prefill
             (:mod:`hf_cocktail.planning.salient`). 0 (default) is the paper. Needs ``attn_implementation="cocktail"``
