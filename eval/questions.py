@@ -89,6 +89,14 @@ QUESTIONS = (
         (Report("summary.md", ("longbench",)),),
     ),
     Question(
+        "gemma3_270m/key_outliers_8k",
+        "Gemma 3 270M at 8K: outlier key channels at 8 bits (key_outlier_share)",
+        "`eval.kld --model gemma-3-270m --window 8000 --per-task 1` on 4 LongBench tasks: uniform INT4 and "
+        "`recommended()` without and with 1/16 and 1/8 of each head's key channels at 8 bits, and the same storage "
+        "unrotated without and with 1/8 (issue 46).",
+        (Report("summary.md", ("longbench",)),),
+    ),
+    Question(
         "gemma3_270m/kld",
         "Gemma 3 270M: how far from FP16 is each storage, 2K LongBench windows and needles",
         "`eval.kld --model gemma-3-270m`, 16 LongBench windows (1 per task) and 8 needle prompts; its `preset` rows "
