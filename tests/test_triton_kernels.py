@@ -336,7 +336,8 @@ def test_split_attention_every_segment_count(count):
         D**-0.5,
     )
     assert attn.constexprs["SEGS"] == count
-    absent = attn.args[16 + 13 * count : 16 + 13 * 2 : 13]  # the first pointer of each absent segment's arguments
+    # the first pointer of each absent segment's 14 arguments (11 tensors with the outlier channel order, 3 ints)
+    absent = attn.args[16 + 14 * count : 16 + 14 * 2 : 14]
     assert [t.dtype for t in absent] == [torch.uint8] * (2 - count)  # typed stand-ins, not the full keys
     ref = split_precision_attention_torch(query, store, D**-0.5)
     check_attention(query, store, D**-0.5, ref, tokens_per_split=tps)
@@ -510,10 +511,11 @@ def test_split_attention_rejects_unsupported_bits():
 
 
 def test_split_attention_rejects_a_segment_of_12_items():
-    """A 12th item (the codebook's level table of earlier versions) is refused, not ignored."""
+    """A 12th item that is not outlier key channels ``(n_out, channels)`` (e.g. the codebook's level table of earlier
+    versions) is refused, not ignored."""
     store = make_store([4], {4: [3], 3: [3]}, 2, 64, 8, 32)
     full, seg = store.full, store.segments[1].kernel_args()
-    with pytest.raises(ValueError, match=r"segments\[1\] must have 11 items, or 13 with the blocks .*, got 12"):
+    with pytest.raises(ValueError, match=r"segments\[1\]'s outlier key channels must be a pair \(n_out, channels\)"):
         triton_ops.split_precision_attention(
             torch.randn(1, 2, 1, 64).to(DEV),
             full.keys,

@@ -15,6 +15,7 @@ length, N tokens of a segment, M its chunks.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -29,7 +30,9 @@ NUM_SMS = 132  # H100 SXM / H200: tokens_per_split as on those GPUs
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One attention launch: a model's heads and a stored format. ``segs``: per packed segment ``(key_bits,
-    value_bits)`` (0, 1 or 2 of them); ``p8``: 8-bit scales and zeros; ``f8``: the 8-bit full part."""
+    value_bits)`` (0, 1 or 2 of them); ``p8``: 8-bit scales and zeros; ``f8``: the 8-bit full part;
+    ``outliers``: the share of key channels stored at 8 bits in every segment (outlier key channels, 16-bit scales
+    only; 0: none)."""
 
     name: str
     D: int
@@ -44,11 +47,13 @@ class Case:
     softcap: float | None = None
     B: int = 4
     model_shaped: bool = False
+    outliers: float = 0.0
 
     def setting(self) -> str:
         segs = "+".join(f"k{k}v{v}" if k != v else f"int{k}" for k, v in self.segs) or "full part only"
         extra = [f for f, on in (("p8", self.p8), ("f8", self.f8), ("sinks", self.sinks)) if on]
         extra += [f"softcap{self.softcap:g}"] if self.softcap else []
+        extra += [f"outliers1/{round(1 / self.outliers)}"] if self.outliers else []
         return " ".join([segs, *extra, str(self.dtype).removeprefix("torch."), f"Lq{self.L_q}"])
 
     def launches(self) -> dict:
@@ -66,22 +71,35 @@ class Case:
             kw["sinks"] = torch.empty(H_kv * self.n_rep, dtype=torch.float32)
         kw["softcap"] = self.softcap
         start = torch.zeros(B, dtype=torch.int32)
-        segments = [_segment(bits, B, H_kv, D, self.p8, n) for bits, n in zip(self.segs, (2013, 2999))]
+        segments = [
+            _segment(bits, B, H_kv, D, self.p8, n, _outlier_count(self.outliers, D, bits[0]))
+            for bits, n in zip(self.segs, (2013, 2999))
+        ]
         attn, merge, _ = plan_split_attention(q, fk, fv, start, segments, D**-0.5, **kw)
         return {"split_attn_kernel": attn, "merge_kernel": merge}
 
 
-def _segment(bits: tuple[int, int], B: int, H_kv: int, D: int, p8: bool, N: int) -> tuple:
-    """A packed segment's kernel tuple (``PackedSegment.coded_kernel_args``'s layout) of ``N`` tokens."""
+def _outlier_count(share: float, D: int, bits: int) -> int:
+    """``hf_cocktail.storage.key_outliers.outlier_count``: ``share * D`` rounded up to whole code bytes of the
+    other channels (a multiple of 8 channels for INT3, of ``8 // bits`` otherwise)."""
+    m = 8 if bits == 3 else 8 // bits
+    return min(math.ceil(share * D / m) * m, D - m) if share else 0
+
+
+def _segment(bits: tuple[int, int], B: int, H_kv: int, D: int, p8: bool, N: int, n_out: int = 0) -> tuple:
+    """A packed segment's kernel tuple (``PackedSegment.coded_kernel_args``'s layout) of ``N`` tokens; with
+    ``n_out`` outlier key channels, their item ``(n_out, channels)`` last (dispatch's layout)."""
     M = -(-N // CHUNK) + B
     kb, vb = bits
     pdt = torch.uint8 if p8 else torch.float16
     k_params = [torch.empty(H_kv, M, D, dtype=pdt) for _ in range(2)]
     v_params = [torch.empty(H_kv, N, D // GROUP, dtype=pdt) for _ in range(2)]
     offsets = [torch.zeros(B + 1, dtype=torch.int32) for _ in range(2)]
-    k_codes = torch.empty(H_kv, N, D * kb // 8, dtype=torch.uint8)
+    k_codes = torch.empty(H_kv, N, (D - n_out) * kb // 8 + n_out, dtype=torch.uint8)
     v_codes = torch.empty(H_kv, N, D * vb // 8, dtype=torch.uint8)
     seg = (bits if kb != vb else kb, CHUNK, GROUP, k_codes, *k_params, v_codes, *v_params, *offsets)
+    if n_out:
+        return (*seg, (n_out, torch.arange(D, dtype=torch.int32).expand(H_kv, D).contiguous()))
     return seg + ((torch.empty(H_kv, M, 3), torch.empty(H_kv, M, 3)) if p8 else ())
 
 
@@ -108,8 +126,9 @@ SETTINGS = (
 def model_cases() -> list[Case]:
     """Model-shaped decode: every model x every setting in bf16 at L_q 1, fp16 once, L_q 4 plain and with the 8-bit
     formats (speculative decoding), 0 and 1 segments once; gpt-oss-20b's sinks (D 64, 8 KV heads, GQA 8) and
-    Gemma 2 9B's soft-capping (D 256, 8 KV heads, GQA 2, cap 50)."""
-    out = []
+    Gemma 2 9B's soft-capping (D 256, 8 KV heads, GQA 2, cap 50); outlier key channels (1/16 and 1/8 of D at
+    8 bits) with INT4+INT2 and INT4+INT3, 1/16 at L_q 4 and with the 8-bit full part (:func:`outlier_cases`)."""
+    out = outlier_cases()
     for name, D, H_kv, n_rep in MODELS:
         base: dict[str, Any] = dict(D=D, H_kv=H_kv, n_rep=n_rep, model_shaped=True)
         for segs, p8, f8 in SETTINGS:
@@ -125,9 +144,23 @@ def model_cases() -> list[Case]:
     return out
 
 
+def outlier_cases() -> list[Case]:
+    """Model-shaped decode over segments with outlier key channels (``hf_cocktail.storage.key_outliers``; 16-bit
+    scales only): every model with INT4+INT2 at 1/16 and 1/8 of D, INT4+INT3 at 1/8, L_q 4 and the 8-bit full
+    part at 1/16."""
+    out = []
+    for name, D, H_kv, n_rep in MODELS:
+        base: dict[str, Any] = dict(D=D, H_kv=H_kv, n_rep=n_rep, model_shaped=True)
+        out += [Case(name, outliers=1 / 16, **base), Case(name, outliers=1 / 8, **base)]
+        out.append(Case(name, segs=((4, 4), (3, 3)), outliers=1 / 8, **base))
+        out += [Case(name, L_q=4, outliers=1 / 16, **base), Case(name, f8=True, outliers=1 / 16, **base)]
+    return out
+
+
 def ci_cases() -> list[Case]:
     """The CI's representative model-shaped set (:mod:`tests.test_triton_aot`, about 2 minutes on 2 cores): per
-    model INT4+INT2 plain and with both 8-bit formats, L_q 4, no packed segment, one; sinks and soft-capping once."""
+    model INT4+INT2 plain and with both 8-bit formats, L_q 4, no packed segment, one; sinks and soft-capping once;
+    outlier key channels on SmolLM2 (1/16), Gemma 3 270M and Qwen2.5-7B (1/8)."""
     out = []
     for name, D, H_kv, n_rep in MODELS:
         base: dict[str, Any] = dict(D=D, H_kv=H_kv, n_rep=n_rep, model_shaped=True)
@@ -135,6 +168,9 @@ def ci_cases() -> list[Case]:
         out += [Case(name, segs=(), **base), Case(name, segs=((4, 4),), p8=True, f8=True, **base)]
     out.append(Case("gpt-oss-20b", 64, 8, 8, sinks=True, model_shaped=True))
     out.append(Case("gemma2-9b", 256, 8, 2, softcap=50.0, model_shaped=True))
+    out.append(Case("smollm2-135m", 64, 3, 3, outliers=1 / 16, model_shaped=True))
+    out.append(Case("gemma3-270m", 256, 1, 4, outliers=1 / 8, model_shaped=True))
+    out.append(Case("qwen2.5-7b", 128, 4, 7, outliers=1 / 8, model_shaped=True))
     return out
 
 

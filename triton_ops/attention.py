@@ -123,7 +123,10 @@ def plan_split_attention(
             v_codes, v_scale, v_zero, tok_off, chunk_off)`` with int32 offsets ``(B+1,)``; ``bits`` is one width for
             keys and values or a pair ``(key_bits, value_bits)`` with ``value_bits <= key_bits``. 8-bit scales and
             zeros (``hf_cocktail.storage.params8``): ``k_scale`` ... ``v_zero`` uint8 codes, then ``k_block`` and
-            ``v_block`` ``(H_kv, M, 3)`` as items 12 and 13; decoded in registers with ``scale_table``.
+            ``v_block`` ``(H_kv, M, 3)`` as items 12 and 13; decoded in registers with ``scale_table``. Outlier key
+            channels (``hf_cocktail.storage.key_outliers``, 16-bit scales only): a 12th item ``(n_out, channels)``,
+            ``channels`` int32 ``(H_kv, D)`` on the query's device (the stored channel order); ``k_codes`` then
+            ``(H_kv, N, (D - n_out) * key_bits // 8 + n_out)``, ``k_scale`` and ``k_zero`` in the stored order.
         scaling: softmax scale (usually ``D ** -0.5``).
         max_tokens: per segment, the most tokens one sequence owns; min_full_start: ``min(full_start)``. Computed
             from the tensors when not given (a device sync).
@@ -160,7 +163,7 @@ def plan_split_attention(
     segs = list(segments) + [None] * (2 - len(segments))
     maxes: list[int | None] = list(max_tokens) if max_tokens is not None else [None] * len(segments)
     maxes += [None] * (2 - len(maxes))
-    (a_args, bits_a, g_a, p8_a, len_a), (b_args, bits_b, g_b, p8_b, len_b) = (
+    (a_args, bits_a, g_a, p8_a, len_a, out_a), (b_args, bits_b, g_b, p8_b, len_b, out_b) = (
         segment_args(s, i, m, fk) for i, (s, m) in enumerate(zip(segs, maxes))
     )
     fks, fvs = full_scales_args(full_scales, fk)
@@ -201,6 +204,8 @@ def plan_split_attention(
             F8=full_scales is not None,
             SOFTCAP=softcap is not None,
             DOT=dot,
+            N_OUT_A=out_a,
+            N_OUT_B=out_b,
         ),
         warps,
         stages,

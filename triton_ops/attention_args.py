@@ -71,18 +71,51 @@ def code_widths(bits, i: int) -> tuple[int, int]:
     return pair
 
 
-def _check_codes(k_codes, v_codes, bits: tuple[int, int], i: int, H_kv: int, D: int) -> None:
+def _check_codes(k_codes, v_codes, bits: tuple[int, int], i: int, H_kv: int, D: int, n_out: int = 0) -> None:
     """Codes as wide as their declared bits: uint8 ``(H_kv, N, D * bits // 8)``, keys and values of one ``N`` (the
-    kernel reads by these widths, so a mismatch would read past the buffers)."""
+    kernel reads by these widths, so a mismatch would read past the buffers); keys with ``n_out`` outlier channels
+    ``(H_kv, N, (D - n_out) * bits // 8 + n_out)``."""
     n = k_codes.shape[1] if isinstance(k_codes, torch.Tensor) and k_codes.dim() == 3 else -1
-    for name, codes, b in (("k_codes", k_codes, bits[0]), ("v_codes", v_codes, bits[1])):
+    for name, codes, b, o in (("k_codes", k_codes, bits[0], n_out), ("v_codes", v_codes, bits[1], 0)):
         ok = isinstance(codes, torch.Tensor) and codes.dtype == torch.uint8 and codes.dim() == 3
-        if not (ok and tuple(codes.shape) == (H_kv, n, D * b // 8)):
+        width = (D - o) * b // 8 + o
+        if not (ok and tuple(codes.shape) == (H_kv, n, width)):
             got = f"{codes.dtype} {tuple(codes.shape)}" if isinstance(codes, torch.Tensor) else type(codes).__name__
+            want = f"D*bits//8={width}" if o == 0 else f"(D-n_out)*bits//8+n_out={width}"
             raise ValueError(
-                f"segments[{i}].{name} must be uint8 of shape (H_kv={H_kv}, N, D*bits//8={D * b // 8}) for {b}-bit "
+                f"segments[{i}].{name} must be uint8 of shape (H_kv={H_kv}, N, {want}) for {b}-bit "
                 f"codes (keys and values of one N), got {got}"
             )
+
+
+def _outlier_item(item, i: int, bits: int, H_kv: int, D: int, device: torch.device) -> tuple[int, torch.Tensor]:
+    """A segment's outlier key channels ``(n_out, channels)`` (``hf_cocktail.storage.key_outliers``), checked:
+    ``n_out`` an int in ``[1, D)`` leaving whole code bytes (``(D - n_out) * bits`` a multiple of 8, of 8 channels
+    for INT3's planes), ``channels`` int32 ``(H_kv, D)`` on ``device``, each row a permutation of ``range(D)`` (the
+    stored channel order; the kernel gathers the query by it)."""
+    if not (isinstance(item, (list, tuple)) and len(item) == 2):
+        raise ValueError(f"segments[{i}]'s outlier key channels must be a pair (n_out, channels), got {item!r:.80}")
+    n_out, channels = item
+    whole = 8 if bits == 3 else 8 // bits
+    if not (type(n_out) is int and 0 < n_out < D and (D - n_out) % whole == 0):
+        raise ValueError(
+            f"segments[{i}]'s n_out must be an int in [1, {D}) with D - n_out a multiple of {whole} for {bits}-bit "
+            f"codes, got {n_out!r}"
+        )
+    ok = isinstance(channels, torch.Tensor) and channels.dtype == torch.int32 and channels.device == device
+    if not (ok and tuple(channels.shape) == (H_kv, D)):
+        got = (
+            f"{channels.dtype} {tuple(channels.shape)} on {channels.device}"
+            if isinstance(channels, torch.Tensor)
+            else channels
+        )
+        raise ValueError(
+            f"segments[{i}]'s outlier channels must be int32 of shape ({H_kv}, {D}) on {device}, got {got}"
+        )
+    want = torch.arange(D, dtype=torch.int32, device=device).expand(H_kv, D)
+    if not torch.equal(channels.sort(dim=1).values, want):
+        raise ValueError(f"segments[{i}]'s outlier channels must hold a permutation of range({D}) per head")
+    return n_out, channels.contiguous()
 
 
 def _check_blocks(seg: tuple, i: int, H_kv: int, M: int, device: torch.device) -> list[torch.Tensor]:
@@ -106,24 +139,30 @@ def segment_args(seg: tuple | None, i: int, max_tokens: int | None, dummy: torch
     """Kernel arguments of packed segment ``i`` (or of an absent one's stand-ins, never read: the kernel's segment
     count is a compile-time constant, so a missing segment compiles no code; its stand-ins are still typed as the
     real ones, uint8 codes, fp32 parameters, int32 offsets), its key / value bits and group size, whether its scales
-    and zeros are 8-bit codes, its longest sequence."""
+    and zeros are 8-bit codes, its longest sequence, its outlier key channels' count (0: none; the channel order is
+    an argument, the offsets standing in for it where there are none)."""
     if seg is None:
         codes = torch.zeros(1, dtype=torch.uint8, device=dummy.device)
         params = torch.zeros(1, dtype=torch.float32, device=dummy.device)
         offsets = torch.zeros(2, dtype=torch.int32, device=dummy.device)
-        tensors = [codes, params, params, codes, params, params, offsets, offsets, params, params]
-        return [*tensors, 0, 0, 1], (2, 2), 1, False, 0
-    if len(seg) not in (11, 13):
+        tensors = [codes, params, params, codes, params, params, offsets, offsets, params, params, offsets]
+        return [*tensors, 0, 0, 1], (2, 2), 1, False, 0, 0
+    if len(seg) not in (11, 12, 13):
         raise ValueError(
-            f"segments[{i}] must have 11 items, or 13 with the blocks of 8-bit scales and zeros, got {len(seg)}"
+            f"segments[{i}] must have 11 items, 12 with outlier key channels (n_out, channels) or 13 with the blocks "
+            f"of 8-bit scales and zeros, got {len(seg)}"
         )
     bits, chunk_size, group_size, *tensors, tok, chk = seg[:11]
     bits = code_widths(bits, i)
-    _check_codes(tensors[0], tensors[3], bits, i, dummy.shape[1], dummy.shape[3])
+    H_kv, D = dummy.shape[1], dummy.shape[3]
+    n_out, channels = _outlier_item(seg[11], i, bits[0], H_kv, D, dummy.device) if len(seg) == 12 else (0, tok)
+    _check_codes(tensors[0], tensors[3], bits, i, H_kv, D, n_out)
     p8 = isinstance(tensors[1], torch.Tensor) and tensors[1].dtype == torch.uint8
+    if n_out and p8:
+        raise ValueError(f"segments[{i}] has outlier key channels, which are stored with 16-bit scales only")
     tensors = [t.contiguous() for t in tensors]
-    blocks = _check_blocks(seg, i, dummy.shape[1], tensors[1].shape[1], dummy.device) if p8 else [dummy, dummy]
+    blocks = _check_blocks(seg, i, H_kv, tensors[1].shape[1], dummy.device) if p8 else [dummy, dummy]
     if max_tokens is None:
         max_tokens = int((tok[1:] - tok[:-1]).max()) if tok.numel() > 1 else 0
-    args = [*tensors, tok, chk, *blocks, tensors[0].shape[1], tensors[1].shape[1], chunk_size]
-    return args, bits, group_size, p8, max_tokens
+    args = [*tensors, tok, chk, *blocks, channels, tensors[0].shape[1], tensors[1].shape[1], chunk_size]
+    return args, bits, group_size, p8, max_tokens, n_out

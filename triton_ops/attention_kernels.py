@@ -13,14 +13,23 @@ loads) and unpacks and dequantizes them in registers (code ``c`` as ``c * scale 
 an int8 full part are decoded there too), forms the products as a broadcast or, for blocks of 16 rows (``DOT``), as
 ``tl.dot`` in fp32, keeps an fp32 online softmax (optionally soft-capped), and writes its partial (max, sum,
 unnormalised output). The packed-segment count ``SEGS`` is a compile-time constant: an absent segment compiles no
-code. Kernel 2 (:func:`merge_kernel`) merges the partials of a row
-with a log-sum-exp reduction (attention sinks join it once) and writes the output in ``query.dtype``.
+code; so is a segment's count of outlier key channels at 8 bits (``N_OUT_A`` / ``N_OUT_B``, 0: today's code): its
+query rows are gathered once into the keys' stored channel order, then Q.K is unchanged. Kernel 2
+(:func:`merge_kernel`) merges the partials of a row with a log-sum-exp reduction (attention sinks join it once) and
+writes the output in ``query.dtype``.
 """
 
 import triton
 import triton.language as tl
 
-from .attention_tiles import _decode_params, _load_codes, _online_update, _per_channel
+from .attention_tiles import (
+    _decode_params,
+    _gather_query,
+    _load_codes,
+    _load_codes_outliers,
+    _online_update,
+    _per_channel,
+)
 
 
 @triton.jit
@@ -57,14 +66,17 @@ def _packed_split(
     P8: tl.constexpr,
     SOFTCAP: tl.constexpr,
     DOT: tl.constexpr,
+    N_OUT: tl.constexpr,
 ):
     """Split ``j`` of sequence ``b`` in a packed segment: its tokens ``[tok_off[b] + j*TPS, ...)``. Key scales are
     per (chunk, channel), chunk = ``chunk_off[b] + (token - tok_off[b]) // C``; value scales per (token, group).
     Keys have ``BITS``-bit codes, values ``VBITS``-bit ones. With ``P8`` (8-bit scales and zeros,
     ``hf_cocktail.storage.params8``) the scale / zero pointers hold uint8 codes, decoded in registers with their
     chunk's block ``(s_max, z_lo, z_step)`` (``kb_ptr`` / ``vb_ptr``, ``(H_kv, M, 3)``) as ``s_max * tab_ptr[code]``
-    and ``z_lo + code * z_step``."""
-    DP: tl.constexpr = D * BITS // 8
+    and ``z_lo + code * z_step``. With ``N_OUT`` outlier key channels (``hf_cocktail.storage.key_outliers``) a
+    token's key bytes are the ``BITS``-bit codes of ``D - N_OUT`` channels then one byte per outlier channel, all in
+    the stored channel order, as are the key scales and zeros; ``q`` is then in that order too."""
+    DP: tl.constexpr = (D - N_OUT) * BITS // 8 + N_OUT
     VDP: tl.constexpr = D * VBITS // 8
     NG: tl.constexpr = D // G
     d = tl.arange(0, D)
@@ -90,7 +102,11 @@ def _packed_split(
         chunk = (c0 + (t - t0) // C).to(tl.int64)[:, None]
         ks, kz = _decode_params(ks_ptr, kz_ptr, chunk * D + d[None, :], kb_ptr, chunk, tab_ptr, m2, P8)
         vs, vz = _decode_params(vs_ptr, vz_ptr, t64[:, None] * NG + g[None, :], vb_ptr, chunk, tab_ptr, m2, P8)
-        k = _load_codes(kc_ptr + t64[:, None] * DP, m2, D, BT, BITS).to(tl.float32) * ks + kz
+        if N_OUT == 0:
+            kq = _load_codes(kc_ptr + t64[:, None] * DP, m2, D, BT, BITS)
+        else:
+            kq = _load_codes_outliers(kc_ptr + t64[:, None] * DP, m2, D, BT, BITS, N_OUT)
+        k = kq.to(tl.float32) * ks + kz
         v = _load_codes(vc_ptr + t64[:, None] * VDP, m2, D, BT, VBITS).to(tl.float32)
         v = v * _per_channel(vs, BT, NG, G) + _per_channel(vz, BT, NG, G)
         acc, m_i, l_i = _online_update(acc, m_i, l_i, q, k, v, rmask[:, None] & tm[None, :], cap, SOFTCAP, DOT)
@@ -125,6 +141,7 @@ def split_attn_kernel(
     a_chk,
     a_kb,
     a_vb,
+    a_ch,
     a_N,
     a_M,
     a_C,
@@ -138,6 +155,7 @@ def split_attn_kernel(
     b_chk,
     b_kb,
     b_vb,
+    b_ch,
     b_N,
     b_M,
     b_C,
@@ -170,10 +188,14 @@ def split_attn_kernel(
     F8: tl.constexpr,
     SOFTCAP: tl.constexpr,
     DOT: tl.constexpr,
+    N_OUT_A: tl.constexpr,
+    N_OUT_B: tl.constexpr,
 ):
     """Grid ``(B * H_kv * n_qb, S_total)``: partial attention of one block of query rows over one token split.
     ``SEGS`` packed segments (0, 1 or 2): an absent segment's branch is not compiled (its arguments are unused
-    stand-ins). ``qk_scale``: ``scaling * log2(e)``, or ``scaling`` with ``SOFTCAP`` (then ``cap`` is the cap)."""
+    stand-ins). ``qk_scale``: ``scaling * log2(e)``, or ``scaling`` with ``SOFTCAP`` (then ``cap`` is the cap).
+    ``N_OUT_A`` / ``N_OUT_B``: a segment's outlier key channels (0: none, no code); its query rows are then gathered
+    once into its keys' stored channel order ``a_ch`` / ``b_ch`` (int32 ``(H_kv, D)``)."""
     pid = tl.program_id(0)
     sp = tl.program_id(1)
     qb = pid % n_qb
@@ -208,11 +230,14 @@ def split_attn_kernel(
             acc, m_i, l_i = _online_update(acc, m_i, l_i, q, k, v, valid, cap, SOFTCAP, DOT)
     elif SEGS >= 1:  # compile-time: no code for an absent segment
         if sp < S_full + S_a:
+            q_a = q
+            if N_OUT_A > 0:
+                q_a = _gather_query(q_ptr, q_off, rmask, a_ch, h, qk_scale, D)
             acc, m_i, l_i = _packed_split(
                 acc,
                 m_i,
                 l_i,
-                q,
+                q_a,
                 rmask,
                 b,
                 h,
@@ -241,13 +266,17 @@ def split_attn_kernel(
                 P8_A,
                 SOFTCAP,
                 DOT,
+                N_OUT_A,
             )
         elif SEGS == 2:
+            q_b = q
+            if N_OUT_B > 0:
+                q_b = _gather_query(q_ptr, q_off, rmask, b_ch, h, qk_scale, D)
             acc, m_i, l_i = _packed_split(
                 acc,
                 m_i,
                 l_i,
-                q,
+                q_b,
                 rmask,
                 b,
                 h,
@@ -276,6 +305,7 @@ def split_attn_kernel(
                 P8_B,
                 SOFTCAP,
                 DOT,
+                N_OUT_B,
             )
     r = (pid.to(tl.int64) * S_total + sp) * BQ + tl.arange(0, BQ)
     tl.store(pm_ptr + r, m_i)

@@ -87,6 +87,39 @@ def _load_codes(row_ptr, m2, D: tl.constexpr, BT: tl.constexpr, BITS: tl.constex
 
 
 @triton.jit
+def _load_codes_outliers(row_ptr, m2, D: tl.constexpr, BT: tl.constexpr, BITS: tl.constexpr, N_OUT: tl.constexpr):
+    """int32 codes ``(BT, D)`` in the stored channel order of keys with ``N_OUT`` outlier channels: positions
+    ``[0, D - N_OUT)`` from the ``BITS``-bit codes packed as :func:`_load_codes` over ``D - N_OUT`` channels (INT3's
+    1-bit plane after ``(D - N_OUT) // 4`` bytes), positions ``[D - N_OUT, D)`` one byte each after them. The
+    packed part is read at :func:`_load_codes`'s power-of-two widths with the bytes past it masked to 0, so its
+    codes at the outlier positions are 0 and the outlier bytes (masked to those positions) are or-ed in."""
+    DL: tl.constexpr = D - N_OUT
+    LB: tl.constexpr = DL * BITS // 8
+    if BITS == 3:
+        i4 = tl.arange(0, D // 4)
+        i8 = tl.arange(0, D // 8)
+        lo = tl.load(row_ptr + i4[None, :], mask=m2 & (i4 < DL // 4)[None, :], other=0)
+        hi = tl.load(row_ptr + (DL // 4 + i8)[None, :], mask=m2 & (i8 < DL // 8)[None, :], other=0)
+        q = _unpack(lo, BT, D // 4, 2) | (_unpack(hi, BT, D // 8, 1) << 2)
+    else:
+        ib = tl.arange(0, D * BITS // 8)
+        packed = tl.load(row_ptr + ib[None, :], mask=m2 & (ib < LB)[None, :], other=0)
+        q = _unpack(packed, BT, D * BITS // 8, BITS)
+    d = tl.arange(0, D)
+    out = tl.load(row_ptr + LB + tl.maximum(d - DL, 0)[None, :], mask=m2 & (d >= DL)[None, :], other=0)
+    return q | out.to(tl.int32)
+
+
+@triton.jit
+def _gather_query(q_ptr, q_off, rmask, ch_ptr, h, qk_scale, D: tl.constexpr):
+    """The query rows at ``q_off (BQ,)`` gathered into kv head ``h``'s stored channel order ``ch_ptr`` (int32
+    ``(H_kv, D)``: position p holds channel ``ch[h, p]``), fp32 times ``qk_scale``: ``(BQ, D)``."""
+    ch = tl.load(ch_ptr + h * D + tl.arange(0, D))
+    q = tl.load(q_ptr + q_off[:, None] + ch[None, :], mask=rmask[:, None], other=0.0)
+    return q.to(tl.float32) * qk_scale
+
+
+@triton.jit
 def _decode_params(s_ptr, z_ptr, off, blk_ptr, chunk, tab_ptr, m2, P8: tl.constexpr):
     """fp32 scales and zeros at ``off`` (masked by ``m2``): numbers, or with ``P8`` uint8 codes decoded with the
     block of ``chunk`` (broadcastable to ``off``): ``s_max * tab_ptr[sc]`` and ``z_lo + zc * z_step``."""

@@ -6,6 +6,7 @@ import os
 
 import torch
 
+READS_KEY_OUTLIERS = True  # segments with outlier key channels (a 12th item (n_out, channels)): read
 SUPPORTED_BITS = (2, 3, 4)  # packed code widths; INT3 as a 2-bit plane then a 1-bit plane (the reference's layout)
 
 

@@ -175,7 +175,7 @@ def _triton_attention(
         keys,
         values,
         full.start_tensor(),
-        [s.coded_kernel_args() for s in store.segments],
+        [_kernel_segment(s) for s in store.segments],
         scaling,
         max_tokens=[s.max_sequence_tokens() for s in store.segments],
         min_full_start=min(full.start),
@@ -237,14 +237,14 @@ def _cpu_prepared(store: LayerStore):
     if rotation is not None:
         kw["rotation"] = (rotation.keys, rotation.values)
     B, H_kv, _, D = store.full.shape
-    prepared = cpu_ops.attention.prepare(B, H_kv, D, [_cpu_segment(s) for s in segments], **kw)
+    prepared = cpu_ops.attention.prepare(B, H_kv, D, [_kernel_segment(s) for s in segments], **kw)
     store.kernel_cache["cpu"] = (rotation, tuple(segments), prepared)
     return prepared
 
 
-def _cpu_segment(seg) -> tuple:
-    """A segment as ``cpu_ops`` takes it: :meth:`PackedSegment.coded_kernel_args`, with outlier key channels one more
-    item ``(n_out, channels)``."""
+def _kernel_segment(seg) -> tuple:
+    """A segment as ``cpu_ops`` and ``triton_ops`` take it: :meth:`PackedSegment.coded_kernel_args`, with outlier
+    key channels one more item ``(n_out, channels)``."""
     o = seg.key_outliers
     return seg.coded_kernel_args() if o is None else (*seg.coded_kernel_args(), (o.count, o.channels))
 
