@@ -154,3 +154,22 @@ def test_split_attention_refuses_outlier_codes_of_the_wrong_width():
         triton_ops.split_precision_attention(
             torch.randn(B, 4, 1, D).to(DEV), full.keys, full.values, full.start_tensor(), [seg], 0.1
         )
+
+
+def test_a_channel_order_is_checked_once_per_tensor(monkeypatch):
+    """The permutation check syncs the device (a sort and a comparison): it runs for a tensor the launcher has not
+    seen, not again at every decode step; a new tensor is checked again."""
+    from triton_ops import attention_args
+
+    store = outlier_store((4,), 1 / 16, None)
+    seg = dispatch._kernel_segment(store.segments[0])
+    n_out, channels = seg[11]
+    sorts = []
+    original = torch.Tensor.sort
+    monkeypatch.setattr(torch.Tensor, "sort", lambda self, *a, **k: sorts.append(1) or original(self, *a, **k))
+    attention_args._PERMUTATIONS.clear()
+    for _ in range(3):
+        attention_args._outlier_item((n_out, channels), 0, 4, channels.shape[0], D, channels.device)
+    assert len(sorts) == 1
+    attention_args._outlier_item((n_out, channels.clone()), 0, 4, channels.shape[0], D, channels.device)
+    assert len(sorts) == 2

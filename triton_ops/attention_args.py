@@ -8,9 +8,25 @@ D head dim.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .checks import check_bits
+
+# channel orders already found to be permutations: the check sorts and compares on the device (a host sync), so it runs
+# once per tensor (a store's segment keeps its tensor for its life), not at every decode step
+_PERMUTATIONS: dict[int, weakref.ref] = {}
+
+
+def _checked_permutation(channels: torch.Tensor) -> bool:
+    ref = _PERMUTATIONS.get(id(channels))
+    return ref is not None and ref() is channels
+
+
+def _remember_permutation(channels: torch.Tensor) -> None:
+    key = id(channels)
+    _PERMUTATIONS[key] = weakref.ref(channels, lambda _ref: _PERMUTATIONS.pop(key, None))
 
 
 def full_scales_args(full_scales, fk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,9 +128,11 @@ def _outlier_item(item, i: int, bits: int, H_kv: int, D: int, device: torch.devi
         raise ValueError(
             f"segments[{i}]'s outlier channels must be int32 of shape ({H_kv}, {D}) on {device}, got {got}"
         )
-    want = torch.arange(D, dtype=torch.int32, device=device).expand(H_kv, D)
-    if not torch.equal(channels.sort(dim=1).values, want):
-        raise ValueError(f"segments[{i}]'s outlier channels must hold a permutation of range({D}) per head")
+    if not _checked_permutation(channels):
+        want = torch.arange(D, dtype=torch.int32, device=device).expand(H_kv, D)
+        if not torch.equal(channels.sort(dim=1).values, want):
+            raise ValueError(f"segments[{i}]'s outlier channels must hold a permutation of range({D}) per head")
+        _remember_permutation(channels)
     return n_out, channels.contiguous()
 
 
