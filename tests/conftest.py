@@ -19,6 +19,17 @@ if not torch.cuda.is_available():
 import hf_cocktail  # noqa: E402,F401  (registers attn_implementation="cocktail")
 
 WORDS = [f"w{i}" for i in range(180)] + ["secret", "code", "is", "what", "the", "?", "."]
+TINY_CONFIG = dict(  # the fields every tiny random model of the architecture tests shares (2 KV heads, GQA 2)
+    vocab_size=len(WORDS) + 3,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    pad_token_id=0,
+    bos_token_id=2,
+    eos_token_id=None,
+)
 SHARED_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
 
 

@@ -18,21 +18,9 @@ from hf_cocktail.cache import layout
 from hf_cocktail.cache.layer import CocktailLayer
 from hf_cocktail.integration.compat import cache_kwargs
 
-from .conftest import WORDS, FakeEncoder, make_prompt
+from .conftest import TINY_CONFIG, FakeEncoder, make_prompt
 
-V = len(WORDS) + 3
-COMMON = dict(
-    vocab_size=V,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    pad_token_id=0,
-    bos_token_id=2,
-    eos_token_id=None,
-)
+COMMON = dict(TINY_CONFIG, num_hidden_layers=4)
 W = 16  # sliding window of the sliding-window models (the prompts are ~100 tokens: the window matters)
 ALT = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 CAP = 1.0  # soft-cap and scale (query_pre_attn_scalar 1) that bend the tiny models' scores, as 50 does real ones

@@ -19,21 +19,9 @@ from hf_cocktail.cache.layout import HybridCocktailLayer, hybrid_state_tensors
 from hf_cocktail.integration.attention import layer_window
 from hf_cocktail.integration.compat import cache_kwargs
 
-from .conftest import WORDS, FakeEncoder, make_prompt
+from .conftest import TINY_CONFIG, FakeEncoder, make_prompt
 
-V = len(WORDS) + 3
-COMMON = dict(
-    vocab_size=V,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    pad_token_id=0,
-    bos_token_id=2,
-    eos_token_id=None,
-)
+COMMON = dict(TINY_CONFIG, num_hidden_layers=2)
 W = 16  # sliding window (the prompts are ~90 tokens: the window matters)
 SF = ["sliding_attention", "full_attention"]
 CAP = 1.0  # soft-cap and scale (query_pre_attn_scalar 1) that bend the tiny models' scores, as 50 does real ones

@@ -303,20 +303,20 @@ DOT_CASES = {
 }
 
 
+def _attention_launch(query, store, scaling):
+    """The split-attention launch the Triton launcher plans for ``store`` (its constexprs and arguments)."""
+    full = store.full
+    segments = [s.kernel_args() for s in store.segments]
+    return triton_ops.plan_split_attention(query, full.keys, full.values, full.start_tensor(), segments, scaling)[0]
+
+
 @pytest.mark.parametrize("name", list(DOT_CASES))
 def test_split_attention_dot_path_matches_reference(name):
     (full, packed), H_kv, n_rep, D, Lq, C, G, tps = DOT_CASES[name]
     store = make_store(full, packed, H_kv, D, C, G)
     query = (torch.randn(len(full), H_kv * n_rep, Lq, D, generator=torch.Generator().manual_seed(5)) * 2).to(DEV)
     ref = split_precision_attention_torch(query, store, D**-0.5)
-    attn, _, _ = triton_ops.plan_split_attention(
-        query,
-        store.full.keys,
-        store.full.values,
-        store.full.start_tensor(),
-        [s.kernel_args() for s in store.segments],
-        1.0,
-    )
+    attn = _attention_launch(query, store, 1.0)
     assert attn.constexprs["DOT"] and attn.constexprs["BQ"] == 16
     check_attention(query, store, D**-0.5, ref, tokens_per_split=tps)
 
@@ -327,14 +327,7 @@ def test_split_attention_every_segment_count(count):
     store = make_store(full, packed, H_kv, D, C, G)
     assert len(store.segments) == count
     query = (torch.randn(len(full), H_kv * n_rep, Lq, D, generator=torch.Generator().manual_seed(3)) * 2).to(DEV)
-    attn, _, _ = triton_ops.plan_split_attention(
-        query,
-        store.full.keys,
-        store.full.values,
-        store.full.start_tensor(),
-        [s.kernel_args() for s in store.segments],
-        D**-0.5,
-    )
+    attn = _attention_launch(query, store, D**-0.5)
     assert attn.constexprs["SEGS"] == count
     # the first pointer of each absent segment's 14 arguments (11 tensors with the outlier channel order, 3 ints)
     absent = attn.args[16 + 14 * count : 16 + 14 * 2 : 14]

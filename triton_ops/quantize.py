@@ -192,6 +192,17 @@ def _check_params(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, scal
         )
 
 
+def _run_planned(planned: tuple, x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run a planned quantization ``(launch, codes, scale, zero)`` of ``x`` (its ``name`` for errors): ``x`` checked
+    finite, the kernel launched, the parameters checked against the scale dtype; ``(codes, scale, zero)``."""
+    launch, codes, scale, zero = planned
+    if launch is not None:
+        check_finite(x, name)
+        launch.run(x.device)
+        _check_params(x, scale, zero, scale.dtype)
+    return codes, scale, zero
+
+
 def quantize_pack_keys(k: torch.Tensor, bits: int, chunk_size: int, scale_dtype: torch.dtype | None = None):
     """Triton version of :func:`hf_cocktail.storage.quant.quantize_pack_keys` (same arguments, bit-identical results).
 
@@ -202,12 +213,7 @@ def quantize_pack_keys(k: torch.Tensor, bits: int, chunk_size: int, scale_dtype:
         ``codes uint8 (H_kv, N, D*bits//8)``, ``scale (H_kv, M, D)``, ``zero (H_kv, M, D)`` with ``M = ceil(N/C)``.
     """
     check_device(k)
-    launch, codes, scale, zero = plan_quantize_keys(k, bits, chunk_size, scale_dtype)
-    if launch is not None:
-        check_finite(k, "keys")
-        launch.run(k.device)
-        _check_params(k, scale, zero, scale.dtype)
-    return codes, scale, zero
+    return _run_planned(plan_quantize_keys(k, bits, chunk_size, scale_dtype), k, "keys")
 
 
 def plan_quantize_keys(k: torch.Tensor, bits: int, chunk_size: int, scale_dtype: torch.dtype | None = None):
@@ -248,12 +254,7 @@ def quantize_pack_values(v: torch.Tensor, bits: int, group_size: int, scale_dtyp
         ``codes uint8 (H_kv, N, D*bits//8)``, ``scale (H_kv, N, D//G)``, ``zero (H_kv, N, D//G)``.
     """
     check_device(v)
-    launch, codes, scale, zero = plan_quantize_values(v, bits, group_size, scale_dtype)
-    if launch is not None:
-        check_finite(v, "values")
-        launch.run(v.device)
-        _check_params(v, scale, zero, scale.dtype)
-    return codes, scale, zero
+    return _run_planned(plan_quantize_values(v, bits, group_size, scale_dtype), v, "values")
 
 
 def plan_quantize_values(v: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype | None = None):
