@@ -156,13 +156,6 @@ def _triton_attention(
             f"{triton_ops.SUPPORTED_HEAD_DIMS}, got {D}: using the PyTorch implementation",
         )
         return attend_in_store_basis(query, store, scaling, out_dtype, **extras)
-    if extras and not _triton_takes_sinks_and_softcap():
-        _warn_once(
-            "triton-sinks-softcap",
-            "this triton_ops.split_precision_attention has no sinks / softcap arguments: attention sinks and "
-            "soft-capping use the PyTorch implementation",
-        )
-        return attend_in_store_basis(query, store, scaling, out_dtype, **extras)
     full = store.full
     kw: dict[str, object] = dict(extras)  # sinks / softcap, then the stored formats' extra arguments
     if any(s.scale_bits == 8 for s in store.segments):
@@ -205,16 +198,6 @@ def _cpu_attention(query: torch.Tensor, store: LayerStore, scaling: float, **ext
         scale_table=_cpu_scale_table() if prepared.needs_table else None,
         **extras,
     )
-
-
-@functools.cache
-def _triton_takes_sinks_and_softcap() -> bool:
-    import inspect
-
-    import triton_ops
-
-    params = inspect.signature(triton_ops.split_precision_attention).parameters
-    return "sinks" in params and "softcap" in params
 
 
 @functools.cache
