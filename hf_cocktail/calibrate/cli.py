@@ -47,6 +47,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration-texts", type=int, default=4, help="texts the layer sensitivity is measured on")
     p.add_argument("--validation-texts", type=int, default=4, help="held-out texts the candidates are measured on")
     p.add_argument("--window", type=int, default=2048, help="tokens per text used (context + question + continuation)")
+    p.add_argument(
+        "--bytes-window",
+        type=int,
+        default=8192,
+        help="prompt tokens the byte target holds at: the first text that long (the longest when none is); "
+        "at most --window: the held-out windows",
+    )
     p.add_argument("--question-tokens", type=int, default=64)
     p.add_argument("--continuation-tokens", type=int, default=32)
     p.add_argument(
@@ -114,13 +121,16 @@ def main(argv: list[str] | None = None) -> int:
         progress=not args.no_progress,
         sensitivity_from=_read_json(args.sensitivity_from) if args.sensitivity_from else None,
         rotations=args.rotations,
+        bytes_tokens=args.bytes_window,
     )
     base = args.base_model or BASE_MODELS.get(canonical_name(args.model) or "", args.model)
     command = "python -m hf_cocktail.calibrate " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     write_preset(args.out, result, base, command)
     chosen = result.measured(result.chosen)
     print(
-        f"chose {result.chosen}: KLD {chosen['kld']:.4f} at {chosen['quantized_ratio']:.3f}x (quantized layers) on "
-        f"{len(result.validation_windows)} held-out texts; wrote {args.out} in {result.timings_s['total']:.0f} s"
+        f"chose {result.chosen}: KLD {chosen['kld']:.4f} on {len(result.validation_windows)} held-out texts, "
+        f"{chosen['bytes_ratio']:.3f}x the FP16 bytes (quantized layers) on a "
+        f"{result.settings['bytes_window']['tokens']}-token prompt; wrote {args.out} in "
+        f"{result.timings_s['total']:.0f} s"
     )
     return 0

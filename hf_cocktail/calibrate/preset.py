@@ -46,8 +46,26 @@ def _row(c: dict, chosen: str) -> str:
     name = f"**{c['name']}** (chosen)" if c["name"] == chosen else c["name"]
     per = ", ".join(f"{k:.4f}" for k in c["kld_per_window"])
     return (
-        f"| {name} | {c['quantized_ratio']:.3f}x | {c['cache_ratio']:.3f}x | {c['kld']:.4f} | {c['top1']:.3f} | "
+        f"| {name} | {_bytes_at_prompt(c)} | {c['quantized_ratio']:.3f}x | {c['cache_ratio']:.3f}x | {c['kld']:.4f} | "
+        f"{c['top1']:.3f} | "
         f"{c['recall_kld']:.4f} | {c['recall_top1']:.3f} | {c['recall_ratio']:.2f} | {c['score']:.3f} | {per} |"
+    )
+
+
+def _bytes_at_prompt(c: dict) -> str:
+    """A record's bytes ratio on the prompt the target holds at (records from before it was measured: "-")."""
+    return f"{c['bytes_ratio']:.3f}x" if "bytes_ratio" in c else "-"
+
+
+def _bytes_sentence(result: CalibrationResult) -> str:
+    s, target = result.settings, f"<= {result.target:g}x"
+    bw = s.get("bytes_window")
+    if bw is None:  # a record from before the bytes were measured on a long prompt
+        return f"Bytes: the quantized (full-attention) layers' bytes over their FP16 bytes (the target: {target}), "
+    return (
+        f"Bytes: the quantized (full-attention) layers' bytes over their FP16 bytes, on a {bw['tokens']}-token "
+        f"prompt (the first {bw['tokens']} tokens of {bw['text']}; the target, {target}, holds there) and on the "
+        "held-out windows, "
     )
 
 
@@ -100,22 +118,21 @@ def measurements_markdown(result: CalibrationResult) -> str:
         "lowest mean KLD among the settings within the target that recall at least as faithfully as uniform INT4 "
         "(recall vs INT4 <= 1); when none does, the lowest score. Score: the mean of the two mean KLDs, each over "
         "uniform INT4's (below 1 is closer to FP16 than uniform INT4). "
-        f"{_rule_outcome(result)} Bytes: the quantized (full-attention) layers' bytes over their FP16 "
-        f"bytes (the target: <= {result.target:g}x), and the whole cache's (`memory_report()['ratio_to_fp16']`, the "
-        "model's own sliding-window layers included), on the held-out texts.",
+        f"{_rule_outcome(result)} {_bytes_sentence(result)}and the whole cache's "
+        "(`memory_report()['ratio_to_fp16']`, the model's own sliding-window layers included) on the held-out texts.",
         "",
-        "| setting | quantized layers' bytes | whole cache | mean KLD | top-1 | recall KLD | recall top-1 | "
-        "recall vs INT4 | score | KLD per held-out text |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| setting | quantized layers' bytes (target prompt) | quantized layers' bytes (held-out) | whole cache | "
+        "mean KLD | top-1 | recall KLD | recall top-1 | recall vs INT4 | score | KLD per held-out text |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *[_row(c, result.chosen) for c in order],
         "",
         rotation_line(s.get("rotation_choice"), result.config.rotation)
         + f"Calibration texts: {', '.join(result.calibration_windows)}. "
         "Held-out texts: "
         f"{', '.join(result.validation_windows)}. A few held-out texts give a rough mean: the evaluation harness "
-        "(`eval/`) measures presets on more prompts. The bytes are these windows': prompts whose template and "
-        f"question are longer than {s['question_tokens']} tokens keep more tokens at full precision and land above "
-        "them (calibrate with a lower `--target-bytes` to leave room).",
+        "(`eval/`) measures presets on more prompts. Shorter prompts, and prompts whose template and question are "
+        f"longer than {s['question_tokens']} tokens, keep a larger share at full precision and land above these "
+        "bytes (calibrate with a lower `--target-bytes` or `--bytes-window` to leave room).",
     ]
     return "\n".join(lines)
 

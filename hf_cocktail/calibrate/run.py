@@ -43,7 +43,7 @@ from hf_cocktail.calibrate.fake_quant import FakeQuantizer
 from hf_cocktail.calibrate.recall import NEEDLES, recall_window
 from hf_cocktail.calibrate.sensitivity import LayerProbe, cocktail_layer_indices, probe_deltas
 from hf_cocktail.calibrate.solve import layer_deltas
-from hf_cocktail.calibrate.texts import Window, split_windows
+from hf_cocktail.calibrate.texts import Window, bytes_window, split_windows
 from hf_cocktail.calibrate.validate import Prepared, bytes_ratio, measure, prepare, summarize
 from hf_cocktail.presets.config import CocktailConfig
 from hf_cocktail.storage.rotation import ROTATIONS as STORE_ROTATIONS
@@ -186,9 +186,11 @@ def validate_all(
     cands: list[Candidate],
     target: float,
     progress: bool,
+    bytes_of=None,
 ) -> list:
     """Every candidate measured on every held-out window and its recall probe: one record per candidate (the bytes
-    and ``fits`` from the held-out windows, ``recall_*`` from the probes)."""
+    from the held-out windows, ``recall_*`` from the probes; ``bytes_ratio`` and ``fits`` from ``bytes_of(config)``,
+    the bytes on the prompt the target is measured on; the held-out windows' where None)."""
     total = len(cands) * (len(held_out) + len(recall_probes))
     bar = tqdm(total=total, desc="calibrate: validate", disable=not progress, dynamic_ncols=True)
 
@@ -202,6 +204,7 @@ def validate_all(
     out = []
     for c in cands:
         s, r = measured_on(held_out, c.config), measured_on(recall_probes, c.config)
+        ratio = s["quantized_ratio"] if bytes_of is None else bytes_of(c.config)
         out.append(
             {
                 "name": c.name,
@@ -212,7 +215,8 @@ def validate_all(
                 "recall_kld": r["kld"],
                 "recall_top1": r["top1"],
                 "recall_kld_per_window": r["kld_per_window"],
-                "fits": s["quantized_ratio"] <= target,
+                "bytes_ratio": ratio,
+                "fits": ratio <= target,
                 "config": c.config.to_dict(),
             }
         )
@@ -276,13 +280,16 @@ def calibrate_model(
     progress: bool = True,
     sensitivity_from: dict | None = None,
     rotations: Sequence[str | None] = ROTATIONS,
+    bytes_tokens: int = 8192,
 ) -> CalibrationResult:
     """Calibrate a config for ``model`` on ``texts`` (strings or ``(name, text)`` pairs) whose Cocktail layers'
     KV bytes are at most ``target`` times their FP16 bytes on the held-out texts. See the module docstring.
     ``encoder``: the retrieval encoder of ``search_scorers`` "encoder" and of the returned config.
     ``sensitivity_from``: an earlier result's ``to_dict()`` on the same model and texts, whose sensitivity is reused
     (another target without measuring it again). ``rotations``: the storage rotations compared (default all four;
-    a subset, e.g. ``(None, "hadamard")``, reproduces a narrower comparison)."""
+    a subset, e.g. ``(None, "hadamard")``, reproduces a narrower comparison). ``bytes_tokens``: the prompt length
+    the target holds at (:func:`.texts.bytes_window`: the first text that long, else the longest); at most
+    ``window`` (e.g. 0): the first held-out window."""
     _check_args(target, search_scorers, rotations)
     t0 = time.perf_counter()
     cal, val = split_windows(
@@ -304,6 +311,8 @@ def calibrate_model(
     bar = tqdm([*val, *recall_windows], desc="calibrate: held-out prefills", disable=not progress)
     prepared = [prepare(model, tokenizer, w) for w in bar]
     preps, recall_preps = prepared[: len(val)], prepared[len(val) :]
+    long = bytes_window(tokenizer, _texts(texts), bytes_tokens, question_tokens, 2) if bytes_tokens > window else None
+    bytes_prep = preps[0] if long is None else prepare(model, tokenizer, long)
     head_dim = preps[0].prefill.layers[cocktail[0]].keys.shape[-1]
     num_layers = len(preps[0].prefill.layers)
     spaces = {r: CapsSpace(deltas, cocktail, num_layers, head_dim, r) for r in caps_rotations(rotation_choice)}
@@ -313,7 +322,7 @@ def calibrate_model(
 
     def ratio_of(cfg: CocktailConfig) -> float:
         fit_bar.update()
-        return bytes_ratio(tokenizer, preps[0], cfg)
+        return bytes_ratio(tokenizer, bytes_prep, cfg)
 
     t1 = time.perf_counter()
     caps = [c for space in spaces.values() for c in caps_candidates(space, ratio_of, target)]
@@ -324,7 +333,8 @@ def calibrate_model(
             f"{cheapest:.3f}x the FP16 bytes here; give a larger target"
         )
     timings["fit_caps"] = time.perf_counter() - t1
-    measured = validate_all(model, tokenizer, preps, recall_preps, [*caps, *baselines(head_dim)], target, progress)
+    val_args = (model, tokenizer, preps, recall_preps)
+    measured = validate_all(*val_args, [*caps, *baselines(head_dim)], target, progress, ratio_of)
     add_scores(measured)
     if search_scorers:
         caps_records = measured[: len(caps)]  # measured opens with the caps, in their order
@@ -334,7 +344,7 @@ def calibrate_model(
         space = spaces[best_caps.info["rotation"]]
         search = search_candidates(space, best_caps, ratio_of, target, search_scorers, encoder)
         timings["fit_search"] = time.perf_counter() - t2
-        measured += validate_all(model, tokenizer, preps, recall_preps, search, target, progress)
+        measured += validate_all(*val_args, search, target, progress, ratio_of)
         add_scores(measured)
     fit_bar.close()
     fitting = [m for m in measured if m["fits"] and m["kind"] != "baseline"] or [m for m in measured if m["fits"]]
@@ -345,6 +355,7 @@ def calibrate_model(
     settings = {
         "target": target,
         "window": window,
+        "bytes_window": {"text": bytes_prep.window.name, "tokens": int(bytes_prep.input_ids.shape[1])},
         "question_tokens": question_tokens,
         "continuation_tokens": continuation_tokens,
         "recall_needles": NEEDLES,

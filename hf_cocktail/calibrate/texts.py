@@ -122,3 +122,28 @@ def split_windows(
             f"{len(short)} texts have fewer than window={window} tokens and are not used: {short[:8]}", stacklevel=2
         )
     return cal, val
+
+
+def bytes_window(
+    tok, texts: Sequence[tuple[str, str]], tokens: int, question_tokens: int = 64, continuation_tokens: int = 32
+) -> Window:
+    """The prompt the byte target is measured on: the window of ``tokens`` tokens of the first text that long (the
+    length users give: a larger share of it is packed context than of a short window's); when no text is, the whole
+    longest text, with a warning."""
+    if tokens < question_tokens + continuation_tokens + 64:
+        raise ValueError(f"bytes_window must be at least {question_tokens + continuation_tokens + 64}, got {tokens}")
+    lengths = []
+    for name, text in texts:
+        w = make_window(tok, name, text, tokens, question_tokens, continuation_tokens)
+        if w is not None:
+            return w
+        lengths.append((len(tok(text, add_special_tokens=False)["input_ids"]), name, text))
+    n, name, text = max(lengths)
+    warnings.warn(
+        f"no text has bytes_window={tokens} tokens: the bytes are measured on {name} ({n} tokens)", stacklevel=2
+    )
+    if n < question_tokens + continuation_tokens + 64:
+        raise ValueError(f"texts too short to measure bytes on: the longest, {name}, has {n} tokens")
+    w = make_window(tok, name, text, n, question_tokens, continuation_tokens)
+    assert w is not None  # the text has n tokens
+    return w
