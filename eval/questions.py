@@ -23,6 +23,7 @@ class Report:
     where: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (column, values shown) for tables with that column
     preamble: bool = False  # show the report's first paragraph (its settings; the speed scripts: their command)
     tables: tuple[int, ...] = ()  # the tables shown (0: the first of the sections shown), with their captions; (): all
+    notes: bool = False  # keep the paragraphs that are no table's caption (the reports' reading notes)
 
 
 @dataclass(frozen=True)
@@ -42,20 +43,26 @@ KLD_SHOWN = (  # FP16 itself (0 by definition) is left out
     "int2",
     "int4_had",
     "kivi2",
-    "hqq2",
-    "hqq4",
     "int4v3_had_g64",
     "recommended",
-    "layers3.2r2_had_s8",
     "layers3r2_had_s8_sal1_f8",
     "preset",
 )
+KEY_OUTLIERS_SHOWN = (
+    "int4",
+    "recommended",
+    "recommended_kout8",
+    "int4v3_g64",
+    "int4v3_g64_kout8",
+)
+RULER_SHOWN = ("fp16", "int4", "int4_had", "recommended", "layers3r2_had_s8_sal1_f8")
 LONGBENCH_SHOWN = ("fp16", "cocktail", "int4", "int2", "kivi2", "hqq2", "quanto2", "recommended")
 SINGLE_LENGTH = (("length", ("2000",)),)  # a one-length RULER run: its "all" rows repeat the length's
 ROOFLINE_ROWS = (
+    ("model", ("llama3-8b",)),
     ("context", ("32768",)),
     ("batch", ("1",)),
-    ("setting", ("fp16_flashdecoding", "int4", "int2", "paper", "paper_s8_f8")),
+    ("setting", ("fp16_flashdecoding", "int4", "paper", "paper_s8_f8")),
 )
 SPEED = "ratios against `DynamicCache` in the same run, alternating rounds, on a shared 2-core CPU"
 
@@ -73,7 +80,7 @@ QUESTIONS = (
         "kld_calibrated",
         "SmolLM2-135M-Instruct: the calibrated preset against uniform INT4, same windows",
         "`eval.kld --preset model_cards/smollm2-135m-instruct` on the windows and needles of `kld/`.",
-        (Report("summary.md", ("longbench", "Paired with `int4`"), ("int4", "preset")),),
+        (Report("summary.md", ("Paired with `int4`",), ("preset",)),),
     ),
     Question(
         "kld_8k",
@@ -86,7 +93,7 @@ QUESTIONS = (
         "SmolLM2-135M-Instruct at 8K: outlier key channels at 8 bits (key_outlier_share)",
         "`eval.kld --window 8000 --per-task 1` on 8 LongBench tasks: uniform INT4, `recommended()` with 1/16 and 1/8 "
         "of each head's key channels at 8 bits, and the same storage unrotated without and with 1/8 (issue 46).",
-        (Report("summary.md", ("longbench",)),),
+        (Report("summary.md", ("longbench",), KEY_OUTLIERS_SHOWN),),
     ),
     Question(
         "gemma3_270m/key_outliers_8k",
@@ -94,7 +101,7 @@ QUESTIONS = (
         "`eval.kld --model gemma-3-270m --window 8000 --per-task 1` on 4 LongBench tasks: uniform INT4 and "
         "`recommended()` without and with 1/16 and 1/8 of each head's key channels at 8 bits, and the same storage "
         "unrotated without and with 1/8 (issue 46).",
-        (Report("summary.md", ("longbench",)),),
+        (Report("summary.md", ("longbench",), KEY_OUTLIERS_SHOWN),),
     ),
     Question(
         "gemma3_270m/kld",
@@ -108,17 +115,14 @@ QUESTIONS = (
         "Gemma 3 270M: the calibrated preset against uniform INT4, same windows",
         "`eval.kld --model gemma-3-270m --preset model_cards/gemma-3-270m` on the windows and needles of "
         "`gemma3_270m/kld/`.",
-        (Report("summary.md", ("longbench", "Paired with `int4`"), ("int4", "preset")),),
+        (Report("summary.md", ("Paired with `int4`",), ("preset",)),),
     ),
     Question(
         "gemma3_270m/target_030",
         "Gemma 3 270M: what calibrating at a 0.30 byte target gives (not the card's preset)",
         "`python -m hf_cocktail.calibrate --target-bytes 0.30` wrote `preset/`; `kld/` and `ruler/` measure it beside "
-        "uniform INT4 on the cases of `gemma3_270m/kld/` and `gemma3_270m/ruler/`.",
-        (
-            Report("kld/summary.md", ("Paired with `int4`",), ("preset",)),
-            Report("ruler/ruler_summary.md", tables=(1,), where=SINGLE_LENGTH),
-        ),
+        "uniform INT4 on the cases of `gemma3_270m/kld/` and `gemma3_270m/ruler/` (the page: `kld/`).",
+        (Report("kld/summary.md", ("Paired with `int4`",), ("preset",)),),
     ),
     Question(
         "gemma3_270m/ppl",
@@ -131,13 +135,13 @@ QUESTIONS = (
         "SmolLM2-135M-Instruct: RULER-style needles with the calibrated preset",
         "`eval.needle --variant single,multikey,multivalue,multiquery`, 128 cases at 2000 tokens (`NOTE.md`: which "
         "runs the records come from).",
-        (Report("ruler_summary.md", where=SINGLE_LENGTH),),
+        (Report("ruler_summary.md", where=SINGLE_LENGTH, tables=(1,)),),
     ),
     Question(
         "ruler",
         "SmolLM2-135M-Instruct: RULER-style needles, rotated INT4, `recommended()` and per-layer widths",
         "`eval.needle --variant single,multikey,multivalue,multiquery --lengths 2000,4000`, 24 samples per variant.",
-        (Report("ruler_summary.md", tables=(0,)),),
+        (Report("ruler_summary.md", methods=RULER_SHOWN, tables=(0,)),),
     ),
     Question(
         "ruler_multikey",
@@ -149,14 +153,14 @@ QUESTIONS = (
         "gemma3_270m/ruler",
         "Gemma 3 270M: RULER-style needles with the calibrated preset",
         "`eval.needle --model gemma-3-270m`, 256 cases at 2000 tokens (`NOTE.md`: how the folder was filled).",
-        (Report("ruler_summary.md", where=SINGLE_LENGTH),),
+        (Report("ruler_summary.md", where=SINGLE_LENGTH, tables=(1,)),),
     ),
     Question(
         "needle",
         "SmolLM2-135M-Instruct: a passcode needle at every depth of 3000 tokens",
         "`eval.needle --lengths 3000`, 11 depths x 2 samples; whether the paper's chunk search keeps the needle's "
         "chunk at FP16 and whether that saves the answer.",
-        (Report("needle_accuracy.md", methods=("fp16", "cocktail", "int4", "int2", "recommended", "int4_had")),),
+        (Report("needle_accuracy.md", methods=("fp16", "cocktail", "int4", "int2", "recommended")),),
         ("heatmap_cocktail.png",),
     ),
     Question(
@@ -180,8 +184,9 @@ QUESTIONS = (
         "calibrate_search",
         "Chunk search on top of calibrated widths, at low byte targets",
         "`eval.calibrate_search --targets 0.20,0.15` (left at `78ae457`): the best setting with and without "
-        "Cocktail's chunk search (`python -m hf_cocktail.calibrate --search`), on held-out texts.",
-        (Report("gemma-3-270m/summary.md"), Report("smollm2-135m-instruct/summary.md")),
+        "Cocktail's chunk search (`python -m hf_cocktail.calibrate --search`), on held-out texts; the page shows "
+        "SmolLM2 (`gemma-3-270m/summary.md`: the same answer for Gemma 3 270M).",
+        (Report("smollm2-135m-instruct/summary.md"),),
     ),
     Question(
         "decode_latency",
@@ -192,20 +197,28 @@ QUESTIONS = (
         "`smollm2_layers_preset_8k.md` the per-layer-widths preset (cited by its card), "
         "`smollm2_generated_packing_8k.md` generated tokens packed against never packed (issue 44) and "
         "`generated_pack_cost.md` one pack's cost against a decode step's attention (`eval.benchmarks.pack_cost`).",
-        (Report("smollm2_fp32_8k_16k.md", preamble=True),),
+        (Report("smollm2_fp32_8k_16k.md"),),
         ("latency.png",),
     ),
     Question(
         "prefill",
         "Prefill overhead: the chunk search, quantization and store build",
-        f"`eval.benchmarks.bench_prefill` at 4K and 8K tokens; {SPEED}.",
-        (Report("4k_8k.md", preamble=True),),
+        f"`eval.benchmarks.bench_prefill` at 4K and 8K tokens; {SPEED}. The page shows 8K (`4k_8k.md`: 4K too).",
+        (Report("4k_8k.md", where=(("context", ("8043",)),)),),
     ),
     Question(
         "memory",
         "KV bytes and peak memory in prefill and decode",
-        "`eval.benchmarks.bench_memory` at 4K and 8K tokens, one `generate` per context and method.",
-        (Report("4k_8k.md", preamble=True, methods=("fp16", "cocktail", "int4", "kivi2")),),
+        "`eval.benchmarks.bench_memory` at 4K and 8K tokens, one `generate` per context and method. The page shows "
+        "8K (`4k_8k.md`: 4K and `hqq2` too).",
+        (
+            Report(
+                "4k_8k.md",
+                preamble=True,
+                methods=("fp16", "cocktail", "int4", "kivi2"),
+                where=(("context", ("8235",)),),
+            ),
+        ),
     ),
     Question(
         "dropin",
@@ -223,7 +236,7 @@ QUESTIONS = (
         "continued by 1,024 teacher-forced tokens fed as decode steps (16 per forward); uniform INT4, "
         "`recommended()` and the SmolLM2 preset packing generated tokens past `residual_tokens` (issue 44), beside "
         "their never-packing twins (`*_unpacked`).",
-        (Report("summary.md", preamble=True),),
+        (Report("summary.md", methods=("int4", "recommended", "recommended_unpacked", "preset", "preset_unpacked")),),
         ("kl_by_position.png",),
     ),
     Question(
@@ -231,14 +244,14 @@ QUESTIONS = (
         "Throughput under a fixed KV budget",
         f"`eval.benchmarks.bench_throughput`: the largest batch of 4K-token prompts that fits each "
         f"budget; {SPEED}. The page shows the 2 GiB budget; `budgets_256_512mib.md` the smaller ones.",
-        (Report("budget_2gib.md", preamble=True),),
+        (Report("budget_2gib.md"),),
     ),
     Question(
         "triton_aot",
         "The Triton kernels compiled for A100 / H100 without a GPU",
         "`python -m triton_ops.aot`: every launch specialization the dispatch reaches compiled for sm_80 and sm_90 on "
         "a CPU machine, with registers, stack, spills, shared memory and the load widths of the inner loops.",
-        (Report("report.md", preamble=True, tables=(0,)),),
+        (Report("report.md", tables=(0,), notes=True, where=(("kernel", ("split_attn_kernel",)),)),),
     ),
     Question(
         "roofline",
@@ -246,7 +259,7 @@ QUESTIONS = (
         "`eval.benchmarks.roofline`: the bytes each setting reads per decode step, measured on real stores, over the "
         "H100's and H200's HBM bandwidth, against FP16 FlashDecoding; not measured on a GPU. This page shows batch 1 "
         "at 32K tokens (the report: 4K / 32K / 128K, batch 1 and 32; `roofline.csv`: every context and batch).",
-        (Report("report.md", preamble=True, where=ROOFLINE_ROWS),),
+        (Report("report.md", where=ROOFLINE_ROWS),),
         ("roofline.png",),
     ),
     Question(

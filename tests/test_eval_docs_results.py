@@ -46,7 +46,7 @@ def _folder(tmp_path, name="kld_x"):
 def test_a_report_shows_the_sections_and_method_rows_it_names(tmp_path):
     _folder(tmp_path)
     text = "\n".join(report_text(Report("summary.md", ("longbench",), ("int4", "preset")), "kld_x", str(tmp_path)))
-    assert "#### longbench (up to 2 examples)\n| method |" in text  # the heading, its table right under it
+    assert "#### longbench" not in text and text.startswith("| method |")  # the one section shown: no heading
     assert "| uniform INT4 | `int4` | 2 | 0.0038 |" in text and "`preset` | 2 | 0.0029" in text
     assert "`fp16`" not in text and "needle" not in text and "LongBench: 2 examples." not in text  # no preamble
 
@@ -59,6 +59,16 @@ def test_a_report_keeps_its_preamble_tables_by_index_and_links_images_from_docs(
     assert "the caption of the second table" in text
     assert "| calibrated preset (`preset`) | -0.0010 |" in text  # a first-column id shown with its label
     assert "![plot](../eval/results/kld_x/kld_vs_bytes.png)" in text
+
+
+def test_headings_stay_where_several_sections_show_and_reading_notes_only_when_asked(tmp_path):
+    folder = _folder(tmp_path)
+    (folder / "summary.md").write_text(REPORT + "\nA reading note after the last table.\n")
+    text = "\n".join(report_text(Report("summary.md", ("longbench", "needle")), "kld_x", str(tmp_path)))
+    assert "#### longbench (up to 2 examples)\n| method |" in text and "#### needle (up to 1 examples)" in text
+    assert "the caption of the second table" in text and "reading note" not in text
+    text = "\n".join(report_text(Report("summary.md", ("needle",), notes=True), "kld_x", str(tmp_path)))
+    assert "A reading note after the last table." in text
 
 
 def test_a_missing_report_says_so_and_the_page_names_each_folder_and_its_commit(tmp_path, monkeypatch):
