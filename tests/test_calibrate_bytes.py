@@ -28,7 +28,9 @@ def test_the_bytes_window_is_the_first_text_that_long_else_the_whole_longest(tin
     n_long = _tokens(tiny_tokenizer, long)
     with pytest.warns(UserWarning, match=f"no text has bytes_window=100000 tokens.*long \\({n_long} tokens\\)"):
         w = bytes_window(tiny_tokenizer, texts, 100_000, 16, 2)
-    assert w.name == "long" and w.continuation == tuple(tiny_tokenizer(long, add_special_tokens=False)["input_ids"][-2:])
+    assert w.name == "long" and w.continuation == tuple(
+        tiny_tokenizer(long, add_special_tokens=False)["input_ids"][-2:]
+    )
     with pytest.raises(ValueError, match="bytes_window must be at least 82, got 50"):
         bytes_window(tiny_tokenizer, texts, 50, 16, 2)
 

@@ -80,6 +80,9 @@ def rotation_line(choice: dict | None, chosen: str | None) -> str:
         f"Storage rotation: the mean KLD on the calibration texts at the base widths (4-bit keys, 3-bit values in "
         f"every quantized layer): {means}; the layer sensitivity measured with `{choice['rotation'] or 'none'}`. "
     )
+    if choice.get("base_kl_real"):  # the real cache at the same widths on the same texts (calibrate.agreement)
+        real = ", ".join(f"{name.get(r, f'`{r}`')} {sum(kl) / len(kl):.4f}" for r, kl in choice["base_kl_real"].items())
+        line += f"The real cache at those widths, same texts (the fake quantization's check): {real}. "
     if len(choice.get("caps_rotations", [])) > 1:
         line += (
             "The caps were built both with it and unrotated (the rotation's matrices count in the bytes); on the "

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from hf_cocktail.calibrate.agreement import real_base_kl
 from hf_cocktail.calibrate.candidates import (
     Candidate,
     CapsSpace,
@@ -123,17 +124,20 @@ def sensitivity(
 ) -> tuple[list, dict]:
     """Per calibration window, :func:`.sensitivity.probe_deltas` over the Cocktail layers, stored with the rotation
     of ``rotations`` whose mean KL at the base widths is the lowest; returns the records and the choice
-    (``{"rotation": ..., "base_kl": {str(rotation): [KL per window]}}``)."""
+    (``{"rotation": ..., "base_kl": {str(rotation): [KL per window]}, "base_kl_real": the same with the real
+    cache}``: :mod:`.agreement`)."""
     n = 1 + len(cocktail) * (len(KEY_OPTIONS) + len(VALUE_OPTIONS))
-    bar = tqdm(total=(n + len(rotations)) * len(windows), desc="calibrate: layer sensitivity", disable=not progress)
+    bar = tqdm(total=(n + 2 * len(rotations)) * len(windows), desc="calibrate: layer sensitivity", disable=not progress)
     base = [BASE] * len(cocktail)
     preps: list[Prepared] = []
     base_kl: dict[str | None, list[float]] = {r: [] for r in rotations}
+    real: dict[str, list[float]] = {str(r): [] for r in rotations}
     for w in windows:
         preps.append(prepare(model, tok, w))
         for r in rotations:
             base_kl[r].append(_probe(model, preps[-1], cocktail, r).kl(base))
-            bar.update()
+            real[str(r)].append(real_base_kl(model, tok, preps[-1], cocktail, r, BASE))
+            bar.update(2)
     rotation = choose_rotation(base_kl, rotations)
     records = []
     for prep in preps:
@@ -142,7 +146,7 @@ def sensitivity(
             {"window": prep.window.name, **probe_deltas(probe, base, KEY_OPTIONS, VALUE_OPTIONS, bar.update)}
         )
     bar.close()
-    return records, {"rotation": rotation, "base_kl": {str(r): v for r, v in base_kl.items()}}
+    return records, {"rotation": rotation, "base_kl": {str(r): v for r, v in base_kl.items()}, "base_kl_real": real}
 
 
 def choose_rotation(base_kl: dict[str | None, list[float]], rotations: Sequence[str | None] = ROTATIONS) -> str | None:
