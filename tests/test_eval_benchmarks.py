@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from eval.benchmarks import bench_latency, bench_throughput
-from eval.benchmarks.bench_prefill import Timers, instrumented, one_prefill
-from eval.benchmarks.instrument import patching
+from eval.benchmarks.bench_prefill import Timers, instrumented, one_prefill, patching
 from eval.benchmarks.rounds import (
     Runner,
     SharedPrefill,

@@ -31,7 +31,7 @@ from ..cli import parse_int_list
 from ..kv_bytes import cache_kv_bytes, fp16_kv_bytes
 from ..methods.kinds import CocktailMethod, Method, Request, cache_and_inputs
 from ..methods.registry import METHODS
-from .generate_timing import timed_generate
+from .timing import timed_generate
 
 LLAMA3_8B = {
     "hidden_size": 4096,

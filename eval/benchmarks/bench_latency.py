@@ -35,12 +35,11 @@ import torch
 from tqdm.auto import tqdm
 
 from ..cli import run_cli
-from ..essays import essay_prefix
 from ..kv_bytes import cache_kv_bytes, fp16_kv_bytes
 from ..methods.kinds import CocktailMethod
-from ..models import load_model_and_tokenizer, set_threads
+from ..models import load_model_and_tokenizer
 from ..reporting import METHOD_COLUMNS, METHOD_RULE, method_cells
-from .harness import measure, parse_args, ratio, run, save, with_fp16_baseline
+from .harness import parse_args, ratio, run, save, warm_model, with_fp16_baseline
 from .no_reorder import no_reorder_ablation
 from .rounds import alternating_rounds, branch_runner, cast_prefill, shared_prefill, summarize_rounds
 
@@ -95,10 +94,7 @@ def rounds_table(results: list[dict]) -> str:
 
 def run_rounds(args) -> tuple[list[dict], object, object]:
     """The ``--rounds`` measurement at every context (see the module docstring)."""
-    set_threads(1, args.threads)
-    model, tok = load_model_and_tokenizer(args.model, args.dtype, "cocktail", args.device_map)
-    for m in args.method_list:  # first-call overheads (encoder loading, kernel build, hqq/quanto) out of the timing
-        measure(m, model, tok, essay_prefix(tok, 64, args.essay_dir), 2)
+    model, tok = warm_model(args, args.device_map)
     prefill_model = model
     if args.prefill_dtype and args.prefill_dtype != args.dtype:
         prefill_model, _ = load_model_and_tokenizer(args.model, args.prefill_dtype, "cocktail", args.device_map)

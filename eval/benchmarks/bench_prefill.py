@@ -32,10 +32,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import os
 import statistics
+import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 
 import torch
 from transformers import DynamicCache
@@ -45,12 +46,10 @@ from hf_cocktail.integration.compat import cache_kwargs
 from ..cli import UsageError, parse_int_list, run_cli
 from ..essays import essay_prefix
 from ..methods.kinds import CocktailMethod
-from ..models import DTYPES, load_model_and_tokenizer, model_input_device, set_threads
+from ..models import load_model_and_tokenizer, model_input_device, set_threads
 from ..reporting import METHOD_COLUMNS, METHOD_RULE, method_cells
-from ..run_info import command_line
-from .harness import write_run_json
-from .instrument import patching
-from .rounds import QUESTION, make_prompt, resolve_methods
+from .harness import common_args, fp16_first, write_outputs
+from .rounds import QUESTION, make_prompt
 
 MODULE = "eval.benchmarks.bench_prefill"
 PARTS = (
@@ -66,6 +65,60 @@ PARTS = (
     "model",
 )
 OVERHEAD_PARTS = PARTS[1:-1]  # what a DynamicCache prefill does not do (tokenization is compared separately)
+
+
+PACKAGES = ("hf_cocktail", "cpu_ops")
+
+
+class Patcher:
+    """Temporary wrappers around library functions: a function is replaced wherever a loaded module of
+    ``packages`` holds it (``from .x import f`` copies the name into the importing module), so the wrapping survives
+    the library moving code between its modules; methods are replaced on their class. Nothing in the library is
+    edited; :meth:`restore` puts everything back."""
+
+    def __init__(self, packages: tuple[str, ...] = PACKAGES):
+        self.packages = packages
+        self._saved: list[tuple[object, str, object]] = []
+
+    def function(self, func: Callable, wrap: Callable[[Callable], Callable]) -> int:
+        """Replace ``func`` by ``wrap(func)`` in every loaded module of the packages; returns how many names."""
+        new = wrap(func)
+        n = 0
+        for name, mod in list(sys.modules.items()):
+            if mod is None or name.split(".")[0] not in self.packages:
+                continue
+            for attr, val in list(vars(mod).items()):
+                if val is func:
+                    setattr(mod, attr, new)
+                    self._saved.append((mod, attr, val))
+                    n += 1
+        return n
+
+    def method(self, cls: type, name: str, wrap: Callable[[Callable], Callable]) -> None:
+        """Replace ``cls.name`` (a plain, static or class method defined on ``cls``) by its wrapped version."""
+        old = cls.__dict__[name]
+        if isinstance(old, staticmethod):
+            new = staticmethod(wrap(old.__func__))
+        elif isinstance(old, classmethod):
+            new = classmethod(wrap(old.__func__))
+        else:
+            new = wrap(old)
+        setattr(cls, name, new)
+        self._saved.append((cls, name, old))
+
+    def restore(self) -> None:
+        for owner, name, old in reversed(self._saved):
+            setattr(owner, name, old)
+        self._saved.clear()
+
+
+@contextlib.contextmanager
+def patching(packages: tuple[str, ...] = PACKAGES) -> Iterator[Patcher]:
+    p = Patcher(packages)
+    try:
+        yield p
+    finally:
+        p.restore()
 
 
 class Timers:
@@ -205,15 +258,10 @@ def parse_args(argv=None):
     p.add_argument("--contexts", default="4000,8000")
     p.add_argument("--methods", default="fp16,cocktail,recommended")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--essay-dir", default=None)
-    p.add_argument("--out", default=None, help="JSON results (and a .md table next to it)")
+    common_args(p, threads=2)
     args = p.parse_args(argv)
     args.context_list = parse_int_list(args.contexts, "--contexts")
-    methods = resolve_methods(args.methods)
-    args.method_list = resolve_methods("fp16") + [m for m in methods if m.name != "fp16"]
+    args.method_list = fp16_first(args.methods)
     if args.rounds < 1:
         raise UsageError("--rounds must be >= 1")
     return args
@@ -256,9 +304,7 @@ def main(argv=None) -> int:
     out = table(summary)
     print(out)
     if args.out:
-        write_run_json(args.out, MODULE, {"summary": summary, "rounds": rows})
-        with open(os.path.splitext(args.out)[0] + ".md", "w", encoding="utf-8") as f:
-            f.write(f"# Prefill overhead vs DynamicCache\n\n`{command_line(MODULE)}`\n\n{out}\n")
+        write_outputs(args.out, MODULE, {"summary": summary, "rounds": rows}, "Prefill overhead vs DynamicCache", out)
     return 0
 
 

@@ -33,14 +33,11 @@ import statistics
 from tqdm.auto import tqdm
 
 from ..cli import UsageError, parse_int_list, run_cli
-from ..essays import essay_prefix
 from ..kv_bytes import cache_kv_bytes, fp16_kv_bytes
 from ..methods.kinds import CocktailMethod
-from ..models import DTYPES, load_model_and_tokenizer, set_threads
 from ..reporting import METHOD_COLUMNS, METHOD_RULE, method_cells, plot_name, pyplot, save_figure
-from ..run_info import command_line
-from .harness import measure, write_run_json
-from .rounds import alternating_rounds, branch_runner, resolve_methods, shared_prefill
+from .harness import common_args, fp16_first, warm_model, write_outputs
+from .rounds import alternating_rounds, branch_runner, shared_prefill
 
 MODULE = "eval.benchmarks.bench_throughput"
 MIB = 1024 * 1024
@@ -68,17 +65,12 @@ def parse_args(argv=None):
         "x its measured batch-1 setup (hqq's quantizer: ~30 s per 4K-token sequence here); Cocktail kinds "
         "quantize once and repeat the rows",
     )
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--essay-dir", default=None)
-    p.add_argument("--out", default=None, help="JSON results (with a .md table and a .png plot next to it)")
+    common_args(p, threads=2)
     args = p.parse_args(argv)
     args.budget_list = parse_int_list(args.budgets_mib, "--budgets-mib")
     if any(b <= 0 for b in args.budget_list):
         raise UsageError("--budgets-mib must be positive")
-    methods = resolve_methods(args.methods)
-    args.method_list = resolve_methods("fp16") + [m for m in methods if m.name != "fp16"]
+    args.method_list = fp16_first(args.methods)
     if min(args.rounds, args.steps, args.max_batch) < 1 or args.warmup_steps < 0:
         raise UsageError("--rounds, --steps and --max-batch must be >= 1, --warmup-steps >= 0")
     return args
@@ -137,10 +129,7 @@ def plot(results: list[dict], path: str) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    set_threads(1, args.threads)
-    model, tok = load_model_and_tokenizer(args.model, args.dtype, "cocktail")
-    for m in args.method_list:  # first-call overheads (encoder loading, hqq/quanto) out of the timing
-        measure(m, model, tok, essay_prefix(tok, 64, args.essay_dir), 2)
+    model, tok = warm_model(args)
     shared = shared_prefill(model, tok, args.prompt_tokens, args.essay_dir, args.method_list)
     print(f"prompt {shared.prompt_tokens} tokens, shared prefill {shared.prefill_s:.1f} s", flush=True)
     generated = 1 + args.warmup_steps + args.rounds * args.steps
@@ -210,13 +199,10 @@ def main(argv=None) -> int:
             "generated_tokens_per_sequence": generated,
             "results": results,
         }
-        write_run_json(args.out, MODULE, payload)
+        title = f"Throughput at a fixed KV budget ({shared.prompt_tokens}-token prompts)"
+        image = f"\n![tokens/s vs KV budget]({os.path.basename(base)}.png)\n"
+        write_outputs(args.out, MODULE, payload, title, out, image)
         plot(results, base + ".png")
-        with open(base + ".md", "w", encoding="utf-8") as f:
-            f.write(
-                f"# Throughput at a fixed KV budget ({shared.prompt_tokens}-token prompts)\n\n"
-                f"`{command_line(MODULE)}`\n\n{out}\n\n![tokens/s vs KV budget]({os.path.basename(base)}.png)\n"
-            )
     return 0
 
 

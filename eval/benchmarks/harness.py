@@ -17,8 +17,8 @@ from ..methods.registry import METHODS, register_preset
 from ..models import DTYPES, load_model_and_tokenizer, model_input_device, set_threads
 from ..records import write_json
 from ..run_info import command_line, git_commit, hardware_info
-from .generate_timing import timed_generate
 from .rounds import QUESTION, make_prompt, resolve_methods
+from .timing import timed_generate
 
 PRESET_HELP = "a cocktail_config.json folder or Hub id (e.g. model_cards/smollm2-135m-instruct): adds the method preset"
 
@@ -48,6 +48,20 @@ def measure(method: Method, model, tok, context: str, new_tokens: int, encoder: 
     return res
 
 
+def common_args(p: argparse.ArgumentParser, threads: int | None = None) -> None:
+    """The options every SmolLM2 speed script takes: ``--model --dtype --threads --essay-dir --out``."""
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--threads", type=int, default=threads)
+    p.add_argument("--essay-dir", default=None)
+    p.add_argument("--out", default=None, help="also write the results to this JSON file (and a .md next to it)")
+
+
+def fp16_first(spec: str) -> list[Method]:
+    """``--methods`` resolved (registry names, ``recommended``, ``NAME:BACKEND``), ``fp16`` first: the reference."""
+    return [METHODS["fp16"]] + [m for m in resolve_methods(spec) if m.name != "fp16"]
+
+
 def parse_args(
     argv=None,
     module: str = "",
@@ -68,12 +82,8 @@ def parse_args(
         action="store_true",
         help="defaults become: contexts 1024,2048, 8 new tokens, methods fp16,cocktail,int2",
     )
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    common_args(p)
     p.add_argument("--device-map", default=None)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--essay-dir", default=None)
-    p.add_argument("--out", default=None, help="also write the results to this JSON file (and a .md next to it)")
     if rounds:
         p.add_argument(
             "--rounds",
@@ -115,19 +125,23 @@ def parse_args(
         raise UsageError("--rounds must be >= 0, --steps-per-round >= 1, --warmup-steps >= 0")
     if args.preset:
         register_preset(args.preset)
-    methods = resolve_methods(args.methods)  # registry names, recommended, NAME:BACKEND
-    args.method_list = [METHODS["fp16"]] + [m for m in methods if m.name != "fp16"]  # fp16 first: the reference
+    args.method_list = fp16_first(args.methods)
     return args
 
 
-def run(args) -> tuple[list[dict], object, object]:
-    """Every (context, method) measurement, after one untimed warm-up of every method; returns them, the model and
-    the tokenizer."""
+def warm_model(args, device_map: str | None = None) -> tuple[object, object]:
+    """The model and tokenizer of ``args``, after one untimed 2-token ``generate`` of every method (first-call
+    overheads: encoder loading, kernel build, hqq / quanto, out of the measurements)."""
     set_threads(1, args.threads)
-    model, tok = load_model_and_tokenizer(args.model, args.dtype, "cocktail", args.device_map)
-    # warm-up of every method (first-call overheads, lazy encoder loading would otherwise land in the measurements)
+    model, tok = load_model_and_tokenizer(args.model, args.dtype, "cocktail", device_map)
     for m in args.method_list:
         measure(m, model, tok, essay_prefix(tok, 64, args.essay_dir), 2)
+    return model, tok
+
+
+def run(args) -> tuple[list[dict], object, object]:
+    """Every (context, method) measurement, after the warm-up; returns them, the model and the tokenizer."""
+    model, tok = warm_model(args, args.device_map)
     results = []
     jobs = [(c, m) for c in args.context_list for m in args.method_list]
     for c, m in tqdm(jobs, desc="bench", dynamic_ncols=True):
@@ -184,10 +198,15 @@ def write_run_json(path: str, module: str, payload: dict) -> None:
     write_json(path, {**info, **payload})
 
 
+def write_outputs(path: str, module: str, payload: dict, title: str, table: str, after: str = "") -> None:
+    """``payload`` as JSON at ``path`` (:func:`write_run_json`) and, next to it (``.md``), ``title``, the command,
+    ``table`` and ``after``."""
+    write_run_json(path, module, payload)
+    with open(os.path.splitext(path)[0] + ".md", "w", encoding="utf-8") as f:
+        f.write(f"# {title}\n\n`{command_line(module)}`\n\n{table}\n{after}")
+
+
 def save(args, module: str, results: list[dict], table: str, title: str) -> None:
     """``--out``: the results as JSON (with command, commit, hardware) and the table as markdown next to it."""
-    if not args.out:
-        return
-    write_run_json(args.out, module, {"results": results})
-    with open(os.path.splitext(args.out)[0] + ".md", "w", encoding="utf-8") as f:
-        f.write(f"# {title}\n\n`{command_line(module)}`\n\n{table}\n")
+    if args.out:
+        write_outputs(args.out, module, {"results": results}, title, table)

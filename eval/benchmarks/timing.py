@@ -1,12 +1,16 @@
-"""Peak memory growth over a block of code: the CUDA allocator's peak on GPU, else the process RSS polled."""
+"""One timed ``model.generate`` (time to the first token, time per later token) and the peak memory growth of each
+phase: the CUDA allocator's peak on GPU, else the process RSS polled."""
 
 from __future__ import annotations
 
 import ctypes
 import os
 import threading
+import time
 
 import torch
+
+from hf_cocktail.integration.compat import cache_kwargs
 
 
 def cuda_sync() -> None:
@@ -75,3 +79,57 @@ class PeakMemory:
     @property
     def peak(self) -> int:
         return max(self.peaks)
+
+
+class FirstTokenTimer:
+    """A generate streamer noting when the first new token arrives (put #2: the prompt comes first)."""
+
+    def __init__(self, peak: PeakMemory | None = None):
+        self.calls = 0
+        self.t_first = None
+        self.peak = peak
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == 2:
+            cuda_sync()
+            self.t_first = time.perf_counter()
+            if self.peak is not None:
+                self.peak.mark()
+
+    def end(self):
+        pass
+
+
+def timed_generate(model, cache, inputs, new_tokens: int, pad_token_id: int | None) -> dict:
+    """Greedy ``generate`` of exactly ``new_tokens`` tokens with ``cache``; returns the new-token count, prefill
+    seconds, decode milliseconds per token and the peak memory growth of both phases."""
+    L = int(inputs["input_ids"].shape[1])
+    with PeakMemory(inputs["input_ids"].device) as pm:
+        timer = FirstTokenTimer(pm)
+        cuda_sync()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(
+                **inputs,
+                **cache_kwargs(model, cache),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+                streamer=timer,
+                pad_token_id=pad_token_id,
+            )
+        cuda_sync()
+        t1 = time.perf_counter()
+    n = int(out.shape[1]) - L
+    return {
+        "context_tokens": L,
+        "new_tokens": n,
+        "prefill_s": timer.t_first - t0,
+        "decode_ms_per_token": 1000 * (t1 - timer.t_first) / max(1, n - 1),
+        "peak_prefill_bytes": pm.peaks[0],
+        "peak_decode_bytes": pm.peaks[1],
+    }
