@@ -56,7 +56,7 @@ KEY_OUTLIERS_SHOWN = (
     "int4v3_g64_kout8",
 )
 RULER_SHOWN = ("fp16", "int4", "int4_had", "recommended", "layers3r2_had_s8_sal1_f8")
-LONGBENCH_SHOWN = ("fp16", "cocktail", "int4", "int2", "kivi2", "hqq2", "quanto2", "recommended")
+LONGBENCH_SHOWN = ("cocktail", "int4", "kivi2", "hqq2", "recommended")  # the report: int2, nosearch, quanto2 too
 SINGLE_LENGTH = (("length", ("2000",)),)  # a one-length RULER run: its "all" rows repeat the length's
 ROOFLINE_ROWS = (
     ("model", ("llama3-8b",)),
@@ -160,7 +160,7 @@ QUESTIONS = (
         "SmolLM2-135M-Instruct: a passcode needle at every depth of 3000 tokens",
         "`eval.needle --lengths 3000`, 11 depths x 2 samples; whether the paper's chunk search keeps the needle's "
         "chunk at FP16 and whether that saves the answer.",
-        (Report("needle_accuracy.md", methods=("fp16", "cocktail", "int4", "int2", "recommended")),),
+        (Report("needle_accuracy.md", methods=("fp16", "cocktail", "int4", "recommended")),),
         ("heatmap_cocktail.png",),
     ),
     Question(
@@ -192,12 +192,13 @@ QUESTIONS = (
         "decode_latency",
         "Decode speed against `DynamicCache` on CPU",
         f"`eval.benchmarks.bench_latency` at 8K-32K tokens, fp32 and bf16, both models; {SPEED}. "
-        "The page shows SmolLM2 at 8K and 16K (fp32); `smollm2_fp32_32k.md` holds 32K, `smollm2_bf16.md` bf16, "
+        "The page shows SmolLM2 at 8K and 16K (fp32; the report: the calibrated preset too); "
+        "`smollm2_fp32_32k.md` holds 32K, `smollm2_bf16.md` bf16, "
         "`gemma3_fp32.md` Gemma 3 270M, "
         "`smollm2_layers_preset_8k.md` the per-layer-widths preset (cited by its card), "
         "`smollm2_generated_packing_8k.md` generated tokens packed against never packed (issue 44) and "
         "`generated_pack_cost.md` one pack's cost against a decode step's attention (`eval.benchmarks.pack_cost`).",
-        (Report("smollm2_fp32_8k_16k.md"),),
+        (Report("smollm2_fp32_8k_16k.md", methods=("fp16", "cocktail", "recommended")),),
         ("latency.png",),
     ),
     Question(
