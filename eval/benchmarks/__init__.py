@@ -1,5 +1,5 @@
 """Speed and memory benchmarks (separate from the accuracy evaluation): KV bytes and peak memory, decode latency, the
-no-reorder ablation, the fused kernel on a GPU and end-to-end decode on a random Llama-3-8B-shaped model.
+fused kernel on a GPU and end-to-end decode on a random Llama-3-8B-shaped model.
 
 ``OMP_WAIT_POLICY`` defaults to ``PASSIVE`` here (set before torch loads OpenMP; an explicit value in the environment
 wins): on a CPU shared with other jobs, OpenMP threads that spin while waiting for a descheduled sibling made a

@@ -1,10 +1,8 @@
 """Time per output token (and prefill time) of each method vs a DynamicCache at several context lengths, measured
-in one run, plus the "no reorder" ablation of Cocktail's decode attention (``eval/benchmarks/no_reorder.py``).
+in one run.
 
 * end to end: one ``model.generate`` of ``--new-tokens`` per (context, method); prefill = time to the first token,
   decode = the rest divided by the decode steps; ratios against ``fp16`` of the same run.
-* no reorder: attention over precision segments vs chunk by chunk in the original order, on the real layer-0 store
-  of a Cocktail cache at each context (PyTorch reference path), outputs checked to agree.
 
 * ``--rounds R`` (the decode measurement for speed claims on a shared machine): per context one full-precision
   prefill shared by every method (``eval/benchmarks/rounds.py``), each method's cache branched from it, then ``R``
@@ -19,7 +17,7 @@ the PyTorch path; plain names use ``backend="auto"``, the fused CPU kernel on CP
     python -m eval.benchmarks.bench_latency --quick
     python -m eval.benchmarks.bench_latency --contexts 1024,2048,4096,8192 --methods fp16,cocktail,int4,int2,kivi2
     python -m eval.benchmarks.bench_latency --contexts 8000 --methods fp16,cocktail,recommended,int2,hqq4,quanto4 \
-        --rounds 5 --steps-per-round 8 --threads 2 --no-ablation --out eval/results/bench_latency_rounds_8k.json
+        --rounds 5 --steps-per-round 8 --threads 2 --out eval/results/decode_latency/smollm2_fp32_8k.json
 
 ``--unpacked-twins`` (with ``--rounds``) adds ``NAME_unpacked`` beside every Cocktail method: the same config with
 ``residual_tokens`` beyond any generation, so generated tokens stay in the full part as before they were packed
@@ -40,7 +38,6 @@ from ..methods.kinds import CocktailMethod
 from ..models import load_model_and_tokenizer
 from ..reporting import METHOD_COLUMNS, METHOD_RULE, method_cells
 from .harness import parse_args, ratio, run, save, warm_model, with_fp16_baseline
-from .no_reorder import no_reorder_ablation
 from .rounds import alternating_rounds, branch_runner, cast_prefill, shared_prefill, summarize_rounds
 
 MODULE = "eval.benchmarks.bench_latency"
@@ -56,22 +53,6 @@ def latency_table(results: list[dict]) -> str:
             f"| {r['context_tokens']} | {method_cells(r['method'])} | {r['prefill_s']:.2f} | "
             f"{ratio(r['prefill_s'], b['prefill_s']):.2f} | {r['decode_ms_per_token']:.1f} | "
             f"{ratio(r['decode_ms_per_token'], b['decode_ms_per_token']):.2f} |"
-        )
-    return "\n".join(lines)
-
-
-def ablation_table(abl: list[dict]) -> str:
-    lines = [
-        "",
-        "No reorder (one decode query, layer 0, PyTorch path): attention over segments vs chunk by chunk",
-        "",
-        "| context | chunks (packed) | segments ms | per-chunk ms | per-chunk / segments |",
-        "|---|---|---|---|---|",
-    ]
-    for a in abl:
-        lines.append(
-            f"| {a['context_tokens']} | {a['chunks']} ({a['packed_chunks']}) | {a['segments_ms']:.2f} | "
-            f"{a['per_chunk_ms']:.2f} | {ratio(a['per_chunk_ms'], a['segments_ms']):.2f} |"
         )
     return "\n".join(lines)
 
@@ -161,20 +142,14 @@ def main(argv=None) -> int:
     if args.unpacked_twins:
         args.method_list = unpacked_twins(args.method_list)
     if args.rounds:
-        results, model, tok = run_rounds(args)
+        results, _, _ = run_rounds(args)
         table = rounds_table(results)
         title = "Decode latency vs DynamicCache (alternating rounds from one shared prefill)"
     else:
-        results, model, tok = run(args)
+        results, _, _ = run(args)
         table = latency_table(results)
         title = "Decode latency vs DynamicCache"
     print(table)
-    if not args.no_ablation:
-        abl = no_reorder_ablation(model, tok, args.context_list, args.essay_dir)
-        abl_table = ablation_table(abl)
-        print(abl_table)
-        results = results + [dict(a, method="no_reorder_ablation") for a in abl]
-        table += "\n" + abl_table
     save(args, MODULE, results, table, title)
     return 0
 
