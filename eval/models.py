@@ -66,11 +66,6 @@ def converted_offline_model(name: str) -> str:
     return out
 
 
-def converted_smollm2() -> str:
-    """The converted copy of SmolLM2-135M-Instruct (see :func:`converted_offline_model`)."""
-    return converted_offline_model("smollm2-135m-instruct")
-
-
 def resolve_model_path(name: str) -> str:
     """An offline model's name (``smollm2``, ``gemma-3-270m`` and their aliases) -> its converted local copy;
     anything else is a Hub id or a local folder."""

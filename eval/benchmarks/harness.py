@@ -58,7 +58,7 @@ def common_args(p: argparse.ArgumentParser, threads: int | None = None) -> None:
 
 
 def fp16_first(spec: str) -> list[Method]:
-    """``--methods`` resolved (registry names, ``recommended``, ``NAME:BACKEND``), ``fp16`` first: the reference."""
+    """``--methods`` resolved (registry names, ``NAME:BACKEND``), ``fp16`` first: the reference."""
     return [METHODS["fp16"]] + [m for m in resolve_methods(spec) if m.name != "fp16"]
 
 

@@ -7,13 +7,9 @@ own cache), in forward order on even rounds and in reverse order on odd rounds, 
 machine hit all methods alike. The ratio of a method to the baseline is taken per round (same minute) and the
 median over rounds is reported, with the median per-token times.
 
-Method names are those of :mod:`eval.methods.registry`, plus:
-
-* ``NAME:torch`` / ``NAME:auto`` / ``NAME:cpu``: a Cocktail-kind method with its ``backend`` forced (``cocktail:torch``
-  is paper Cocktail on the PyTorch dequantize-then-attend path, ``cocktail`` uses ``backend="auto"``: the fused CPU
-  kernel on CPU);
-* ``recommended``: ``CocktailConfig.recommended()`` (its fields that differ from the paper's; the evaluation's
-  encoder), defined here when the registry does not have it.
+Method names are those of :mod:`eval.methods.registry`, plus ``NAME:torch`` / ``NAME:auto`` / ``NAME:cpu``: a
+Cocktail-kind method with its ``backend`` forced (``cocktail:torch`` is paper Cocktail on the PyTorch
+dequantize-then-attend path, ``cocktail`` uses ``backend="auto"``: the fused CPU kernel on CPU).
 """
 
 from __future__ import annotations
@@ -26,14 +22,13 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache
 
-from hf_cocktail import CocktailConfig
 from hf_cocktail.integration.compat import cache_kwargs
 
 from ..cli import UsageError
 from ..essays import essay_prefix
 from ..methods.branching import branch, prefill_for
 from ..methods.kinds import CocktailMethod, Method, Request, build_cache
-from ..methods.registry import METHODS, parse_methods
+from ..methods.registry import parse_methods
 from ..models import model_input_device
 
 QUESTION = "What is the main point of these essays?"
@@ -50,27 +45,10 @@ def make_prompt(tok, context: str) -> tuple[str, dict]:
     return content, {}
 
 
-def recommended_method() -> Method | None:
-    """``CocktailConfig.recommended()`` as a method (None when the library has no ``recommended()``)."""
-    if "recommended" in METHODS:
-        return METHODS["recommended"]
-    rec = getattr(CocktailConfig, "recommended", None)
-    if rec is None:
-        return None
-    fields, paper = rec().to_dict(), CocktailConfig().to_dict()
-    overrides = {k: v for k, v in fields.items() if k not in ("encoder", "format_version") and v != paper.get(k)}
-    return CocktailMethod("recommended", f"CocktailConfig.recommended(): {overrides}", overrides)
-
-
 def resolve_method(name: str) -> Method:
-    """A registry method, ``recommended``, or ``NAME:BACKEND`` (see the module docstring)."""
+    """A registry method or ``NAME:BACKEND`` (see the module docstring)."""
     base, _, backend = name.partition(":")
-    if base == "recommended" and "recommended" not in METHODS:
-        method = recommended_method()
-        if method is None:
-            raise UsageError("method 'recommended': this hf_cocktail has no CocktailConfig.recommended()")
-    else:
-        method = parse_methods(base)[0]
+    method = parse_methods(base)[0]
     if not backend:
         return method
     if backend not in BACKEND_SUFFIXES:
@@ -86,7 +64,7 @@ def resolve_method(name: str) -> Method:
 
 
 def resolve_methods(spec: str) -> list[Method]:
-    """``--methods``: comma-separated names (registry names, ``recommended``, ``NAME:BACKEND``), each once."""
+    """``--methods``: comma-separated names (registry names, ``NAME:BACKEND``), each once."""
     names = [s.strip() for s in spec.split(",") if s.strip()]
     if not names:
         raise UsageError("--methods is empty")
