@@ -45,19 +45,15 @@ def iter_jsonl(path: str) -> Iterator[dict]:
                 continue
 
 
-def check_settings(out_dir: str, settings: dict, keys, fallback: dict | None = None, upgrade=None) -> None:
+def check_settings(out_dir: str, settings: dict, keys) -> None:
     """Refuse to resume into ``out_dir`` with other ``settings`` (compared on ``keys``): its finished records would be
-    reused as they are. The old settings are ``out_dir/settings.json`` (written by the first run), else ``fallback``
-    (for folders written before settings.json existed); ``upgrade(old) -> old`` reads them as today's code would
-    (e.g. a saved config through ``CocktailConfig.from_dict``, which drops removed fields)."""
+    reused as they are. The old settings are ``out_dir/settings.json``, written by the first run."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "settings.json")
-    old = fallback
+    old = None
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
             old = json.load(f)
-    if old is not None and upgrade is not None:
-        old = upgrade(old)
     if old is not None:
         diff = {k: (old.get(k), settings.get(k)) for k in keys if old.get(k) != settings.get(k)}
         if diff:

@@ -1,7 +1,6 @@
 """eval/needle: needle placement in the haystack, refusal to resume with other settings."""
 
 import importlib.util
-import json
 import os
 
 import pytest
@@ -58,26 +57,3 @@ def test_needle_refuses_to_resume_with_other_settings(tmp_path):
     needle.check_resume_settings(needle.parse_args(["--out-dir", out, "--seed", "1", "--lengths", "500"]))  # grows
     with pytest.raises(UsageError, match="seed"):
         needle.check_resume_settings(needle.parse_args(["--out-dir", out, "--seed", "2"]))
-    # a folder written before settings.json existed: its run_info's args are the old settings
-    old = tmp_path / "old"
-    old.mkdir()
-    (old / "run_info.json").write_text(
-        json.dumps(
-            {
-                "config": {
-                    "args": {
-                        "model": "smollm2",
-                        "dtype": "float32",
-                        "max_new_tokens": 16,
-                        "encoder": None,
-                        "seed": 0,
-                        "raw_prompt": True,
-                    }
-                }
-            }
-        )
-    )
-    with pytest.raises(UsageError, match="raw_prompt"):
-        needle.check_resume_settings(needle.parse_args(["--out-dir", str(old)]))
-    needle.check_resume_settings(needle.parse_args(["--out-dir", str(old), "--raw-prompt"]))
-    assert json.load(open(old / "settings.json"))["raw_prompt"] is True

@@ -226,7 +226,6 @@ def _cli_error(capsys, argv) -> str:
         (["--variant", "single", "--lengths", "300"], "RULER variants need lengths >= 512 tokens"),
         (["--variant", "single", "--lengths", "2k"], "--lengths must be a comma-separated list of integers"),
         (["--variant", "single", "--depths", "0.5"], "--depths is for the passcode needle"),
-        (["--variant", "single", "--raw-prompt"], "--raw-prompt is for the passcode needle"),
         (["--variant", "single", "--stop-after-minutes", "0"], "--stop-after-minutes must be > 0"),
     ],
 )
@@ -285,7 +284,6 @@ def test_ruler_and_passcode_folders_do_not_mix(tmp_path):
                 "max_new_tokens": 16,
                 "encoder": None,
                 "seed": 0,
-                "raw_prompt": False,
             }
         )
     )

@@ -42,12 +42,8 @@ def make_case(tok, essays: list[str], length: int, depth: float, sample: int, se
     return {"length": length, "depth": depth, "sample": sample, "code": code, "context": context, "needle_char": cut}
 
 
-def build_prompt(tok, context: str, raw: bool = False) -> tuple[str, dict]:
-    """The chat prompt (the completion form for a tokenizer without a chat template, :mod:`eval.chat`); ``raw``:
-    the haystack at the very start of a plain prompt (no instruction, no template, no special tokens), so that the
-    prompt's first tokens (the attention sinks) belong to the context."""
-    if raw:
-        return context + ASK.format(question=QUESTION), {"add_special_tokens": False}
+def build_prompt(tok, context: str) -> tuple[str, dict]:
+    """The chat prompt (the completion form for a tokenizer without a chat template, :mod:`eval.chat`)."""
     content = INSTRUCTION + context + ASK.format(question=QUESTION)
     if has_chat_template(tok):
         return chat_prompt(tok, content), dict(CHAT_TOKENIZER_KWARGS)

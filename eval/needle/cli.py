@@ -25,7 +25,6 @@ Resumable: finished (case, method) results in ``records.jsonl`` are never recomp
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from collections.abc import Callable
@@ -50,7 +49,7 @@ from .report import write_reports
 from .ruler_report import write_reports as write_ruler_reports
 
 MODULE = "eval.needle"
-SETTINGS_KEYS = ("model", "dtype", "max_new_tokens", "encoder", "seed", "raw_prompt", "task")  # must match to resume
+SETTINGS_KEYS = ("model", "dtype", "max_new_tokens", "encoder", "seed", "task")  # must match to resume
 CLASSIC_DEPTHS = "0,0.25,0.5,0.75,1"
 RULER_TASK = "ruler-niah"  # settings "task" of a RULER-style folder (None: the classic passcode needle)
 
@@ -91,11 +90,6 @@ def _parser() -> argparse.ArgumentParser:
         help=f"default 16, with --variant {ruler.TOKENS_TO_GENERATE} (RULER's)",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--raw-prompt",
-        action="store_true",
-        help="haystack first, no instruction or chat template (the attention-sink study)",
-    )
     return p
 
 
@@ -110,8 +104,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                 "--depths is for the passcode needle; with --variant each needle's depth is drawn from "
                 "RULER's 40 depths (seeded by --seed)"
             )
-        if args.raw_prompt:
-            raise UsageError("--raw-prompt is for the passcode needle, not with --variant")
         ruler.check_lengths(args.length_list)
     else:
         args.depths = CLASSIC_DEPTHS if args.depths is None else args.depths
@@ -131,16 +123,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def check_resume_settings(args) -> None:
-    """Refuse to resume into ``--out-dir`` with settings that change what a finished case means; folders written
-    before settings.json existed are compared with their run_info's args."""
-    fallback = None
-    info = os.path.join(args.out_dir, "run_info.json")
-    if os.path.isfile(info):
-        with open(info, encoding="utf-8") as f:
-            old_args = json.load(f).get("config", {}).get("args", {})
-        defaults = vars(parse_args(["--out-dir", args.out_dir]))
-        fallback = {k: old_args.get(k, defaults[k]) for k in SETTINGS_KEYS}
-    check_settings(args.out_dir, {k: getattr(args, k) for k in SETTINGS_KEYS}, SETTINGS_KEYS, fallback)
+    """Refuse to resume into ``--out-dir`` with settings that change what a finished case means."""
+    check_settings(args.out_dir, {k: getattr(args, k) for k in SETTINGS_KEYS}, SETTINGS_KEYS)
 
 
 def read_done(path: str) -> dict[tuple[str, str], dict]:
@@ -215,7 +199,7 @@ def ruler_record(case: dict, out: Outcome, tok) -> dict:
 def passcode_case(args, tok, essays: list[str], L: int, d: float, s: int) -> tuple[Request, Callable]:
     """The passcode case ``(L, d, s)``: its request and the function that makes a method's record of it."""
     case = make_case(tok, essays, L, d, s, args.seed)
-    prompt, kw = build_prompt(tok, case["context"], raw=args.raw_prompt)
+    prompt, kw = build_prompt(tok, case["context"])
     request = Request(prompt, case["context"], QUESTION, case_key(L, d, s), kw)
     return request, lambda out: case_record(case, prompt, kw, out, tok)
 
