@@ -41,6 +41,14 @@ def write_csv(path: str, columns: list[str], rows: Iterable[list]) -> None:
         w.writerows(rows)
 
 
+def write_dict_csv(path: str, rows: list[dict], columns: list[str] | None = None) -> None:
+    """``rows`` as CSV under ``columns`` (default: the first row's keys); a key a row lacks is left empty."""
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=columns or list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
 def csv_values(row: dict, columns: list[str]) -> list:
     """``row``'s values of ``columns``, floats to 6 significant digits."""
     return [f"{row[c]:.6g}" if isinstance(row[c], float) else row[c] for c in columns]

@@ -14,7 +14,6 @@ cache gets the mix of ``bench_kernels`` (10% FP16 / 30% INT4 / 60% INT2 of the c
 from __future__ import annotations
 
 import argparse
-import csv
 import importlib.util
 import random
 import sys
@@ -31,6 +30,7 @@ from ..cli import parse_int_list
 from ..kv_bytes import cache_kv_bytes, fp16_kv_bytes
 from ..methods.kinds import CocktailMethod, Method, Request, cache_and_inputs
 from ..methods.registry import METHODS
+from ..reporting import write_dict_csv
 from .timing import timed_generate
 
 LLAMA3_8B = {
@@ -139,14 +139,6 @@ def measure(method: Method, model, tok, request: Request, new_tokens: int) -> di
     }
 
 
-def write_csv(path: str, rows: list[dict]) -> None:
-    """Rewritten after every measurement: a run stopped by a timeout keeps what it finished."""
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows(rows)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m eval.benchmarks.bench_decode_random", description=__doc__.split("\n\n")[0]
@@ -194,7 +186,7 @@ def main(argv=None) -> int:
                 row["decode_vs_fp16"] = round(row["decode_ms_per_token"] / fp16_ms, 3) if fp16_ms else ""
             rows.append(row)
             print(row, flush=True)
-            write_csv(args.out, rows)
+            write_dict_csv(args.out, rows, COLUMNS)  # after every measurement: a timeout keeps what finished
             if device == "cuda":
                 torch.cuda.empty_cache()
     return 0

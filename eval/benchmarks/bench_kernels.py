@@ -46,7 +46,6 @@ if "--smoke" in sys.argv:  # before anything imports triton
     os.environ["TRITON_INTERPRET"] = "1"
 
 import argparse  # noqa: E402
-import csv  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
@@ -58,6 +57,8 @@ from hf_cocktail.decode.split_attention import split_precision_attention_torch  
 from hf_cocktail.storage import quant  # noqa: E402
 from hf_cocktail.storage.full_part import full_part_from_sequences  # noqa: E402
 from hf_cocktail.storage.store import LayerStore, PackedSegment  # noqa: E402
+
+from ..reporting import write_dict_csv  # noqa: E402
 
 PEAK_BYTES_PER_S = 4.8e12  # H200 HBM3e
 MIXES = {  # FP16 / INT4 / INT2 chunks
@@ -296,14 +297,6 @@ def print_rows(T: int, B: int, rows: list[dict]) -> None:
         )
 
 
-def write_csv(path: str, rows: list[dict]) -> None:
-    """Rewritten after every case: a run stopped by a timeout keeps the cases it finished."""
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m eval.benchmarks.bench_kernels", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench_kernels.csv", help="CSV file to write")
@@ -330,7 +323,7 @@ def main(argv=None) -> int:
             case_rows = table_rows(T, B, bench_case(sh, T, B, bench, gen, args.qcache_backend), args.smoke)
             print_rows(T, B, case_rows)
             rows += case_rows
-            write_csv(args.out, rows)
+            write_dict_csv(args.out, rows)  # after every case: a run stopped by a timeout keeps what finished
             if sh.dev == "cuda":
                 torch.cuda.empty_cache()
     print(f"\nwrote {len(rows)} rows to {args.out}")

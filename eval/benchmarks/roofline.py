@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..reporting import write_dict_csv
+
 BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}  # HBM bytes/s: H100 SXM (HBM3), H200 (HBM3e)
 CONTEXTS = (4096, 16384, 32768, 65536, 131072)
 BATCHES = (1, 8, 32)
@@ -231,13 +233,6 @@ def _bandwidth(arg: str | None) -> float:
     raise SystemExit(f"unknown GPU {name!r}: pass --bandwidth (bytes/s, or one of {list(BANDWIDTH)})")
 
 
-def write_csv(path: str, rows: list[dict]) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="folder for the table, the PNG (or the comparison)")
@@ -251,12 +246,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"no {args.compare}: the kernel benchmark did not write it; nothing to compare")
             return 1
         rows = compare(args.compare, _bandwidth(args.bandwidth))
-        write_csv(os.path.join(args.out, "roofline_vs_measured.csv"), rows)
+        write_dict_csv(os.path.join(args.out, "roofline_vs_measured.csv"), rows)
         for r in rows:
             print(r)
         return 0
     rows = table()
-    write_csv(os.path.join(args.out, "roofline.csv"), rows)
+    write_dict_csv(os.path.join(args.out, "roofline.csv"), rows)
     write_markdown(rows, os.path.join(args.out, "report.md"), command)
     plot(rows, os.path.join(args.out, "roofline.png"))
     print(f"{len(rows)} rows -> {args.out}/roofline.csv, report.md, roofline.png")

@@ -26,7 +26,7 @@ from hf_cocktail.integration.compat import cache_kwargs
 
 from ..cli import UsageError
 from ..essays import essay_prefix
-from ..methods.branching import branch, prefill_for
+from ..methods.branching import GREEDY, branch, prefill_for
 from ..methods.kinds import CocktailMethod, Method, Request, build_cache
 from ..methods.registry import parse_methods
 from ..models import model_input_device
@@ -140,11 +140,7 @@ class Runner:
             **cache_kwargs(model, self.cache),
             max_new_tokens=steps,
             min_new_tokens=steps,
-            do_sample=False,
-            temperature=None,
-            top_p=None,
-            top_k=None,
-            num_beams=1,
+            **GREEDY,
             pad_token_id=pad_token_id,
         )
         dt = time.perf_counter() - t0

@@ -12,6 +12,8 @@ import torch
 
 from hf_cocktail.integration.compat import cache_kwargs
 
+from ..methods.branching import GREEDY
+
 
 def cuda_sync() -> None:
     if torch.cuda.is_available():
@@ -115,10 +117,7 @@ def timed_generate(model, cache, inputs, new_tokens: int, pad_token_id: int | No
                 **cache_kwargs(model, cache),
                 max_new_tokens=new_tokens,
                 min_new_tokens=new_tokens,
-                do_sample=False,
-                temperature=None,
-                top_p=None,
-                top_k=None,
+                **GREEDY,
                 streamer=timer,
                 pad_token_id=pad_token_id,
             )

@@ -25,6 +25,9 @@ from hf_cocktail.integration.compat import cache_kwargs
 
 from .kinds import Method, Request, build_cache, prefill_items
 
+# ``generate``'s greedy search, whatever the model's generation_config says
+GREEDY = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None, "num_beams": 1}
+
 
 def context_span(tok, request: Request) -> tuple[int, int]:
     """``[start, end)`` of the request's context tokens in its prompt, as ``CocktailCache.prepare_inputs`` locates
@@ -152,11 +155,7 @@ def generate_from_branch(
         attention_mask=torch.ones_like(ids),
         **cache_kwargs(model, cache),
         max_new_tokens=max_new_tokens - 1,
-        do_sample=False,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-        num_beams=1,
+        **GREEDY,
         **kwargs,
     )
     return out[:, input_ids.shape[1] :]

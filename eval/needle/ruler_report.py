@@ -5,10 +5,9 @@ FP16) and ``ruler_accuracy.png`` (accuracy per variant per method, one panel per
 
 from __future__ import annotations
 
-import csv
 import os
 
-from ..reporting import METHOD_COLUMNS, METHOD_RULE, method_cells, plot_name, pyplot, save_figure
+from ..reporting import METHOD_COLUMNS, METHOD_RULE, method_cells, plot_name, pyplot, save_figure, write_dict_csv
 from ..stats import bootstrap_mean
 
 CSV_COLUMNS = [
@@ -147,13 +146,6 @@ def paired_markdown(rows: list[dict], variants: list[str]) -> str:
     return note + "\n\n" + "\n".join(lines) + "\n"
 
 
-def write_csv(path: str, summary: list[dict], columns: list[str] = CSV_COLUMNS) -> None:
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=columns)
-        w.writeheader()
-        w.writerows(summary)
-
-
 def markdown(summary: list[dict], methods: list[str], variants: list[str], lengths: list[int], samples: int) -> str:
     """Accuracy table per method (rows) x variant and length (columns), then kv_ratio and the FP16 share."""
     cell = {(s["variant"], s["length"], s["method"]): s for s in summary}
@@ -230,9 +222,9 @@ def write_reports(
 ) -> str:
     """Write every report of ``rows`` (the records of the requested cases); returns the markdown table."""
     summary = summarize(rows, methods, variants, sorted(set(lengths)))
-    write_csv(os.path.join(out_dir, "ruler_summary.csv"), summary)
+    write_dict_csv(os.path.join(out_dir, "ruler_summary.csv"), summary, CSV_COLUMNS)
     pairs = paired(rows, methods, variants, sorted(set(lengths)))
-    write_csv(os.path.join(out_dir, "ruler_paired.csv"), pairs, PAIRED_COLUMNS)
+    write_dict_csv(os.path.join(out_dir, "ruler_paired.csv"), pairs, PAIRED_COLUMNS)
     table = markdown(summary, methods, variants, sorted(set(lengths)), samples)
     if pairs:
         table += "\n" + paired_markdown(pairs, variants)
