@@ -145,6 +145,18 @@ _INT4V3_G64 = {"uniform_bits": 4, "value_bits": 3, "group_size": 64}
 METHODS["int4v3_g64"] = CocktailMethod("int4v3_g64", "uniform INT4, 3-bit values, groups of 64, unrotated", _INT4V3_G64)
 METHODS.update(_twin("int4v3_g64", "_kout8", "1/8 of key channels at 8 bits", {"key_outlier_share": 1 / 8}))
 
+# 4-bit keys and values with 8-bit scales/zeros, value groups of 64 and an 8-bit full part (issue 46: a
+# no-calibration setting at <= 0.28x of FP16's bytes at 8K tokens), per storage rotation
+_INT4_S8_F8 = {"uniform_bits": 4, "scale_bits": 8, "group_size": 64, "full_part_bits": 8}
+for _rot, _tag in ((None, ""), ("hadamard", "_had"), ("hadamard_values", "_hadv")):
+    _id = f"int4{_tag}_s8_g64_f8"
+    METHODS[_id] = CocktailMethod(_id, f"4-bit keys/values, rotation {_rot}, 8-bit params, G=64, 8-bit full part",
+                                  {**_INT4_S8_F8, "rotation": _rot})  # fmt: skip
+# ... and uniform INT4 with one of those changes at a time (which of them costs fidelity)
+for _suffix, _fields in (("_s8", {"scale_bits": 8}), ("_g64", {"group_size": 64}), ("_f8", {"full_part_bits": 8})):
+    METHODS.update(_twin("int4", _suffix, str(_fields), _fields))
+METHODS.update(_twin("int4_had", "_s8_g64", "8-bit params, G=64", {"scale_bits": 8, "group_size": 64}))
+
 
 def register_preset(name_or_path: str) -> Method:
     """Add the method ``preset``: a CocktailCache with ``CocktailConfig.from_pretrained(name_or_path)`` (its encoder
