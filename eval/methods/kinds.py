@@ -199,7 +199,8 @@ class CocktailMethod(Method):
 
     @property
     def reads_prefill_queries(self) -> bool:
-        return dict(self.overrides).get("salient_tokens", 0) > 0
+        fields = dict(self.overrides)  # salient tokens and rotation="auto" read the prefill's queries
+        return fields.get("salient_tokens", 0) > 0 or fields.get("rotation") == "auto"
 
     def load_prefill(self, cache, pairs, split_attention=True, prefill_queries=None) -> None:
         # detached aliases: load_prefill tags the key tensors it is given, which must not leak into the shared prefill;

@@ -156,6 +156,13 @@ for _rot, _tag in ((None, ""), ("hadamard", "_had"), ("hadamard_values", "_hadv"
 for _suffix, _fields in (("_s8", {"scale_bits": 8}), ("_g64", {"group_size": 64}), ("_f8", {"full_part_bits": 8})):
     METHODS.update(_twin("int4", _suffix, str(_fields), _fields))
 METHODS.update(_twin("int4_had", "_s8_g64", "8-bit params, G=64", {"scale_bits": 8, "group_size": 64}))
+# rotation="auto": each layer's keys rotated or not by the prompt's own queries (planning/key_rotation.py)
+METHODS.update(_twin("recommended", "_auto", "keys rotated per layer by the prompt's queries", {"rotation": "auto"}))
+METHODS["int4_auto_s8_g64"] = CocktailMethod(
+    "int4_auto_s8_g64",
+    "4-bit keys/values, rotation auto (keys rotated per layer by the prompt's queries), 8-bit params, G=64",
+    {**_INT4_S8_F8, "full_part_bits": 16, "rotation": "auto"},
+)
 
 
 def register_preset(name_or_path: str) -> Method:

@@ -18,6 +18,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from hf_cocktail.decode.dispatch import attach_fused_writer, quantizers
+from hf_cocktail.planning.key_rotation import layer_rotation, tail_query_moment
 from hf_cocktail.storage.generated import AppendedPacking, crop_appended, pack_appended
 from hf_cocktail.storage.layer_bits import code_widths
 from hf_cocktail.storage.rotation import Rotation
@@ -32,6 +33,9 @@ class LayerOwner(Protocol):
     prefill_len: int
 
     def plans_for_prefill(self, k: torch.Tensor, search: bool = True) -> list: ...
+
+    @property
+    def plans(self) -> tuple: ...
 
     def layer_positions(self, layer_idx: int, all_full: bool = False) -> list[dict]: ...
 
@@ -81,6 +85,7 @@ class CocktailLayer(CacheLayerMixin):
         self.context_copy: tuple[torch.Tensor, torch.Tensor] | None = None  # keep_context_copy, on CPU
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # requery: the copy, to re-prefill
         self.deferred: tuple[torch.Tensor, torch.Tensor] | None = None  # state DEFERRED: raw prefill k/v
+        self.query_moment: torch.Tensor | None = None  # rotation="auto": the prompt's queries (key_rotation)
         self._dequantized_steps = 0
 
     @property
@@ -137,7 +142,7 @@ class CocktailLayer(CacheLayerMixin):
             value_states = torch.cat([pv.to(value_states.device, value_states.dtype), value_states], dim=2)
             self.pending = None
         self.lazy_initialization(key_states, value_states)
-        if self.cache.waits_for_prefill_attention(self.layer_idx):
+        if self.cache.waits_for_prefill_attention(self.layer_idx) or self._auto_rotation():
             self.cache.plans_for_prefill(key_states, search=not self.cache.scores_from_attention())
             self.deferred = (key_states, value_states)
             self.seq_len, self.state = key_states.shape[2], LayerState.DEFERRED
@@ -179,9 +184,18 @@ class CocktailLayer(CacheLayerMixin):
             self.path = AttentionPath.SPLIT
 
     def observe_prefill_attention(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
-        """scorer="attention" / salient_tokens: record this layer's prefill attention (before it quantizes)."""
+        """scorer="attention" / salient_tokens: record this layer's prefill attention (before it quantizes);
+        rotation="auto": the second moment of its queries after the context. ``query (B, H_q, L_q, D)``, ``key
+        (B, H_kv, L, D)``."""
         if self.state is LayerState.DEFERRED:
             self.cache.accumulate_attention(query, key, scaling, self.layer_idx)
+            if self._auto_rotation():
+                rows = [(p.ctx_end, key.shape[2]) for p in self.cache.plans]
+                self.query_moment = tail_query_moment(query, key.shape[2], rows, key.shape[1])
+
+    def _auto_rotation(self) -> bool:
+        """rotation="auto": the layer's key rotation waits for the prompt's queries (:mod:`.key_rotation`)."""
+        return self.config.rotation == "auto" and not self.all_full and self.config.uniform_bits != 16
 
     def after_load_prefill(self, split_attention: bool | None) -> None:
         """``load_prefill``: the next update is a decode step; ``True``/``False`` fix the attention path."""
@@ -220,8 +234,9 @@ class CocktailLayer(CacheLayerMixin):
         cfg = self.config
         quantize_k, quantize_v = quantizers(cfg.backend, k.device)
         positions = self.cache.layer_positions(self.layer_idx, self.all_full)
+        H, D = k.shape[1], k.shape[3]
         rotation = (
-            None if self.all_full else Rotation.make(cfg.rotation, k.shape[1], k.shape[3], cfg.rotation_seed, k.device)
+            None if self.all_full else Rotation.make(self._rotation_kind(k, plans), H, D, cfg.rotation_seed, k.device)
         )
         self.store = LayerStore.build(
             k,
@@ -248,6 +263,19 @@ class CocktailLayer(CacheLayerMixin):
             self.context_copy = (k[:, :, :end].to("cpu", copy=True), v[:, :, :end].to("cpu", copy=True))
         self.seq_len = k.shape[2]
         self.state = LayerState.PREFILL
+
+    def _rotation_kind(self, k: torch.Tensor, plans: list) -> str | None:
+        """The configured rotation; with rotation="auto" the one :func:`.key_rotation.layer_rotation` chooses for
+        this layer's prefill keys ``k (B, H_kv, L, D)`` at the layer's key width."""
+        cfg = self.config
+        if cfg.rotation != "auto":
+            return cfg.rotation
+        if cfg.uniform_bits == 16:  # nothing is packed: the rotation is moot
+            return "hadamard"
+        bits = 4 if cfg.uniform_bits is None else cfg.uniform_bits
+        key_bits = code_widths(bits, self.cache.layer_bits_pair(self.layer_idx), cfg.value_bits)[0]
+        kind, self.query_moment = layer_rotation(k, plans, self.query_moment, key_bits, cfg), None
+        return kind
 
     def _appended_packing(self, quantize_k, quantize_v, scale_dtype: torch.dtype) -> AppendedPacking | None:
         """How this layer packs the tokens appended after its prefill (generated tokens, later turns) as they leave

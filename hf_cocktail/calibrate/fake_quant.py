@@ -35,12 +35,8 @@ class FakeQuantizer:
         """``k (H_kv, N, D)`` -> its ``bits``-bit store round trip, fp32."""
         C = self.config.chunk_size
         y = self._rotate(k.float(), self.rotate_k)
-        if self.config.scale_bits == 8:
-            codes, sc, zc, block = params8.quantize_pack_keys8(y, bits, C, self.scale_dtype)
-            scale, zero = params8.decode_params8(sc, zc, block)
-        else:
-            codes, scale, zero = quant.quantize_pack_keys(y, bits, C, self.scale_dtype)
-        return self._rotate(quant.dequantize_keys(codes, scale, zero, bits, C), self.rotate_k, back=True)
+        back = params8.round_trip_keys(y, bits, C, self.config.scale_bits, self.scale_dtype)
+        return self._rotate(back, self.rotate_k, back=True)
 
     def values(self, v: torch.Tensor, bits: int) -> torch.Tensor:
         """``v (H_kv, N, D)`` -> its ``bits``-bit store round trip, fp32."""

@@ -23,7 +23,7 @@ _LOW_BITS = (2, 3)
 _SCALE_DTYPES = ("float16", "bfloat16", "float32", "model")
 _SCORERS = ("encoder", "bm25", "attention")
 _CHOICES: dict[str, tuple] = dict(backend=_BACKENDS, scorer=_SCORERS, scale_dtype=_SCALE_DTYPES)  # one of these
-_CHOICES.update(rotation=ROTATIONS, scale_bits=SCALE_BITS, full_part_bits=FULL_PART_BITS)
+_CHOICES.update(rotation=(*ROTATIONS, "auto"), scale_bits=SCALE_BITS, full_part_bits=FULL_PART_BITS)
 _COUNTS = {"chunk_size": 1, "encoder_batch_size": 1, "sink_tokens": 0, "recent_tokens": 0, "neighbors": 0}
 _COUNTS.update(residual_tokens=0)
 
@@ -92,7 +92,10 @@ class CocktailConfig(ConfigFiles):
             values), ``"hadamard_keys"`` or ``"hadamard_values"``. A fixed orthonormal per-head transform (Hadamard
             with seeded random signs; a seeded random orthogonal matrix for head dims that are not a power of two) is
             applied to the stored keys/values; attention rotates the query once and the output back once, never the
-            cache. Same bytes, far less quantization error.
+            cache. Same bytes, far less quantization error. ``"auto"``: values rotated in every layer, keys in the
+            layers where the prompt's own queries after the context see less logit error from rotated keys than from
+            unrotated ones (:mod:`hf_cocktail.planning.key_rotation`; needs ``attn_implementation="cocktail"`` or
+            ``load_prefill(..., prefill_queries=...)``, else keys are rotated everywhere, with a log warning).
         rotation_seed: seed of the rotation's random signs.
         value_bits: the most code bits a packed chunk's values get (``None``, the paper: values take their chunk's
             precision, as keys do): with 3, an INT4 chunk stores 4-bit keys and 3-bit values. Keys decide which tokens

@@ -130,7 +130,11 @@ def _method(config: Any) -> str:
     )
 
 
-ROTATED = {"hadamard_keys": "Keys (not values) are", "hadamard_values": "Values (not keys) are"}
+ROTATED = {
+    "hadamard_keys": "Keys (not values) are",
+    "hadamard_values": "Values (not keys) are",
+    "auto": "Values, and the keys of the layers where the prompt's queries see less error so, are",
+}
 
 
 def _storage(config: Any) -> str:

@@ -30,8 +30,10 @@ from hf_cocktail.storage.quant import (
     check_finite,
     check_params_finite,
     check_segment,
+    dequantize_keys,
     group_codes,
     pack_codes,
+    quantize_pack_keys,
     whole_chunks,
 )
 
@@ -160,3 +162,14 @@ def quantize_pack_values8(
     scale, zero = decode_params8(sc, zc, block, rows)
     codes = group_codes(x, scale.unsqueeze(3), zero.unsqueeze(3), bits)
     return pack_codes(codes.reshape(H, N, D), bits), sc, zc, block
+
+
+def round_trip_keys(y: torch.Tensor, bits: int, chunk_size: int, scale_bits: int, scale_dtype: torch.dtype):
+    """Keys ``y (H_kv, N, D)`` as a ``bits``-bit segment with ``scale_bits`` scales and zeros gives them back, fp32
+    (quantized per channel within each chunk by the reference quantizers, then dequantized)."""
+    if scale_bits == 8:
+        codes, sc, zc, block = quantize_pack_keys8(y, bits, chunk_size, scale_dtype)
+        scale, zero = decode_params8(sc, zc, block)
+    else:
+        codes, scale, zero = quantize_pack_keys(y, bits, chunk_size, scale_dtype)
+    return dequantize_keys(codes, scale, zero, bits, chunk_size)
