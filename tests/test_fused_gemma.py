@@ -50,7 +50,13 @@ def gemma_270m_shaped(seed=0):
 def run(model, tok, backend):
     prompt, ctx, q = make_prompt(90, needle_at=45)
     config = CocktailConfig.recommended(
-        chunk_size=8, group_size=32, scale_bits=8, full_part_bits=8, salient_tokens=0.05, backend=backend
+        chunk_size=8,
+        group_size=32,
+        scale_bits=8,
+        full_part_bits=8,
+        salient_tokens=0.05,
+        backend=backend,
+        rotation="hadamard",
     )
     cache = CocktailCache(config, encoder=FakeEncoder())
     inputs = cache.prepare_inputs(tok, prompt, contexts=ctx, queries=q)

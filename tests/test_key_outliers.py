@@ -190,10 +190,11 @@ def test_config_key_outlier_share_needs_16_bit_scales_and_counts_its_bits():
 
     with pytest.raises(ValueError, match=r"key_outlier_share=0.125 needs scale_bits=16 .* got scale_bits=8"):
         CocktailConfig(key_outlier_share=0.125, scale_bits=8)
-    cfg = CocktailConfig.recommended(key_outlier_share=0.125)
+    cfg = CocktailConfig.recommended(key_outlier_share=0.125, scale_bits=16)
     assert CocktailConfig.from_dict(cfg.to_dict()) == cfg
     # 1/8 of the key channels at 8 bits instead of 4: half a bit per key element, a quarter per K/V element
-    assert cfg.packed_bits_per_element(4) == CocktailConfig.recommended().packed_bits_per_element(4) + 0.25
+    plain = CocktailConfig.recommended(scale_bits=16)
+    assert cfg.packed_bits_per_element(4) == plain.packed_bits_per_element(4) + 0.25
 
 
 def test_generate_with_outlier_channels_equals_dequantized_sdpa(tiny_tokenizer):

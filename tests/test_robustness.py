@@ -467,14 +467,18 @@ def test_budget_mode_with_int3_spends_the_budget_on_int4_above_int3(tiny_llama, 
     assert seg_bits == [4, 3]
 
 
-def test_recommended_is_rotated_4bit_keys_3bit_values_and_takes_overrides():
+def test_recommended_is_4bit_keys_and_values_auto_rotated_with_8bit_params_and_takes_overrides():
     rec = CocktailConfig.recommended()
-    assert (rec.rotation, rec.uniform_bits, rec.value_bits, rec.group_size) == ("hadamard", 4, 3, 64)
-    assert rec.target_bits is None and rec.packed_bits_per_element(4) == 3.5 + 0.5 + 0.25  # codes, K and V scales
+    assert (rec.rotation, rec.uniform_bits, rec.value_bits, rec.group_size, rec.scale_bits) == ("auto", 4, None, 64, 8)
+    assert rec.target_bits is None and rec.packed_bits_per_element(4) == 4 + 0.25 + 0.125  # codes, K and V params
+    before = CocktailConfig.recommended(rotation="hadamard", value_bits=3, scale_bits=16)  # until 2026-12-07
+    assert before.packed_bits_per_element(4) == 3.5 + 0.5 + 0.25
     paper = CocktailConfig()  # the paper setting is unchanged
     assert (paper.uniform_bits, paper.value_bits, paper.rotation, paper.packed_bits) == (None, None, None, (4, 2))
     previous = CocktailConfig.recommended(uniform_bits=None, value_bits=None, low_bits=3, target_bits=3.8)
     assert (previous.packed_bits, previous.target_bits, previous.group_size) == ((4, 3), 3.8, 64)
     assert CocktailConfig.recommended(group_size=32).group_size == 32  # the README's advice for other head dims
-    with pytest.raises(ValueError, match=r"all-INT3 costs 4 bits"):  # 3.8 is below all-INT3 with G=32
-        CocktailConfig.recommended(uniform_bits=None, value_bits=None, low_bits=3, target_bits=3.8, group_size=32)
+    with pytest.raises(ValueError, match=r"all-INT3 costs 4 bits"):  # 3.8 is below all-INT3 with G=32, 16-bit params
+        CocktailConfig.recommended(
+            uniform_bits=None, value_bits=None, low_bits=3, target_bits=3.8, group_size=32, scale_bits=16
+        )

@@ -10,7 +10,13 @@ import re
 NAMED = {
     "fp16": "FP16 (DynamicCache)",
     "cocktail": "paper Cocktail (FP16/INT4/INT2 by relevance)",
-    "recommended": "recommended() (rotated, 4-bit keys, 3-bit values)",
+    "recommended": "recommended() (4-bit keys and values, rotation auto, 8-bit params)",
+    "preset_020": "preset calibrated at --target-bytes 0.20 (eval/results/presets_020/, not shipped)",
+    "recommended_k4v3": "recommended() before 2026-12-07 (rotated, 4-bit keys, 3-bit values)",
+    "recommended_k4v3_unpacked": "recommended() before 2026-12-07, generated tokens never packed",
+    "recommended_kout16": "recommended() before 2026-12-07, 1/16 of key channels at 8 bits",
+    "recommended_kout8": "recommended() before 2026-12-07, 1/8 of key channels at 8 bits",
+    "recommended_auto": "recommended() before 2026-12-07 with rotation auto (keys rotated per layer by the queries)",
     "preset": "calibrated preset",
     "nosearch": "paper's precision counts on random chunks",
     "int4first": "budget at paper's bytes, INT4 first",
@@ -21,6 +27,8 @@ MODIFIERS = {
     "had": "rotated",
     "hadk": "keys rotated",
     "hadv": "values rotated",
+    "auto": "values rotated, keys per layer by the queries",
+    "unpacked": "generated tokens never packed",
     "s8": "8-bit scales",
     "f8": "8-bit full part",
     "lloyd": "Lloyd codebook (removed)",  # codebook="lloyd": ids of results measured before its removal

@@ -37,6 +37,7 @@ HAD = {"rotation": "hadamard"}
 # beta=0 (no FP16 chunk): the budget buys 4-bit keys for the best-ranked chunks, 3-bit keys for the rest
 INT4FIRST_V3 = {"target_bits": 4.0, "beta": 0.0, "group_size": 64, "low_bits": 3, "value_bits": 3, **HAD}
 REC = _recommended_overrides()
+REC_K4V3 = {"uniform_bits": 4, "value_bits": 3, "group_size": 64, **HAD}  # the records' "recommended" until 2026-12-07
 METHODS: dict[str, Method] = {
     m.name: m
     for m in [
@@ -90,6 +91,11 @@ METHODS: dict[str, Method] = {
             INT4FIRST_V3,
         ),
         CocktailMethod("recommended", f"CocktailConfig.recommended(): {REC}", REC),
+        CocktailMethod(
+            "recommended_k4v3",
+            "CocktailConfig.recommended() before 2026-12-07: rotated, 4-bit keys, 3-bit values, value groups of 64",
+            REC_K4V3,
+        ),
     ]
 }
 
@@ -138,8 +144,9 @@ METHODS.update(_twin("layers3r2_had_s8_sal1", "_f8", "full_part_bits=8 (the toke
 # outlier key channels at 8 bits (key_outlier_share, issue 46): 1/16 and 1/8 of each head's key channels, chosen per
 # layer and head from the prefill's own rotated keys
 for _share in (16, 8):
-    METHODS.update(_twin("recommended", f"_kout{_share}", f"1/{_share} of key channels at 8 bits",
-                         {"key_outlier_share": 1 / _share}))  # fmt: skip
+    _id = f"recommended_kout{_share}"
+    METHODS[_id] = CocktailMethod(_id, f"recommended_k4v3 with 1/{_share} of key channels at 8 bits",
+                                  {**REC_K4V3, "key_outlier_share": 1 / _share})  # fmt: skip
 # the same storage unrotated, without and with outlier channels (chosen in the model's own basis, as KIVI / KVQuant)
 _INT4V3_G64 = {"uniform_bits": 4, "value_bits": 3, "group_size": 64}
 METHODS["int4v3_g64"] = CocktailMethod("int4v3_g64", "uniform INT4, 3-bit values, groups of 64, unrotated", _INT4V3_G64)
@@ -157,7 +164,8 @@ for _suffix, _fields in (("_s8", {"scale_bits": 8}), ("_g64", {"group_size": 64}
     METHODS.update(_twin("int4", _suffix, str(_fields), _fields))
 METHODS.update(_twin("int4_had", "_s8_g64", "8-bit params, G=64", {"scale_bits": 8, "group_size": 64}))
 # rotation="auto": each layer's keys rotated or not by the prompt's own queries (planning/key_rotation.py)
-METHODS.update(_twin("recommended", "_auto", "keys rotated per layer by the prompt's queries", {"rotation": "auto"}))
+METHODS["recommended_auto"] = CocktailMethod("recommended_auto", "recommended_k4v3 with rotation='auto'",
+                                             {**REC_K4V3, "rotation": "auto"})  # fmt: skip
 METHODS["int4_auto_s8_g64"] = CocktailMethod(
     "int4_auto_s8_g64",
     "4-bit keys/values, rotation auto (keys rotated per layer by the prompt's queries), 8-bit params, G=64",

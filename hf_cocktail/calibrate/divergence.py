@@ -39,10 +39,10 @@ def needs_steps(cache, n_tokens: int) -> bool:
     """True when feeding ``n_tokens`` in one forward would differ from feeding them one by one (see the module
     docstring); unknown caches are fed token by token."""
     if isinstance(cache, CocktailCache):  # exact in one forward unless appended tokens would be packed inside it
-        keep = cache.config.residual_tokens
-        return any(
-            packs_within(layer.store, keep, n_tokens) for layer in cache.layers if isinstance(layer, CocktailLayer)
-        )
+        keep, layers = cache.config.residual_tokens, [la for la in cache.layers if isinstance(la, CocktailLayer)]
+        for layer in layers:  # a layer waiting for its prefill attention quantizes at its next update anyway
+            layer.flush_deferred()
+        return any(packs_within(layer.store, keep, n_tokens) for layer in layers)
     if isinstance(cache, QuantizedCache):
         for layer in cache.layers:
             keys = getattr(layer, "keys", None)

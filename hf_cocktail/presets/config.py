@@ -266,14 +266,16 @@ class CocktailConfig(ConfigFiles):
 
     @classmethod
     def recommended(cls, **overrides: Any) -> CocktailConfig:
-        """The recommended setting: rotated storage (Hadamard), every context chunk with 4-bit keys and 3-bit values
-        (``uniform_bits=4, value_bits=3``), values in groups of 64 channels; no chunk search runs, since every chunk
-        keeps 4-bit keys (KL divergence from FP16 on SmolLM2 below uniform INT4's at 0.32x instead of 0.37x the KV
-        bytes; for fewer bytes the search decides which chunks keep them: README). No query is needed, so it works
-        without ``prepare_inputs``. Groups of up to 64 channels: a head dim that 64 does not divide (32, 80, 96)
-        gets the largest power of two that does (:meth:`group_size_for`). ``CocktailConfig()`` stays the paper's
-        setting; the former, query-aware recommendation is ``recommended(uniform_bits=None, value_bits=None,
-        low_bits=3, target_bits=3.8)``. ``overrides`` replace fields (e.g. ``encoder=``)."""
+        """The recommended setting: every context chunk with 4-bit keys and values (``uniform_bits=4``), 8-bit scales
+        and zeros (``scale_bits=8``), values in groups of up to 64 channels, values rotated and keys rotated in the
+        layers where the prompt's own queries see less error so (``rotation="auto"``, read from the prefill under
+        ``attn_implementation="cocktail"``; keys rotated everywhere under another attention). At 8K-token LongBench
+        windows: SmolLM2 uniform INT4's KL divergence from FP16 at 0.89x its bytes, Gemma 3 270M 1.5x at 0.89x
+        (issue 46; docs/results.md). No query is needed, so it works without ``prepare_inputs``. Groups of up to 64
+        channels: a head dim that 64 does not divide (32, 80, 96) gets the largest power of two that does
+        (:meth:`group_size_for`). ``CocktailConfig()`` stays the paper's setting; the recommendation before
+        2026-12-07 is ``recommended(rotation="hadamard", value_bits=3, scale_bits=16)``. ``overrides`` replace
+        fields (e.g. ``encoder=``)."""
         return cls(**{**RECOMMENDED, **overrides})
 
     def group_size_for(self, head_dim: int) -> int:
@@ -381,4 +383,4 @@ def removed_field_error(name: str, value: Any) -> ValueError:
     )
 
 
-RECOMMENDED: dict[str, Any] = {"rotation": "hadamard", "uniform_bits": 4, "value_bits": 3, "group_size": 64}
+RECOMMENDED: dict[str, Any] = {"rotation": "auto", "uniform_bits": 4, "scale_bits": 8, "group_size": 64}
