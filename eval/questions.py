@@ -45,18 +45,19 @@ KLD_SHOWN = (  # FP16 itself (0 by definition) is left out
     "kivi2",
     "int4v3_had_g64",
     "recommended",
+    "recommended_k4v3",
     "layers3r2_had_s8_sal1_f8",
     "preset",
 )
 KEY_OUTLIERS_SHOWN = (
     "int4",
-    "recommended",
+    "recommended_k4v3",
     "recommended_kout8",
     "int4v3_g64",
     "int4v3_g64_kout8",
 )
-RULER_SHOWN = ("fp16", "int4", "int4_had", "recommended", "layers3r2_had_s8_sal1_f8")
-LONGBENCH_SHOWN = ("cocktail", "int4", "kivi2", "hqq2", "recommended")  # the report: int2, nosearch, quanto2 too
+RULER_SHOWN = ("fp16", "int4", "int4_had", "recommended_k4v3", "layers3r2_had_s8_sal1_f8")
+LONGBENCH_SHOWN = ("cocktail", "int4", "kivi2", "hqq2", "recommended_k4v3")  # the report: int2, nosearch, quanto2 too
 SINGLE_LENGTH = (("length", ("2000",)),)  # a one-length RULER run: its "all" rows repeat the length's
 ROOFLINE_ROWS = (
     ("model", ("llama3-8b",)),
@@ -89,9 +90,45 @@ QUESTIONS = (
         (Report("summary.md", ("longbench",), KLD_SHOWN),),
     ),
     Question(
+        "fidelity_8k",
+        "SmolLM2-135M-Instruct at 8K: `recommended()`, the storages it was chosen from, a preset at 0.20x",
+        "`eval.kld --window 8000 --per-task 1` on 4 LongBench tasks (issue 46; written as `recommended_8k/`): "
+        'uniform INT4, `recommended()` (4-bit keys and values, `rotation="auto"`, 8-bit parameters) and the one '
+        "before it (`recommended_k4v3`), 4-bit storages with 8-bit parameters, G = 64 and an 8-bit full part per "
+        "rotation, and the preset calibrated at `--target-bytes 0.20` (`presets_020/`).",
+        (Report("summary.md", ("longbench",)),),
+    ),
+    Question(
+        "gemma3_270m/fidelity_8k",
+        "Gemma 3 270M at 8K: `recommended()`, the storages it was chosen from, a preset at 0.20x",
+        "As `fidelity_8k/`, with uniform INT4 changed one thing at a time (8-bit parameters, G = 64, an 8-bit full "
+        "part): the 8-bit full part is what costs Gemma its fidelity.",
+        (Report("summary.md", ("longbench",)),),
+    ),
+    Question(
+        "fidelity_2k",
+        "SmolLM2-135M-Instruct at 2K: the same settings",
+        "`eval.kld --window 2048 --per-task 1` on 8 LongBench tasks (issue 46's 2K comparison).",
+        (Report("summary.md", ("longbench",)),),
+    ),
+    Question(
+        "gemma3_270m/fidelity_2k",
+        "Gemma 3 270M at 2K: the same settings",
+        "`eval.kld --model gemma-3-270m --window 2048 --per-task 1` on 8 LongBench tasks.",
+        (Report("summary.md", ("longbench",)),),
+    ),
+    Question(
+        "presets_020",
+        "Presets calibrated at a fifth of the bytes (not shipped)",
+        "`python -m hf_cocktail.calibrate ... --target-bytes 0.20` with the bytes measured on an 8K-token prompt "
+        "(`--bytes-window`, default), for both models (written to `model_cards/`, moved here): their cards, configs "
+        "and `calibration.json`; measured in `fidelity_8k/` and `fidelity_2k/` as `preset_020`.",
+    ),
+    Question(
         "key_outliers_8k",
         "SmolLM2-135M-Instruct at 8K: outlier key channels at 8 bits (key_outlier_share)",
-        "`eval.kld --window 8000 --per-task 1` on 8 LongBench tasks: uniform INT4, `recommended()` with 1/16 and 1/8 "
+        "`eval.kld --window 8000 --per-task 1` on 8 LongBench tasks: uniform INT4, the former `recommended()` "
+        "(`recommended_k4v3`) with 1/16 and 1/8 "
         "of each head's key channels at 8 bits, and the same storage unrotated without and with 1/8 (issue 46).",
         (Report("summary.md", ("longbench",), KEY_OUTLIERS_SHOWN),),
     ),
@@ -99,8 +136,8 @@ QUESTIONS = (
         "gemma3_270m/key_outliers_8k",
         "Gemma 3 270M at 8K: outlier key channels at 8 bits (key_outlier_share)",
         "`eval.kld --model gemma-3-270m --window 8000 --per-task 1` on 4 LongBench tasks: uniform INT4 and "
-        "`recommended()` without and with 1/16 and 1/8 of each head's key channels at 8 bits, and the same storage "
-        "unrotated without and with 1/8 (issue 46).",
+        "the former `recommended()` without and with 1/16 and 1/8 of each head's key channels at 8 bits, and the same "
+        "storage unrotated without and with 1/8 (issue 46).",
         (Report("summary.md", ("longbench",), KEY_OUTLIERS_SHOWN),),
     ),
     Question(
@@ -128,7 +165,7 @@ QUESTIONS = (
         "gemma3_270m/ppl",
         "Gemma 3 270M: perplexity over the quantized context",
         "`eval.ppl`, one window of WikiText-2 and one of the essays: 1920 quantized tokens, 128 scored.",
-        (Report("summary.md", ("all",), ("int4", "int2", "cocktail", "recommended", "preset")),),
+        (Report("summary.md", ("all",), ("int4", "int2", "cocktail", "recommended_k4v3", "preset")),),
     ),
     Question(
         "ruler_calibrated",
@@ -160,7 +197,7 @@ QUESTIONS = (
         "SmolLM2-135M-Instruct: a passcode needle at every depth of 3000 tokens",
         "`eval.needle --lengths 3000`, 11 depths x 2 samples; whether the paper's chunk search keeps the needle's "
         "chunk at FP16 and whether that saves the answer.",
-        (Report("needle_accuracy.md", methods=("fp16", "cocktail", "int4", "recommended")),),
+        (Report("needle_accuracy.md", methods=("fp16", "cocktail", "int4", "recommended_k4v3")),),
         ("heatmap_cocktail.png",),
     ),
     Question(
@@ -198,7 +235,7 @@ QUESTIONS = (
         "`smollm2_layers_preset_8k.md` the per-layer-widths preset (cited by its card), "
         "`smollm2_generated_packing_8k.md` generated tokens packed against never packed (issue 44) and "
         "`generated_pack_cost.md` one pack's cost against a decode step's attention (`eval.benchmarks.pack_cost`).",
-        (Report("smollm2_fp32_8k_16k.md", methods=("fp16", "cocktail", "recommended")),),
+        (Report("smollm2_fp32_8k_16k.md", methods=("fp16", "cocktail", "recommended_k4v3")),),
         ("latency.png",),
     ),
     Question(
@@ -237,7 +274,12 @@ QUESTIONS = (
         "continued by 1,024 teacher-forced tokens fed as decode steps (16 per forward); uniform INT4, "
         "`recommended()` and the SmolLM2 preset packing generated tokens past `residual_tokens` (issue 44), beside "
         "their never-packing twins (`*_unpacked`).",
-        (Report("summary.md", methods=("int4", "recommended", "recommended_unpacked", "preset", "preset_unpacked")),),
+        (
+            Report(
+                "summary.md",
+                methods=("int4", "recommended_k4v3", "recommended_k4v3_unpacked", "preset", "preset_unpacked"),
+            ),
+        ),
         ("kl_by_position.png",),
     ),
     Question(
