@@ -13,6 +13,7 @@ NAMED = {
     "recommended": "recommended() (4-bit keys and values, rotation auto, 8-bit params)",
     "preset_020": "preset calibrated at --target-bytes 0.20 (eval/results/presets_020/, not shipped)",
     "recommended_k4v3": "recommended() before 2026-12-07 (rotated, 4-bit keys, 3-bit values)",
+    "recommended_k4v3_f8": "recommended() before 2026-12-07, 8-bit full part",
     "recommended_k4v3_unpacked": "recommended() before 2026-12-07, generated tokens never packed",
     "recommended_kout16": "recommended() before 2026-12-07, 1/16 of key channels at 8 bits",
     "recommended_kout8": "recommended() before 2026-12-07, 1/8 of key channels at 8 bits",
