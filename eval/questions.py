@@ -49,13 +49,7 @@ KLD_SHOWN = (  # FP16 itself (0 by definition) is left out
     "layers3r2_had_s8_sal1_f8",
     "preset",
 )
-KEY_OUTLIERS_SHOWN = (
-    "int4",
-    "recommended_k4v3",
-    "recommended_kout8",
-    "int4v3_g64",
-    "int4v3_g64_kout8",
-)
+FIDELITY_SHOWN = ("int4", "recommended", "recommended_k4v3", "preset", "preset_020")  # the reports: the candidates
 RULER_SHOWN = ("fp16", "int4", "int4_had", "recommended_k4v3", "layers3r2_had_s8_sal1_f8")
 LONGBENCH_SHOWN = ("cocktail", "int4", "kivi2", "hqq2", "recommended_k4v3")  # the report: int2, nosearch, quanto2 too
 SINGLE_LENGTH = (("length", ("2000",)),)  # a one-length RULER run: its "all" rows repeat the length's
@@ -87,7 +81,7 @@ QUESTIONS = (
         "kld_8k",
         "SmolLM2-135M-Instruct: the same on 8K windows",
         "`eval.kld --window 8000`, 32 LongBench windows of 8000 tokens.",
-        (Report("summary.md", ("longbench",), KLD_SHOWN),),
+        (),  # the lab log has what it showed
     ),
     Question(
         "fidelity_8k",
@@ -96,26 +90,26 @@ QUESTIONS = (
         'uniform INT4, `recommended()` (4-bit keys and values, `rotation="auto"`, 8-bit parameters) and the one '
         "before it (`recommended_k4v3`), 4-bit storages with 8-bit parameters, G = 64 and an 8-bit full part per "
         "rotation, and the preset calibrated at `--target-bytes 0.20` (`presets_020/`).",
-        (Report("summary.md", ("longbench",)),),
+        (Report("summary.md", ("longbench",), FIDELITY_SHOWN),),
     ),
     Question(
         "gemma3_270m/fidelity_8k",
         "Gemma 3 270M at 8K: `recommended()`, the storages it was chosen from, a preset at 0.20x",
         "As `fidelity_8k/`, with uniform INT4 changed one thing at a time (8-bit parameters, G = 64, an 8-bit full "
         "part): the 8-bit full part is what costs Gemma its fidelity.",
-        (Report("summary.md", ("longbench",)),),
+        (Report("summary.md", ("longbench",), FIDELITY_SHOWN + ("int4_f8",)),),
     ),
     Question(
         "fidelity_2k",
         "SmolLM2-135M-Instruct at 2K: the same settings",
         "`eval.kld --window 2048 --per-task 1` on 8 LongBench tasks (issue 46's 2K comparison).",
-        (Report("summary.md", ("longbench",)),),
+        (Report("summary.md", ("longbench",), FIDELITY_SHOWN),),
     ),
     Question(
         "gemma3_270m/fidelity_2k",
         "Gemma 3 270M at 2K: the same settings",
         "`eval.kld --model gemma-3-270m --window 2048 --per-task 1` on 8 LongBench tasks.",
-        (Report("summary.md", ("longbench",)),),
+        (Report("summary.md", ("longbench",), FIDELITY_SHOWN),),
     ),
     Question(
         "presets_020",
@@ -130,7 +124,7 @@ QUESTIONS = (
         "`eval.kld --window 8000 --per-task 1` on 8 LongBench tasks: uniform INT4, the former `recommended()` "
         "(`recommended_k4v3`) with 1/16 and 1/8 "
         "of each head's key channels at 8 bits, and the same storage unrotated without and with 1/8 (issue 46).",
-        (Report("summary.md", ("longbench",), KEY_OUTLIERS_SHOWN),),
+        (),  # the lab log has what it showed
     ),
     Question(
         "gemma3_270m/key_outliers_8k",
@@ -138,7 +132,7 @@ QUESTIONS = (
         "`eval.kld --model gemma-3-270m --window 8000 --per-task 1` on 4 LongBench tasks: uniform INT4 and "
         "the former `recommended()` without and with 1/16 and 1/8 of each head's key channels at 8 bits, and the same "
         "storage unrotated without and with 1/8 (issue 46).",
-        (Report("summary.md", ("longbench",), KEY_OUTLIERS_SHOWN),),
+        (),  # the lab log has what it showed
     ),
     Question(
         "gemma3_270m/kld",
@@ -159,13 +153,13 @@ QUESTIONS = (
         "Gemma 3 270M: what calibrating at a 0.30 byte target gives (not the card's preset)",
         "`python -m hf_cocktail.calibrate --target-bytes 0.30` wrote `preset/`; `kld/` and `ruler/` measure it beside "
         "uniform INT4 on the cases of `gemma3_270m/kld/` and `gemma3_270m/ruler/` (the page: `kld/`).",
-        (Report("kld/summary.md", ("Paired with `int4`",), ("preset",)),),
+        (),  # the lab log has what it showed
     ),
     Question(
         "gemma3_270m/ppl",
         "Gemma 3 270M: perplexity over the quantized context",
         "`eval.ppl`, one window of WikiText-2 and one of the essays: 1920 quantized tokens, 128 scored.",
-        (Report("summary.md", ("all",), ("int4", "int2", "cocktail", "recommended_k4v3", "preset")),),
+        (),  # the lab log has what it showed
     ),
     Question(
         "ruler_calibrated",
