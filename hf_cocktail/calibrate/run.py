@@ -12,7 +12,8 @@
    search on top of the best of them; bytes measured with the real cache.
 4. Every candidate and the baselines (uniform INT4, ``recommended()``) are measured with the real cache
    (:mod:`.validate`) on the held-out windows and on their recall probes (:mod:`.recall`: key-value needles in the
-   same context, one asked); among those whose mean bytes ratio on the held-out windows is within the target and
+   same context, one asked); among those whose bytes ratio on a long prompt (``bytes_tokens``, default 8192: the
+   first text that long) is within the target and
    that recall at least as faithfully as uniform INT4 (the geometric mean over the probes of their recall KL over
    INT4's on the same probe at most 1: :func:`recall_ratio`), the lowest held-out KL wins; when none recalls that
    well, the lowest ``score``: the mean of the two KL divergences, each over uniform INT4's (:func:`choose`,
@@ -287,7 +288,7 @@ def calibrate_model(
     bytes_tokens: int = 8192,
 ) -> CalibrationResult:
     """Calibrate a config for ``model`` on ``texts`` (strings or ``(name, text)`` pairs) whose Cocktail layers'
-    KV bytes are at most ``target`` times their FP16 bytes on the held-out texts. See the module docstring.
+    KV bytes are at most ``target`` times their FP16 bytes on a ``bytes_tokens``-token prompt. See the module docstring.
     ``encoder``: the retrieval encoder of ``search_scorers`` "encoder" and of the returned config.
     ``sensitivity_from``: an earlier result's ``to_dict()`` on the same model and texts, whose sensitivity is reused
     (another target without measuring it again). ``rotations``: the storage rotations compared (default all four;
@@ -295,6 +296,8 @@ def calibrate_model(
     the target holds at (:func:`.texts.bytes_window`: the first text that long, else the longest); at most
     ``window`` (e.g. 0): the first held-out window."""
     _check_args(target, search_scorers, rotations)
+    if not isinstance(bytes_tokens, int) or bytes_tokens < 0:
+        raise ValueError(f"bytes_tokens must be an integer >= 0 (0: the held-out windows), got {bytes_tokens!r}")
     t0 = time.perf_counter()
     cal, val = split_windows(
         tokenizer, _texts(texts), calibration_texts, validation_texts, window, question_tokens, continuation_tokens
