@@ -22,7 +22,7 @@ HEADLINE = (
         (
             ("uniform INT4", "kld_calibrated/summary.csv", "int4"),
             ("`CocktailConfig()` (paper)", "kld/summary.csv", "cocktail"),
-            ("`CocktailConfig.recommended()`", "kld/summary.csv", "int4v3_had_g64"),
+            ("`CocktailConfig.recommended()`", "kld/summary.csv", "recommended"),
             ("calibrated preset", "kld_calibrated/summary.csv", "preset"),
         ),
     ),
