@@ -23,6 +23,7 @@ from eval.benchmarks.rounds import (
 from eval.cli import UsageError
 from eval.methods.branching import prefill, prefill_for
 from eval.methods.kinds import Request
+from hf_cocktail import CocktailConfig
 
 from .conftest import make_prompt, make_tiny_llama
 
@@ -34,7 +35,7 @@ def test_method_variants():
     assert resolve_method("int2:auto").overrides == {"uniform_bits": 2, "backend": "auto"}
     assert resolve_method("cocktail").cocktail_config().backend == "auto"
     rec = resolve_method("recommended")
-    assert rec.cocktail_config().rotation == "hadamard"
+    assert rec.cocktail_config() == CocktailConfig.recommended(encoder=rec.cocktail_config().encoder)
     with pytest.raises(UsageError, match="Cocktail methods only"):
         resolve_method("fp16:torch")
     with pytest.raises(UsageError, match="backend suffix"):
