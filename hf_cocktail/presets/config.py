@@ -270,7 +270,7 @@ class CocktailConfig(ConfigFiles):
         and zeros (``scale_bits=8``), values in groups of up to 64 channels, values rotated and keys rotated in the
         layers where the prompt's own queries see less error so (``rotation="auto"``, read from the prefill under
         ``attn_implementation="cocktail"``; keys rotated everywhere under another attention). At 8K-token LongBench
-        windows: SmolLM2 uniform INT4's KL divergence from FP16 at 0.89x its bytes, Gemma 3 270M 1.5x at 0.89x
+        windows: SmolLM2 uniform INT4's KL divergence from FP16 at 0.89x its bytes, Gemma 3 270M 1.5x at 0.94x
         (issue 46; docs/results.md). No query is needed, so it works without ``prepare_inputs``. Groups of up to 64
         channels: a head dim that 64 does not divide (32, 80, 96) gets the largest power of two that does
         (:meth:`group_size_for`). ``CocktailConfig()`` stays the paper's setting; the recommendation before
