@@ -175,6 +175,20 @@ QUESTIONS = (
         (Report("ruler_summary.md", methods=RULER_SHOWN, tables=(0,)),),
     ),
     Question(
+        "ruler_8k",
+        "SmolLM2-135M-Instruct: RULER-style needles at 8K tokens",
+        "`eval.needle --variant single,multikey,multivalue,multiquery --lengths 8192 --samples 6` (issue 46; stopped "
+        "after 38 minutes: the report covers the finished cases): uniform INT4, `recommended()` now and before, the "
+        "shipped preset.",
+        (Report("ruler_summary.md", where=(("length", ("8192",)),), tables=(1,)),),
+    ),
+    Question(
+        "gemma3_270m/ruler_8k",
+        "Gemma 3 270M: RULER-style needles at 8K tokens",
+        "As `ruler_8k/`, with `--model gemma-3-270m --preset model_cards/gemma-3-270m`.",
+        (Report("ruler_summary.md", where=(("length", ("8192",)),), tables=(1,)),),
+    ),
+    Question(
         "ruler_multikey",
         "SmolLM2-135M-Instruct: RULER multikey needles, the hardest variant, on more cases",
         "`eval.needle --variant multikey --lengths 2000,4000 --samples 64`.",
