@@ -272,10 +272,15 @@ class CocktailLayer(CacheLayerMixin):
             return cfg.rotation
         if cfg.uniform_bits == 16:  # nothing is packed: the rotation is moot
             return "hadamard"
-        bits = 4 if cfg.uniform_bits is None else cfg.uniform_bits
-        key_bits = code_widths(bits, self.cache.layer_bits_pair(self.layer_idx), cfg.value_bits)[0]
-        kind, self.query_moment = layer_rotation(k, plans, self.query_moment, key_bits, cfg), None
+        kind, self.query_moment = layer_rotation(k, plans, self.query_moment, self._packed_key_bits(), cfg), None
         return kind
+
+    def _packed_key_bits(self) -> int:
+        """The key width of this layer's packed chunks at the setting's width (``uniform_bits`` 4, 3 or 2; INT4 for
+        the search), capped by its ``layer_bits`` as the context's chunks are."""
+        cfg = self.config
+        bits = 4 if cfg.uniform_bits is None else cfg.uniform_bits
+        return code_widths(bits, self.cache.layer_bits_pair(self.layer_idx), cfg.value_bits)[0]
 
     def _appended_packing(self, quantize_k, quantize_v, scale_dtype: torch.dtype) -> AppendedPacking | None:
         """How this layer packs the tokens appended after its prefill (generated tokens, later turns) as they leave
@@ -286,8 +291,7 @@ class CocktailLayer(CacheLayerMixin):
         cfg, store = self.config, self._store
         if self.all_full or cfg.uniform_bits == 16:
             return None
-        bits = 4 if cfg.uniform_bits is None else cfg.uniform_bits
-        key_bits = code_widths(bits, self.cache.layer_bits_pair(self.layer_idx), cfg.value_bits)[0]
+        key_bits = self._packed_key_bits()
         index = next((i for i, seg in enumerate(store.segments) if seg.bits == key_bits), None)
         if index is None:
             raise RuntimeError(

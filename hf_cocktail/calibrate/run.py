@@ -299,8 +299,9 @@ def calibrate_model(
     if not isinstance(bytes_tokens, int) or bytes_tokens < 0:
         raise ValueError(f"bytes_tokens must be an integer >= 0 (0: the held-out windows), got {bytes_tokens!r}")
     t0 = time.perf_counter()
+    named = _texts(texts)
     cal, val = split_windows(
-        tokenizer, _texts(texts), calibration_texts, validation_texts, window, question_tokens, continuation_tokens
+        tokenizer, named, calibration_texts, validation_texts, window, question_tokens, continuation_tokens
     )
     cocktail = cocktail_layer_indices(model.config)
     if not cocktail:
@@ -318,7 +319,7 @@ def calibrate_model(
     bar = tqdm([*val, *recall_windows], desc="calibrate: held-out prefills", disable=not progress)
     prepared = [prepare(model, tokenizer, w) for w in bar]
     preps, recall_preps = prepared[: len(val)], prepared[len(val) :]
-    long = bytes_window(tokenizer, _texts(texts), bytes_tokens, question_tokens, 2) if bytes_tokens > window else None
+    long = bytes_window(tokenizer, named, bytes_tokens, question_tokens, 2) if bytes_tokens > window else None
     bytes_prep = preps[0] if long is None else prepare(model, tokenizer, long)
     head_dim = preps[0].prefill.layers[cocktail[0]].keys.shape[-1]
     num_layers = len(preps[0].prefill.layers)
