@@ -69,7 +69,6 @@ QUESTIONS = (
         "prefill; the folder holds every variant measured (the lab log says which study each belongs to), the page "
         "the ones the README and the presets build on.",
         (Report("summary.md", ("longbench",), KLD_SHOWN),),
-        ("kld_headline.png",),
     ),
     Question(
         "kld_calibrated",

@@ -293,18 +293,6 @@ def test_summary_and_bootstrap(tmp_path):
     assert (tmp_path / "summary.csv").read_text().splitlines()[0].startswith("source,method,examples,kv_ratio")
     pytest.importorskip("matplotlib")
     assert (tmp_path / "kld_vs_bytes.png").stat().st_size > 1000
-    assert not (tmp_path / "kld_headline.png").exists()  # no headline method among fp16 / int2
-
-
-def test_headline_plot_draws_the_headline_methods_present(tmp_path):
-    pytest.importorskip("matplotlib")
-    from eval.kld.report import plot_headline, summarize
-
-    recs = [_rec("int4", "t1", 0.004, kv=0.37), _rec("int4first4_v3_had_g64", "t1", 0.005, kv=0.31)]
-    recs.append(_rec("int4first4_v3_had_g64_shuffled", "t1", 0.006, kv=0.31))
-    rows = summarize(recs, ["int4", "int4first4_v3_had_g64", "int4first4_v3_had_g64_shuffled"])
-    assert plot_headline(str(tmp_path / "h.png"), rows) and (tmp_path / "h.png").stat().st_size > 1000
-    assert not plot_headline(str(tmp_path / "none.png"), summarize([_rec("int2", "t1", 0.2)], ["int2"]))
 
 
 def test_paired_with_the_paper():
@@ -367,7 +355,6 @@ def test_cli_refuses_other_settings(tmp_path):
         "max_answer_tokens": 32,
         "tail_tokens": 16,
         "seed": 0,
-        "step_by_step": False,
     }
     (out / "settings.json").write_text(json.dumps(old))
     with pytest.raises(UsageError, match="other settings"):

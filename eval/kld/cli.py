@@ -53,7 +53,6 @@ SETTINGS_KEYS = (
     "max_answer_tokens",
     "tail_tokens",
     "seed",
-    "step_by_step",
 )
 
 
@@ -87,11 +86,6 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=16,
         help="last prompt tokens fed through each cache in the 'tail' segment (never inside the context)",
-    )
-    p.add_argument(
-        "--step-by-step",
-        action="store_true",
-        help="feed every cache token by token (default: one forward where that is equivalent)",
     )
     p.add_argument(
         "--workers",
@@ -148,7 +142,6 @@ def settings_of(args, encoder: str) -> dict:
         "max_answer_tokens": args.max_answer_tokens,
         "tail_tokens": args.tail_tokens,
         "seed": args.seed,
-        "step_by_step": args.step_by_step,
     }
 
 
@@ -174,9 +167,7 @@ def worker_setup(argv: list[str], encoder: str) -> tuple[KldRunner, dict[str, Kl
     args = parse_args(argv)
     set_threads(1, args.threads)
     model, tok = load_model_and_tokenizer(args.model, args.dtype, "cocktail", args.device_map)
-    runner = KldRunner(
-        model, tok, encoder, args.max_answer_tokens, args.tail_tokens, True if args.step_by_step else None
-    )
+    runner = KldRunner(model, tok, encoder, args.max_answer_tokens, args.tail_tokens)
     return runner, {c.key: c for c in build_cases(args, tok)}
 
 
@@ -222,9 +213,7 @@ def run_cases(
     if args.workers > 1:
         ran = run_parallel(args.workers, worker_setup, argv, encoder, todo, deadline, on_record, on_case)
     else:
-        runner = KldRunner(
-            model, tok, encoder, args.max_answer_tokens, args.tail_tokens, True if args.step_by_step else None
-        )
+        runner = KldRunner(model, tok, encoder, args.max_answer_tokens, args.tail_tokens)
         ran = 0
         for case, methods in todo:
             if deadline is not None and time.time() >= deadline:

@@ -147,17 +147,9 @@ def _segment(prefix: str, ref: torch.Tensor, logits: torch.Tensor) -> dict:
 class KldRunner:
     """Measures cases with one model."""
 
-    def __init__(
-        self,
-        model,
-        tok,
-        encoder: str | None = None,
-        max_answer_tokens: int = 32,
-        tail_tokens: int = 16,
-        step_by_step: bool | None = None,
-    ):
+    def __init__(self, model, tok, encoder: str | None = None, max_answer_tokens: int = 32, tail_tokens: int = 16):
         self.model, self.tok, self.encoder = model, tok, encoder
-        self.max_answer_tokens, self.tail_tokens, self.step_by_step = max_answer_tokens, tail_tokens, step_by_step
+        self.max_answer_tokens, self.tail_tokens = max_answer_tokens, tail_tokens
         self.device = model_input_device(model)
         self.eos = eos_token_ids(model, tok)
 
@@ -204,7 +196,7 @@ class KldRunner:
         for method in methods:
             t1 = time.perf_counter()
             br = branch(method, model, tok, dyn, input_ids, req, self.encoder, prefill_queries=queries)
-            logits_a = teacher_force(model, br.cache, answer_in, self.step_by_step)
+            logits_a = teacher_force(model, br.cache, answer_in)
             seq = int(br.cache.get_seq_length())
             kv, fp16 = cache_kv_bytes(br.cache), fp16_kv_bytes(model.config, seq)
             kv_global = global_kv_ratio(br.cache, model.config, seq)
@@ -212,7 +204,7 @@ class KldRunner:
             del br
             prefix_queries = None if queries is None else [q[:, :, : q.shape[2] - k] for q in queries]
             cache = branch_prefix(method, model, tok, prefix_pairs, input_ids, req, self.encoder, prefix_queries)
-            logits_t = teacher_force(model, cache, tail_in, self.step_by_step)
+            logits_t = teacher_force(model, cache, tail_in)
             del cache
             yield {
                 **base,

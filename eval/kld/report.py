@@ -292,63 +292,8 @@ def plot(path: str, rows: list[dict]) -> bool:
     return True
 
 
-# the methods of ``kld_headline.png`` (the low-divergence corner; the paper setting and the 2-bit caches lie far
-# above it, see ``kld_vs_bytes.png``): uniform INT4 with and without rotation, rotated INT3, the recommended setting
-# and its alternatives, and the query-aware 4-bit-key mixes beside their shuffled twins (same counts, random chunks)
-_INT4FIRST_BUDGETS = ("3.8", "3.9", "4", "4.1")
-HEADLINE = (
-    "int4",
-    "int4_had",
-    "int3_had_g64",
-    "budget3.8_l3_had_g64",
-    "int4v3_had_g64",
-    "int4v3_had_c64_g64",
-    "int4first3.85_v3_had_c64_g64",
-    *(f"int4first{b}_v3_had_g64{s}" for s in ("", "_shuffled") for b in _INT4FIRST_BUDGETS),
-)
-
-
-def plot_headline(path: str, rows: list[dict]) -> bool:
-    """KLD vs KV bytes of the :data:`HEADLINE` methods present, each point labelled with its name; the search's
-    mixes and their shuffled twins joined by lines. False without matplotlib or without such methods."""
-    plt = pyplot(required=False)
-    if plt is None:
-        return False
-    pick = [r for r in rows if r["method"] in HEADLINE and r["source"] != "all" and (r["kld_answer"] or 0) > 0]
-    sources = list(dict.fromkeys(r["source"] for r in pick))
-    if not sources:
-        return False
-    fig, axes = plt.subplots(1, len(sources), figsize=(7.5 * len(sources), 6.5), squeeze=False)
-    for ax, source in zip(axes[0], sources):
-        mine = {r["method"]: r for r in pick if r["source"] == source}
-        for suffix, colour in (("", "tab:green"), ("_shuffled", "tab:gray")):
-            line = [mine[m] for m in (f"int4first{b}_v3_had_g64{suffix}" for b in _INT4FIRST_BUDGETS) if m in mine]
-            ax.plot([r["kv_ratio"] for r in line], [r["kld_answer"] for r in line], color=colour, alpha=0.5)
-        for m, r in mine.items():
-            y = r["kld_answer"]
-            err = [[max(y - r["kld_answer_lo"], 0)], [max(r["kld_answer_hi"] - y, 0)]]
-            shuffled = m.endswith("_shuffled")
-            colour = "tab:gray" if shuffled else "tab:red" if m == "int4v3_had_g64" else "tab:blue"
-            ax.errorbar([r["kv_ratio"]], [y], yerr=None if shuffled else err, fmt="o", color=colour, markersize=5)
-            if not shuffled:
-                ax.annotate(plot_name(m), (r["kv_ratio"], y), textcoords="offset points", xytext=(5, -3), fontsize=7)
-        ax.set_yscale("log")
-        ax.set_xlabel("KV bytes / FP16 DynamicCache")
-        ax.set_ylabel("mean KL(P_fp16 || P_method), nats (answer segment, 95% CI)")
-        n = max(r["examples"] for r in mine.values())
-        ax.set_title(
-            f"{source}: up to {n} examples\nred: recommended; green line: INT4 first (the search); "
-            "grey: their shuffled twins (random chunks)",
-            fontsize=10,
-        )
-        ax.grid(True, which="both", alpha=0.3)
-    save_figure(fig, path)
-    return True
-
-
 def write_reports(out_dir: str, records: list[dict], methods: list[str], header: str = "") -> str:
-    """Write ``summary.csv``, ``paired.csv``, ``summary.md``, ``kld_vs_bytes.png`` and ``kld_headline.png``; returns
-    the markdown."""
+    """Write ``summary.csv``, ``paired.csv``, ``summary.md`` and ``kld_vs_bytes.png``; returns the markdown."""
     rows = summarize(records, methods)
     write_summary_csv(os.path.join(out_dir, "summary.csv"), rows)
     pairs = [p for ref in PAIRED_REFS if ref in methods for p in paired(records, methods, ref)]
@@ -357,5 +302,4 @@ def write_reports(out_dir: str, records: list[dict], methods: list[str], header:
     with open(os.path.join(out_dir, "summary.md"), "w", encoding="utf-8") as f:
         f.write(md)
     plot(os.path.join(out_dir, "kld_vs_bytes.png"), rows)
-    plot_headline(os.path.join(out_dir, "kld_headline.png"), rows)
     return md
