@@ -16,7 +16,6 @@ tokens held. Exits 1 when a bar is missed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -30,6 +29,8 @@ from hf_cocktail import CocktailCache, CocktailConfig
 from hf_cocktail.integration.compat import cache_kwargs
 
 from .paths import REPO_ROOT
+from .records import write_json
+from .reporting import pyplot, save_figure
 from .run_info import git_commit, hardware_info, now
 
 OUT_DIR = os.path.join(REPO_ROOT, "eval", "results", "dropin")
@@ -141,12 +142,7 @@ def _report(cache: CocktailCache) -> dict:
 
 
 def draw(points: list, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = pyplot().subplots(figsize=(6, 3.5))
     for turn, marker in (("turn 1", "o"), ("turn 2", "s")):
         xs = [p["tokens"] for p in points if p["turn"] == turn]
         ax.plot(xs, [p["ratio"] for p in points if p["turn"] == turn], marker=marker, ms=3, label=turn)
@@ -156,9 +152,7 @@ def draw(points: list, path: str) -> None:
     ax.set_ylabel("ratio_to_fp16")
     ax.set_title("recommended(), plain generate, tiny Llama (bf16, head dim 64)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def report_md(result: dict) -> str:
@@ -217,8 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         "long_generation": long,
         "ratio_points": points,
     }
-    with open(os.path.join(args.out_dir, "dropin.json"), "w") as f:
-        json.dump(result, f, indent=2)
+    write_json(os.path.join(args.out_dir, "dropin.json"), result)
     draw(points, os.path.join(args.out_dir, "ratio.png"))
     with open(os.path.join(args.out_dir, "report.md"), "w") as f:
         f.write(report_md(result))

@@ -182,10 +182,6 @@ def scan_imports(roots: list[str]) -> tuple[list[Use], list[Use]]:
     return uses, missing
 
 
-def third_party_uses(roots: list[str]) -> list[Use]:
-    return scan_imports(roots)[0]
-
-
 def test_modules(folder: str = "tests") -> list[str]:
     """What pytest collects under ``folder``: every test_*.py and conftest.py, as module names."""
     out = []
@@ -198,17 +194,20 @@ def test_modules(folder: str = "tests") -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- packages
-def read_names(path: str) -> set[str]:
-    """Canonical package names of a list file (one per line, ``name==version`` allowed, # comments)."""
+def _list_lines(path: str) -> list[str]:
+    """The entries of a package list file: one per line, # comments and blank lines left out."""
     with open(path, encoding="utf-8") as f:
-        lines = [ln.split("#", 1)[0].strip() for ln in f]
-    return {canonicalize_name(re.split(r"[=<>!~\[; ]", ln, maxsplit=1)[0]) for ln in lines if ln}
+        return [ln for ln in (raw.split("#", 1)[0].strip() for raw in f) if ln]
+
+
+def read_names(path: str) -> set[str]:
+    """Canonical package names of a list file (``name==version`` allowed)."""
+    return {canonicalize_name(re.split(r"[=<>!~\[; ]", ln, maxsplit=1)[0]) for ln in _list_lines(path)}
 
 
 def read_pins(path: str) -> dict[str, str]:
-    with open(path, encoding="utf-8") as f:
-        lines = [ln.split("#", 1)[0].strip() for ln in f]
-    return {canonicalize_name(ln.split("==")[0]): ln.split("==")[1] for ln in lines if "==" in ln}
+    """``name -> version`` of the ``name==version`` lines of a list file."""
+    return {canonicalize_name(ln.split("==")[0]): ln.split("==")[1] for ln in _list_lines(path) if "==" in ln}
 
 
 @functools.cache

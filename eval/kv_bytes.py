@@ -129,13 +129,19 @@ def cache_kv_bytes(cache, deployed: bool = True) -> int:
         return cocktail_fp16_deployed_bytes(cache) if deployed else cache.nbytes()
     if hasattr(cache, "kv_nbytes"):
         return cache.kv_nbytes(deployed)
-    total = 0
+    return _layers_bytes(cache.layers, deployed)
+
+
+def _layers_bytes(layers, deployed: bool = True) -> int:
+    """Bytes of the key/value tensors (plain or quantized: quanto, hqq) of transformers cache layers."""
     seen: set = set()
-    for layer in cache.layers:
-        for attr in ("keys", "values", "_quantized_keys", "_quantized_values"):
-            for t in _walk_tensors(getattr(layer, attr, None), seen):
-                total += deployed_tensor_bytes(t, deployed)
-    return total
+    attrs = ("keys", "values", "_quantized_keys", "_quantized_values")
+    return sum(
+        deployed_tensor_bytes(t, deployed)
+        for layer in layers
+        for attr in attrs
+        for t in _walk_tensors(getattr(layer, attr, None), seen)
+    )
 
 
 def global_kv_ratio(cache, model_config, num_tokens: int) -> float | None:
@@ -146,12 +152,5 @@ def global_kv_ratio(cache, model_config, num_tokens: int) -> float | None:
         return cache.memory_report()["quantized_layers_ratio_to_fp16"]
     if hasattr(cache, "kv_nbytes") or not hasattr(cache, "layers"):
         return None
-    full = full_attention_layers(model_config)
-    total = 0
-    seen: set = set()
-    for i in full:
-        layer = cache.layers[i]
-        for attr in ("keys", "values", "_quantized_keys", "_quantized_values"):
-            for t in _walk_tensors(getattr(layer, attr, None), seen):
-                total += deployed_tensor_bytes(t)
-    return total / fp16_global_kv_bytes(model_config, num_tokens)
+    full = [cache.layers[i] for i in full_attention_layers(model_config)]
+    return _layers_bytes(full) / fp16_global_kv_bytes(model_config, num_tokens)

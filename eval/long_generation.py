@@ -35,6 +35,8 @@ from hf_cocktail.offline_models import load_offline_model
 from .cli import UsageError, run_cli
 from .essays import load_essays
 from .paths import REPO_ROOT
+from .records import write_json
+from .reporting import pyplot, save_figure
 from .run_info import command_line, git_commit, hardware_info
 
 MODULE = "eval.long_generation"
@@ -170,12 +172,7 @@ def markdown(rows: list[dict], header: str) -> str:
 
 def plot(path: str, records: list[dict], methods: list[str], window: int = 64) -> None:
     """KL from FP16 against the generated position (mean over texts, rolling mean over ``window`` positions)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = pyplot().subplots(figsize=(8, 4.5))
     for m in methods:
         recs = [r for r in records if r["method"] == m]
         if m == "fp16" or not recs:
@@ -190,9 +187,7 @@ def plot(path: str, records: list[dict], methods: list[str], window: int = 64) -
     ax.set_yscale("log")
     ax.set_title("SmolLM2-135M-Instruct: long generation, generated tokens packed vs not")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -246,8 +241,7 @@ def main(argv=None) -> int:
         with open(os.path.join(args.out, "summary.md"), "w", encoding="utf-8") as f:
             f.write(markdown(rows, header))
         info = {"command": command_line(MODULE), "commit": commit, "hardware": hardware_info(), "summary": rows}
-        with open(os.path.join(args.out, "summary.json"), "w", encoding="utf-8") as f:
-            json.dump(info, f, indent=1)
+        write_json(os.path.join(args.out, "summary.json"), info)
         plot(os.path.join(args.out, "kl_by_position.png"), records, list(methods))
     return 0
 

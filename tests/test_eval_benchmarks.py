@@ -4,8 +4,6 @@ record (kernel build, commit at start). Tiny random Llama and word-level tokeniz
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -149,12 +147,12 @@ def test_timers_are_exclusive():
 
 def test_prefill_parts(tiny_tokenizer):
     model = make_tiny_llama(num_kv_heads=2, heads=4, head_dim=32, layers=2)
-    prompt, ctx, _ = make_prompt(150)
+    request = Request(*make_prompt(150))
     timers = Timers()
     with instrumented(timers):
-        wall = one_prefill(resolve_method("int2"), model, tiny_tokenizer, prompt, ctx, {}, timers)
+        wall = one_prefill(resolve_method("int2"), model, tiny_tokenizer, request, timers)
         parts = dict(timers.totals)
-        wall_fp16 = one_prefill(resolve_method("fp16"), model, tiny_tokenizer, prompt, ctx, {}, timers)
+        wall_fp16 = one_prefill(resolve_method("fp16"), model, tiny_tokenizer, request, timers)
         fp16_parts = dict(timers.totals)
     assert sum(parts.values()) == pytest.approx(wall, rel=0.05)
     for p in ("tokenize", "context location", "chunk texts", "quantization", "store build", "positions", "model"):
@@ -195,12 +193,16 @@ def test_cli_errors():
     with pytest.raises(UsageError):
         bench_throughput.parse_args(["--methods", "fp16,cocktail:gpu"])
     with pytest.raises(UsageError):
-        bench_latency.parse_args(["--rounds", "-1"], bench_latency.MODULE, rounds=True)
+        bench_latency.parse_args(["--rounds", "0"], bench_latency.MODULE, rounds=True)
+    with pytest.raises(SystemExit):  # one generate per method (--new-tokens) is bench_memory's measurement
+        bench_latency.parse_args(["--new-tokens", "8"], bench_latency.MODULE, rounds=True)
     args = bench_latency.parse_args(
         ["--rounds", "3", "--methods", "cocktail,recommended,cocktail:torch"], bench_latency.MODULE, rounds=True
     )
     assert [m.name for m in args.method_list] == ["fp16", "cocktail", "recommended", "cocktail:torch"]
-    assert math.isfinite(args.rounds)
+    assert args.rounds == 3 and args.context_list == [1024, 2048, 4096, 8192]
+    quick = bench_latency.parse_args(["--quick"], bench_latency.MODULE, rounds=True)
+    assert quick.context_list == [1024, 2048] and [m.name for m in quick.method_list] == ["fp16", "cocktail", "int2"]
 
 
 def test_plot_latency_draws_every_model_dtype_and_kernel_build(tmp_path):

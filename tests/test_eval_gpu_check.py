@@ -71,7 +71,8 @@ def test_pip_calls_must_not_reach_an_index():
 
 
 def test_import_scan_follows_the_project_and_tells_load_time_from_lazy():
-    uses = dry.third_party_uses(["eval.needle.cli"])
+    uses, missing = dry.scan_imports(["eval.needle.cli"])
+    assert not missing
     eager = {u.name.split(".")[0] for u in uses if u.eager}
     lazy = {u.name.split(".")[0] for u in uses if not u.eager}
     assert {"torch", "transformers", "numpy", "tqdm"} <= eager  # through eval.runner, eval.methods, hf_cocktail

@@ -175,7 +175,6 @@ def test_benchmark_tables():
     from eval.benchmarks import bench_latency, bench_memory, bench_prefill, bench_throughput
 
     latency = [_latency_row(m) for m in SHOWN]
-    _check_tables(bench_latency.latency_table(latency))
     rounds = {"decode_ms_per_token_min": 49.0, "decode_ratio": 1.0, "decode_ratio_min": 0.9, "decode_ratio_max": 1.1}
     _check_tables(bench_latency.rounds_table([r | rounds | {"setup_s": 0.1, "kv_ratio": 0.3} for r in latency]))
     memory = {"kv_bytes": 2**20, "kv_bytes_in_memory": 2**20, "peak_prefill_bytes": 2**22, "peak_decode_bytes": 2**21}

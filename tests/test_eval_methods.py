@@ -119,8 +119,8 @@ def test_kv_accounting_cocktail_int2(tiny_llama, tiny_tokenizer):
 @needs_model
 @needs_essays
 def test_branch_gives_same_tokens_as_generate(smollm2):
-    from eval.benchmarks.harness import QUESTION
-    from eval.benchmarks.harness import make_prompt as essay_prompt
+    from eval.benchmarks.rounds import QUESTION
+    from eval.benchmarks.rounds import make_prompt as essay_prompt
     from eval.essays import essay_prefix
     from eval.methods.branching import branch, generate_from_branch, prefill
     from eval.methods.kinds import Request, cache_and_inputs

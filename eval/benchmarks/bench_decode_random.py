@@ -27,11 +27,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerF
 import hf_cocktail  # noqa: F401  (registers attn_implementation="cocktail")
 
 from ..cli import parse_int_list
-from ..kv_bytes import cache_kv_bytes, fp16_kv_bytes
-from ..methods.kinds import CocktailMethod, Method, Request, cache_and_inputs
+from ..methods.kinds import CocktailMethod, Method, Request
 from ..methods.registry import METHODS
 from ..reporting import write_dict_csv
-from .timing import timed_generate
+from . import harness
 
 LLAMA3_8B = {
     "hidden_size": 4096,
@@ -121,22 +120,11 @@ def random_model(shape: dict, dtype: torch.dtype, device: str):
 
 
 def measure(method: Method, model, tok, request: Request, new_tokens: int) -> dict:
-    """One timed ``generate`` (batch 1) with ``method``'s cache."""
-    cache, inputs = cache_and_inputs(method, model, tok, request, encoder="unused")
-    timing = timed_generate(model, cache, inputs.to(model.device), new_tokens, tok.pad_token_id)
-    seq = int(cache.get_seq_length())
-    kv = cache_kv_bytes(cache)
-    return {
-        "context_tokens": timing["context_tokens"],
-        "batch": 1,
-        "method": method.name,
-        "prefill_s": round(timing["prefill_s"], 4),
-        "decode_ms_per_token": round(timing["decode_ms_per_token"], 3),
-        "kv_bytes": kv,
-        "kv_ratio": round(kv / fp16_kv_bytes(model.config, seq), 4),
-        "peak_decode_bytes": timing["peak_decode_bytes"],
-        "note": "",
-    }
+    """One timed ``generate`` (batch 1) with ``method``'s cache: the CSV's columns."""
+    r = harness.measure(method, model, tok, request, new_tokens, encoder="unused")
+    r.update(batch=1, note="", kv_ratio=round(r["kv_ratio"], 4))
+    r.update(prefill_s=round(r["prefill_s"], 4), decode_ms_per_token=round(r["decode_ms_per_token"], 3))
+    return {c: r[c] for c in COLUMNS if c in r}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

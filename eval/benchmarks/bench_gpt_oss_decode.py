@@ -32,6 +32,8 @@ from hf_cocktail.cache.layer import CocktailLayer
 from hf_cocktail.decode.dispatch import split_precision_attention
 from hf_cocktail.integration.compat import cache_kwargs
 
+from .timing import mean_ms
+
 GPT_OSS_20B_ATTENTION = dict(
     hidden_size=2880,
     num_attention_heads=64,
@@ -104,15 +106,7 @@ def attention_only(model, dyn: DynamicCache, cocktail: CocktailCache, steps: int
     def fused():
         split_precision_attention(q, store, scaling, "auto", sinks=module.sinks)
 
-    return tuple(_timed(f, steps) for f in (eager, fused))  # type: ignore[return-value]
-
-
-def _timed(f, n: int) -> float:
-    f()
-    t = time.perf_counter()
-    for _ in range(n):
-        f()
-    return (time.perf_counter() - t) / n * 1e3
+    return mean_ms(eager, steps), mean_ms(fused, steps)
 
 
 def main(argv=None) -> int:

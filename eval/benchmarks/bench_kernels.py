@@ -46,7 +46,6 @@ if "--smoke" in sys.argv:  # before anything imports triton
     os.environ["TRITON_INTERPRET"] = "1"
 
 import argparse  # noqa: E402
-import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 import torch  # noqa: E402
@@ -59,6 +58,7 @@ from hf_cocktail.storage.full_part import full_part_from_sequences  # noqa: E402
 from hf_cocktail.storage.store import LayerStore, PackedSegment  # noqa: E402
 
 from ..reporting import write_dict_csv  # noqa: E402
+from .timing import mean_ms  # noqa: E402
 
 PEAK_BYTES_PER_S = 4.8e12  # H200 HBM3e
 MIXES = {  # FP16 / INT4 / INT2 chunks
@@ -163,15 +163,7 @@ def qcache_nbytes(B, H_kv, T, D, bits) -> int:
 
 def timer(smoke: bool):
     if smoke:
-
-        def bench(fn, reps=2):
-            fn()
-            t = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            return (time.perf_counter() - t) / reps * 1e3
-
-        return bench
+        return lambda fn: mean_ms(fn, 2)
     import triton.testing
 
     return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")

@@ -1,25 +1,20 @@
-"""Time per output token (and prefill time) of each method vs a DynamicCache at several context lengths, measured
-in one run.
+"""Time per output token of each method vs a DynamicCache at several context lengths, measured in one run.
 
-* end to end: one ``model.generate`` of ``--new-tokens`` per (context, method); prefill = time to the first token,
-  decode = the rest divided by the decode steps; ratios against ``fp16`` of the same run.
-
-* ``--rounds R`` (the decode measurement for speed claims on a shared machine): per context one full-precision
-  prefill shared by every method (``eval/benchmarks/rounds.py``), each method's cache branched from it, then ``R``
-  alternating rounds of ``--steps-per-round`` decode steps per method (a ``model.generate`` continuing the method's
-  cache; forward order on even rounds, reverse on odd ones). Reported: median ms/token over rounds and the median
-  over rounds of the per-round ratio to ``fp16`` (``DynamicCache``), with its range; ``setup s`` is the method's
-  cache construction from the prefill (search + quantization for Cocktail). Prefill speed: ``bench_prefill``.
+Per context one full-precision prefill shared by every method (``eval/benchmarks/rounds.py``), each method's cache
+branched from it, then ``--rounds`` alternating rounds of ``--steps-per-round`` decode steps per method (a
+``model.generate`` continuing the method's cache; forward order on even rounds, reverse on odd ones). Reported:
+median ms/token over rounds and the median over rounds of the per-round ratio to ``fp16`` (``DynamicCache``), with
+its range; ``setup s`` is the method's cache construction from the prefill (search + quantization for Cocktail).
+Prefill speed: ``bench_prefill``; one ``generate`` per method with its peak memory: ``bench_memory``.
 
 Methods: registry names, ``recommended`` (``CocktailConfig.recommended()``) and ``NAME:torch`` (a Cocktail method on
 the PyTorch path; plain names use ``backend="auto"``, the fused CPU kernel on CPU).
 
     python -m eval.benchmarks.bench_latency --quick
-    python -m eval.benchmarks.bench_latency --contexts 1024,2048,4096,8192 --methods fp16,cocktail,int4,int2,kivi2
     python -m eval.benchmarks.bench_latency --contexts 8000 --methods fp16,cocktail,recommended,int2,hqq4,quanto4 \
         --rounds 5 --steps-per-round 8 --threads 2 --out eval/results/decode_latency/smollm2_fp32_8k.json
 
-``--unpacked-twins`` (with ``--rounds``) adds ``NAME_unpacked`` beside every Cocktail method: the same config with
+``--unpacked-twins`` adds ``NAME_unpacked`` beside every Cocktail method: the same config with
 ``residual_tokens`` beyond any generation, so generated tokens stay in the full part as before they were packed
 (issue 44); ``--warmup-steps`` past ``residual_tokens + chunk_size`` (160 by default) times the packed methods with
 packing under way (one pack per ``chunk_size`` steps).
@@ -37,24 +32,10 @@ from ..kv_bytes import cache_kv_bytes, fp16_kv_bytes
 from ..methods.kinds import CocktailMethod
 from ..models import load_model_and_tokenizer
 from ..reporting import METHOD_COLUMNS, METHOD_RULE, method_cells
-from .harness import parse_args, ratio, run, save, warm_model, with_fp16_baseline
+from .harness import parse_args, save, warm_model
 from .rounds import alternating_rounds, branch_runner, cast_prefill, shared_prefill, summarize_rounds
 
 MODULE = "eval.benchmarks.bench_latency"
-
-
-def latency_table(results: list[dict]) -> str:
-    lines = [
-        f"| context | {METHOD_COLUMNS} | prefill s | prefill ratio | decode ms/token | decode ratio |",
-        f"|---|{METHOD_RULE}|---|---|---|---|",
-    ]
-    for r, b in with_fp16_baseline(results):
-        lines.append(
-            f"| {r['context_tokens']} | {method_cells(r['method'])} | {r['prefill_s']:.2f} | "
-            f"{ratio(r['prefill_s'], b['prefill_s']):.2f} | {r['decode_ms_per_token']:.1f} | "
-            f"{ratio(r['decode_ms_per_token'], b['decode_ms_per_token']):.2f} |"
-        )
-    return "\n".join(lines)
 
 
 def rounds_table(results: list[dict]) -> str:
@@ -74,7 +55,7 @@ def rounds_table(results: list[dict]) -> str:
 
 
 def run_rounds(args) -> tuple[list[dict], object, object]:
-    """The ``--rounds`` measurement at every context (see the module docstring)."""
+    """The measurement at every context (see the module docstring)."""
     model, tok = warm_model(args, args.device_map)
     prefill_model = model
     if args.prefill_dtype and args.prefill_dtype != args.dtype:
@@ -138,19 +119,13 @@ def unpacked_twins(methods: list) -> list:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv, MODULE, __doc__.split("\n\n")[0], rounds=True)
+    args = parse_args(argv, MODULE, __doc__, rounds=True)
     if args.unpacked_twins:
         args.method_list = unpacked_twins(args.method_list)
-    if args.rounds:
-        results, _, _ = run_rounds(args)
-        table = rounds_table(results)
-        title = "Decode latency vs DynamicCache (alternating rounds from one shared prefill)"
-    else:
-        results, _, _ = run(args)
-        table = latency_table(results)
-        title = "Decode latency vs DynamicCache"
+    results, _, _ = run_rounds(args)
+    table = rounds_table(results)
     print(table)
-    save(args, MODULE, results, table, title)
+    save(args, MODULE, results, table, "Decode latency vs DynamicCache (alternating rounds from one shared prefill)")
     return 0
 
 

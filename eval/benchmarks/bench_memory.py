@@ -41,7 +41,7 @@ def memory_table(results: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv, MODULE, __doc__.split("\n\n")[0])
+    args = parse_args(argv, MODULE, __doc__)
     results, _, _ = run(args)
     table = memory_table(results)
     print(table)

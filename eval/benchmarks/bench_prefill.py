@@ -29,7 +29,6 @@ nested in it):
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import statistics
@@ -45,11 +44,11 @@ from hf_cocktail.integration.compat import cache_kwargs
 
 from ..cli import UsageError, parse_int_list, run_cli
 from ..essays import essay_prefix
-from ..methods.kinds import CocktailMethod
+from ..methods.kinds import CocktailMethod, Request
 from ..models import load_model_and_tokenizer, model_input_device, set_threads
 from ..reporting import METHOD_COLUMNS, METHOD_RULE, method_cells
-from .harness import common_args, fp16_first, write_outputs
-from .rounds import QUESTION, make_prompt
+from .harness import common_args, fp16_first, new_parser, write_outputs
+from .rounds import bench_request
 
 MODULE = "eval.benchmarks.bench_prefill"
 PARTS = (
@@ -185,21 +184,22 @@ def instrumented(timers: Timers):
 
 
 @torch.no_grad()
-def one_prefill(method, model, tok, prompt: str, context: str, kw: dict, timers: Timers, encoder=None) -> float:
-    """One whole prefill with ``method``'s cache (tokenization included); returns its wall seconds."""
-    dev = model_input_device(model)
+def one_prefill(method, model, tok, request: Request, timers: Timers, encoder=None) -> float:
+    """One whole prefill of ``request`` with ``method``'s cache (tokenization included); returns its wall seconds."""
     timers.reset()
     t0 = time.perf_counter()
     with timers.part("model"):
         if isinstance(method, CocktailMethod):
             cache = method.new_cache(model, encoder)
-            inputs = cache.prepare_inputs(tok, prompt, contexts=context, queries=QUESTION, **kw)
+            inputs = cache.prepare_inputs(
+                tok, request.prompt, contexts=request.context, queries=request.query, **request.tokenizer_kwargs
+            )
             method.plan(cache, "bench")
         else:
             cache = DynamicCache(config=model.config)
             with timers.part("tokenize"):
-                inputs = tok(prompt, return_tensors="pt", **kw)
-        inputs = inputs.to(dev)
+                inputs = tok(request.prompt, return_tensors="pt", **request.tokenizer_kwargs)
+        inputs = inputs.to(model_input_device(model))
         model(**inputs, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
     return time.perf_counter() - t0
 
@@ -250,11 +250,7 @@ def table(summary: list[dict]) -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        prog=f"python -m {MODULE}",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = new_parser(MODULE, __doc__)
     p.add_argument("--contexts", default="4000,8000")
     p.add_argument("--methods", default="fp16,cocktail,recommended")
     p.add_argument("--rounds", type=int, default=3)
@@ -274,17 +270,15 @@ def main(argv=None) -> int:
     timers = Timers()
     rows = []
     with instrumented(timers):
-        warm = essay_prefix(tok, 256, args.essay_dir)  # first calls (encoder loading) out of the timing
-        warm_prompt, warm_kw = make_prompt(tok, warm)
+        warm = bench_request(tok, essay_prefix(tok, 256, args.essay_dir))  # first calls (encoder loading) untimed
         for m in args.method_list:
-            one_prefill(m, model, tok, warm_prompt, warm, warm_kw, timers)
+            one_prefill(m, model, tok, warm, timers)
         for ctx in args.context_list:
-            context = essay_prefix(tok, ctx, args.essay_dir)
-            prompt, kw = make_prompt(tok, context)
-            n = len(tok(prompt, **kw)["input_ids"])
+            request = bench_request(tok, essay_prefix(tok, ctx, args.essay_dir))
+            n = len(tok(request.prompt, **request.tokenizer_kwargs)["input_ids"])
             for r in range(args.rounds):
                 for m in args.method_list if r % 2 == 0 else args.method_list[::-1]:
-                    s = one_prefill(m, model, tok, prompt, context, kw, timers)
+                    s = one_prefill(m, model, tok, request, timers)
                     rows.append(
                         {
                             "context": ctx,

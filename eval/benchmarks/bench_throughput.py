@@ -26,7 +26,6 @@ parts are twice the budgeted FP16 bytes (reported as ``kv MiB held``).
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 
@@ -36,7 +35,7 @@ from ..cli import UsageError, parse_int_list, run_cli
 from ..kv_bytes import cache_kv_bytes, fp16_kv_bytes
 from ..methods.kinds import CocktailMethod
 from ..reporting import METHOD_COLUMNS, METHOD_RULE, method_cells, plot_name, pyplot, save_figure
-from .harness import common_args, fp16_first, warm_model, write_outputs
+from .harness import common_args, fp16_first, new_parser, warm_model, write_outputs
 from .rounds import alternating_rounds, branch_runner, shared_prefill
 
 MODULE = "eval.benchmarks.bench_throughput"
@@ -45,11 +44,7 @@ DEFAULT_METHODS = "fp16,cocktail,recommended,int4,int2,hqq4,hqq2,quanto4,quanto2
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        prog=f"python -m {MODULE}",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = new_parser(MODULE, __doc__)
     p.add_argument("--budgets-mib", default="256,512", help="KV budgets in MiB of FP16-deployed KV bytes")
     p.add_argument("--prompt-tokens", type=int, default=4000, help="context tokens of each prompt")
     p.add_argument("--methods", default=DEFAULT_METHODS)

@@ -17,35 +17,38 @@ from ..methods.registry import METHODS, register_preset
 from ..models import DTYPES, load_model_and_tokenizer, model_input_device, set_threads
 from ..records import write_json
 from ..run_info import command_line, git_commit, hardware_info
-from .rounds import QUESTION, make_prompt, resolve_methods
+from .rounds import bench_request, resolve_methods
 from .timing import timed_generate
 
 PRESET_HELP = "a cocktail_config.json folder or Hub id (e.g. model_cards/smollm2-135m-instruct): adds the method preset"
 
 
-def measure(method: Method, model, tok, context: str, new_tokens: int, encoder: str | None = None) -> dict:
-    """Run ``generate`` with ``method``'s cache over ``context`` for exactly ``new_tokens`` tokens."""
-    prompt, kw = make_prompt(tok, context)
-    cache, inputs = cache_and_inputs(method, model, tok, Request(prompt, context, QUESTION, "bench", kw), encoder)
-    inputs = inputs.to(model_input_device(model))
-    timing = timed_generate(model, cache, inputs, new_tokens, tok.eos_token_id)
+def measure(method: Method, model, tok, request: Request, new_tokens: int, encoder: str | None = None) -> dict:
+    """Run ``generate`` with ``method``'s cache over ``request`` for exactly ``new_tokens`` tokens: the times, the
+    peak memory growth of both phases and the KV bytes."""
+    cache, inputs = cache_and_inputs(method, model, tok, request, encoder)
+    timing = timed_generate(model, cache, inputs.to(model_input_device(model)), new_tokens, tok.eos_token_id)
     seq = int(cache.get_seq_length())
     res = {
         "method": method.name,
-        "context_tokens": timing["context_tokens"],
-        "new_tokens": timing["new_tokens"],
-        "prefill_s": timing["prefill_s"],
-        "decode_ms_per_token": timing["decode_ms_per_token"],
+        **timing,
         "kv_bytes": cache_kv_bytes(cache),
         "kv_bytes_in_memory": cache_kv_bytes(cache, deployed=False),
         "fp16_kv_bytes": fp16_kv_bytes(model.config, seq),
-        "peak_prefill_bytes": timing["peak_prefill_bytes"],
-        "peak_decode_bytes": timing["peak_decode_bytes"],
     }
     res["kv_ratio"] = res["kv_bytes"] / res["fp16_kv_bytes"]
     if hasattr(cache, "memory_report"):
         res["chunks"] = cache.memory_report()["chunks"]
     return res
+
+
+def new_parser(module: str, doc: str) -> argparse.ArgumentParser:
+    """A speed script's command line, described by the first paragraph of its module docstring."""
+    return argparse.ArgumentParser(
+        prog=f"python -m {module}",
+        description=doc.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
 
 
 def common_args(p: argparse.ArgumentParser, threads: int | None = None) -> None:
@@ -65,73 +68,66 @@ def fp16_first(spec: str) -> list[Method]:
 def parse_args(
     argv=None,
     module: str = "",
-    description: str = "",
+    doc: str = "",
     default_methods: str = "fp16,cocktail,int4,int2,kivi2",
     rounds: bool = False,
 ) -> argparse.Namespace:
-    """The shared command line; ``rounds=True`` adds the alternating-rounds decode options of ``bench_latency``."""
-    p = argparse.ArgumentParser(
-        prog=f"python -m {module}", description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    """The shared command line: one ``generate`` per (context, method) of ``--new-tokens``, or with ``rounds=True``
+    the alternating-rounds decode options of ``bench_latency`` instead."""
+    p = new_parser(module, doc)
     p.add_argument("--contexts", default=None, help="context lengths in tokens (default 1024,2048,4096,8192)")
     p.add_argument("--methods", default=None, help=f"methods (default {default_methods})")
     p.add_argument("--preset", default=None, help=PRESET_HELP)
-    p.add_argument("--new-tokens", type=int, default=None, help="new tokens per run (default 32)")
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="defaults become: contexts 1024,2048, 8 new tokens, methods fp16,cocktail,int2",
-    )
+    p.add_argument("--quick", action="store_true", help="default contexts 1024,2048, methods fp16,cocktail,int2")
     common_args(p)
     p.add_argument("--device-map", default=None)
     if rounds:
-        p.add_argument(
-            "--rounds",
-            type=int,
-            default=0,
-            help="> 0: decode timed in this many alternating rounds from one shared prefill per context "
-            "(eval/benchmarks/rounds.py) instead of one generate per method",
-        )
-        p.add_argument("--steps-per-round", type=int, default=8, help="decode steps per method and round")
-        p.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps per method first")
-        p.add_argument(
-            "--no-ablation",
-            action="store_true",
-            help="accepted for the recorded commands: the no-reorder ablation this skipped left at 2b36508 "
-            "(docs/experiments.md, 'The PyTorch path')",
-        )
-        p.add_argument(
-            "--unpacked-twins",
-            action="store_true",
-            help="also time NAME_unpacked for every Cocktail method: its config with residual_tokens beyond any "
-            "generation (generated tokens never packed, the cache before issue 44), in the same rounds",
-        )
-        p.add_argument(
-            "--prefill-dtype",
-            default=None,
-            choices=list(DTYPES),
-            help="--rounds: run the shared prefill with a copy of the model in this dtype and cast its "
-            "keys/values to --dtype (bfloat16 prefill is very slow on some CPUs; decode time does not "
-            "depend on the values)",
-        )
+        rounds_args(p)
+    else:
+        p.add_argument("--new-tokens", type=int, default=32, help="new tokens per run")
     args = p.parse_args(argv)
     note_start(args.out)
-    quick = {"contexts": "1024,2048", "new_tokens": 8, "methods": "fp16,cocktail,int2"}
-    full = {"contexts": "1024,2048,4096,8192", "new_tokens": 32, "methods": default_methods}
-    for k in quick:
-        if getattr(args, k) is None:
-            setattr(args, k, (quick if args.quick else full)[k])
+    if args.contexts is None:
+        args.contexts = "1024,2048" if args.quick else "1024,2048,4096,8192"
+    if args.methods is None:
+        args.methods = "fp16,cocktail,int2" if args.quick else default_methods
     args.context_list = parse_int_list(args.contexts, "--contexts")
     if any(c < 64 for c in args.context_list):
         raise UsageError(f"--contexts must be >= 64 tokens, got {args.context_list}")
-    if args.new_tokens < 2:
+    if not rounds and args.new_tokens < 2:
         raise UsageError("--new-tokens must be >= 2 (decode time needs at least one decode step)")
-    if rounds and (args.rounds < 0 or args.steps_per_round < 1 or args.warmup_steps < 0):
-        raise UsageError("--rounds must be >= 0, --steps-per-round >= 1, --warmup-steps >= 0")
+    if rounds and (args.rounds < 1 or args.steps_per_round < 1 or args.warmup_steps < 0):
+        raise UsageError("--rounds and --steps-per-round must be >= 1, --warmup-steps >= 0")
     if args.preset:
         register_preset(args.preset)
     args.method_list = fp16_first(args.methods)
     return args
+
+
+def rounds_args(p: argparse.ArgumentParser) -> None:
+    """``bench_latency``'s options: decode timed in alternating rounds from one shared prefill per context."""
+    p.add_argument("--rounds", type=int, default=5, help="alternating rounds (eval/benchmarks/rounds.py)")
+    p.add_argument("--steps-per-round", type=int, default=8, help="decode steps per method and round")
+    p.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps per method first")
+    p.add_argument(
+        "--no-ablation",
+        action="store_true",
+        help="accepted for the recorded commands: the no-reorder ablation this skipped left at 2b36508 "
+        "(docs/experiments.md, 'The PyTorch path')",
+    )
+    p.add_argument(
+        "--unpacked-twins",
+        action="store_true",
+        help="also time NAME_unpacked for every Cocktail method: its config with residual_tokens beyond any "
+        "generation (generated tokens never packed, the cache before issue 44), in the same rounds",
+    )
+    p.add_argument(
+        "--prefill-dtype",
+        default=None,
+        choices=list(DTYPES),
+        help="run the shared prefill with a copy of the model in this dtype and cast its keys/values to --dtype "
+        "(bfloat16 prefill is very slow on some CPUs; decode time does not depend on the values)",
+    )
 
 
 def warm_model(args, device_map: str | None = None) -> tuple[object, object]:
@@ -139,8 +135,9 @@ def warm_model(args, device_map: str | None = None) -> tuple[object, object]:
     overheads: encoder loading, kernel build, hqq / quanto, out of the measurements)."""
     set_threads(1, args.threads)
     model, tok = load_model_and_tokenizer(args.model, args.dtype, "cocktail", device_map)
+    warm = bench_request(tok, essay_prefix(tok, 64, args.essay_dir))
     for m in args.method_list:
-        measure(m, model, tok, essay_prefix(tok, 64, args.essay_dir), 2)
+        measure(m, model, tok, warm, 2)
     return model, tok
 
 
@@ -150,7 +147,8 @@ def run(args) -> tuple[list[dict], object, object]:
     results = []
     jobs = [(c, m) for c in args.context_list for m in args.method_list]
     for c, m in tqdm(jobs, desc="bench", dynamic_ncols=True):
-        results.append(measure(m, model, tok, essay_prefix(tok, c, args.essay_dir), args.new_tokens))
+        request = bench_request(tok, essay_prefix(tok, c, args.essay_dir))
+        results.append(measure(m, model, tok, request, args.new_tokens))
     return results, model, tok
 
 

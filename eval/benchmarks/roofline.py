@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..reporting import write_dict_csv
+from ..reporting import pyplot, save_figure, write_dict_csv
 
 BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}  # HBM bytes/s: H100 SXM (HBM3), H200 (HBM3e)
 CONTEXTS = (4096, 16384, 32768, 65536, 131072)
@@ -168,13 +168,8 @@ def write_markdown(rows: list[dict], path: str, command: str) -> None:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(2, len(models), figsize=(5 * len(models), 7.5), sharey="row")
+    fig, axes = pyplot().subplots(2, len(models), figsize=(5 * len(models), 7.5), sharey="row")
     for col, model in enumerate(models):
         for setting in dict.fromkeys(r["setting"] for r in rows):
             mine = [r for r in rows if (r["model"], r["setting"], r["batch"]) == (model, setting, 8)]
@@ -191,8 +186,7 @@ def plot(rows: list[dict], path: str) -> None:
     axes[1, 0].set_ylabel("bytes read / FP16 FlashDecoding's")
     axes[0, -1].legend(fontsize=7)
     fig.suptitle("Decode-attention roofline: bytes read per step (all layers) / 3.35 TB/s; not measured on a GPU")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 def compare(bench_csv: str, bandwidth: float) -> list[dict]:

@@ -45,6 +45,12 @@ def make_prompt(tok, context: str) -> tuple[str, dict]:
     return content, {}
 
 
+def bench_request(tok, context: str) -> Request:
+    """The benchmark prompt over ``context`` as a :class:`Request` (the question is the search query)."""
+    prompt, kw = make_prompt(tok, context)
+    return Request(prompt, context, QUESTION, "bench", kw)
+
+
 def resolve_method(name: str) -> Method:
     """A registry method or ``NAME:BACKEND`` (see the module docstring)."""
     base, _, backend = name.partition(":")
@@ -95,10 +101,9 @@ def shared_prefill(
 ) -> SharedPrefill:
     """Prefill the benchmark prompt over the first ``context_tokens`` tokens of the essays (batch 1), recording the
     attention queries after the context when one of ``methods`` reads them (``salient_tokens``)."""
-    context = essay_prefix(tok, context_tokens, essay_dir)
-    prompt, kw = make_prompt(tok, context)
-    request = Request(prompt, context, QUESTION, "bench", kw)
-    ids = tok(prompt, return_tensors="pt", **kw)["input_ids"].to(model_input_device(model))
+    request = bench_request(tok, essay_prefix(tok, context_tokens, essay_dir))
+    ids = tok(request.prompt, return_tensors="pt", **request.tokenizer_kwargs)["input_ids"]
+    ids = ids.to(model_input_device(model))
     t0 = time.perf_counter()
     dyn, logits, queries = prefill_for(model, tok, ids, request, list(methods))
     return SharedPrefill(request, ids, dyn, logits, time.perf_counter() - t0, queries)

@@ -15,6 +15,15 @@ from hf_cocktail.integration.compat import cache_kwargs
 from ..methods.branching import GREEDY
 
 
+def mean_ms(fn, reps: int) -> float:
+    """Milliseconds per call of ``fn``: one untimed call, then the mean of ``reps`` calls."""
+    fn()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t) / reps * 1e3
+
+
 def cuda_sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
