@@ -84,8 +84,9 @@ class RatioProbe(LogitsProcessor):
         return scores
 
 
-def generate(model, ids: torch.Tensor, cache, new: int, processors=None) -> torch.Tensor:
-    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, logits_processor=processors or [])
+def generate(model, ids: torch.Tensor, cache, new: int, processors=None, **kw):
+    """Greedy ``generate`` of exactly ``new`` tokens continuing ``ids`` (1, L) with ``cache``."""
+    kw.update(max_new_tokens=new, min_new_tokens=new, do_sample=False, logits_processor=processors or [])
     return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache), **kw)
 
 
@@ -95,14 +96,7 @@ def check_dynamic_equality(prompt: int) -> dict:
     ids = token_ids(prompt, 0)
     outs = {}
     for name, cache in (("cocktail16", CocktailCache(CocktailConfig(uniform_bits=16))), ("dynamic", DynamicCache())):
-        kw = dict(max_new_tokens=64, min_new_tokens=64, do_sample=False, output_logits=True)
-        outs[name] = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            **cache_kwargs(model, cache),
-            **kw,
-            return_dict_in_generate=True,
-        )
+        outs[name] = generate(model, ids, cache, 64, output_logits=True, return_dict_in_generate=True)
     a, b = outs["cocktail16"], outs["dynamic"]
     diff = (torch.stack(a.logits) - torch.stack(b.logits)).abs().max().item()
     return {"tokens_equal": bool(torch.equal(a.sequences, b.sequences)), "max_logit_diff": diff, "new_tokens": 64}
