@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from tqdm.auto import tqdm
 
 from ..cli import run_cli
 from ..kv_bytes import cache_kv_bytes, fp16_kv_bytes
@@ -71,12 +70,8 @@ def run_rounds(args) -> tuple[list[dict], object, object]:
         runners = [branch_runner(m, model, tok, shared) for m in args.method_list]
         prompt_tokens, shared_prefill_s = shared.prompt_tokens, shared.prefill_s
         del shared
-        for r in runners:
-            if args.warmup_steps:
-                r.decode(model, args.warmup_steps, tok.eos_token_id)
-                r.steps += args.warmup_steps
-        with tqdm(total=args.rounds * len(runners), desc=f"rounds {ctx}", dynamic_ncols=True) as bar:
-            alternating_rounds(runners, model, args.rounds, args.steps_per_round, tok.eos_token_id, bar)
+        steps, pad = args.steps_per_round, tok.eos_token_id
+        alternating_rounds(runners, model, args.rounds, steps, pad, args.warmup_steps, f"rounds {ctx}")
         for r, row in zip(runners, summarize_rounds(runners, args.steps_per_round)):
             seq = int(r.cache.get_seq_length())
             kv = cache_kv_bytes(r.cache)

@@ -29,8 +29,6 @@ from __future__ import annotations
 import os
 import statistics
 
-from tqdm.auto import tqdm
-
 from ..cli import UsageError, parse_int_list, run_cli
 from ..kv_bytes import cache_kv_bytes, fp16_kv_bytes
 from ..methods.kinds import CocktailMethod
@@ -149,17 +147,13 @@ def main(argv=None) -> int:
                 print(f"budget {budget} MiB: {m.name} skipped: {why}", flush=True)
                 skipped.append({"budget_mib": budget, "method": m.name, "batch": batch, **size, "skipped": why})
                 continue
-            r = branch_runner(m, model, tok, shared, batch=batch)
-            if args.warmup_steps:
-                r.decode(model, args.warmup_steps, tok.eos_token_id)
-            runners.append(r)
+            runners.append(branch_runner(m, model, tok, shared, batch=batch))
             meta.append({"budget_mib": budget, "method": m.name, "batch": batch, **size})
             print(
                 f"budget {budget} MiB: {m.name} batch {batch} ({size['per_sequence_bytes'] / MIB:.1f} MiB/seq)",
                 flush=True,
             )
-    with tqdm(total=args.rounds * len(runners), desc="rounds", dynamic_ncols=True) as bar:
-        alternating_rounds(runners, model, args.rounds, args.steps, tok.eos_token_id, bar)
+    alternating_rounds(runners, model, args.rounds, args.steps, tok.eos_token_id, args.warmup_steps)
     results = []
     for r, info in zip(runners, meta):
         ref = next(x for x, i in zip(runners, meta) if i["budget_mib"] == info["budget_mib"] and i["method"] == "fp16")

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from tqdm.auto import tqdm
 from transformers.cache_utils import Cache
 
 from hf_cocktail.integration.compat import cache_kwargs
@@ -129,7 +130,6 @@ class Runner:
     ids: torch.Tensor  # prompt + tokens generated so far (B, L + n)
     setup_s: float
     round_s: list[float] = field(default_factory=list)
-    steps: int = 0
 
     @property
     def batch(self) -> int:
@@ -186,16 +186,17 @@ def branch_runner(
 
 
 def alternating_rounds(
-    runners: list[Runner], model, rounds: int, steps: int, pad_token_id: int | None, progress=None
+    runners: list[Runner], model, rounds: int, steps: int, pad_token_id: int | None, warmup: int = 0, desc="rounds"
 ) -> None:
-    """``rounds`` rounds of ``steps`` decode steps per runner, forward order on even rounds, reverse on odd ones."""
-    for r in range(rounds):
-        order = runners if r % 2 == 0 else runners[::-1]
-        for run in order:
-            run.round_s.append(run.decode(model, steps, pad_token_id))
-            run.steps += steps
-            if progress is not None:
-                progress.update(1)
+    """``warmup`` untimed decode steps per runner, then ``rounds`` rounds of ``steps`` timed decode steps per runner,
+    forward order on even rounds, reverse on odd ones."""
+    for run in runners if warmup else ():
+        run.decode(model, warmup, pad_token_id)
+    with tqdm(total=rounds * len(runners), desc=desc, dynamic_ncols=True) as bar:
+        for r in range(rounds):
+            for run in runners if r % 2 == 0 else runners[::-1]:
+                run.round_s.append(run.decode(model, steps, pad_token_id))
+                bar.update(1)
 
 
 def summarize_rounds(runners: list[Runner], steps: int, base: str = "fp16") -> list[dict]:
