@@ -94,9 +94,7 @@ def load_model_and_tokenizer(
     if dtype not in DTYPES:
         raise UsageError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
     path = resolve_model_path(name)
-    tok = AutoTokenizer.from_pretrained(path, use_fast=True)
-    if not tok.is_fast:
-        raise UsageError(f"{name}: a fast tokenizer is needed (offset mapping)")
+    tok = load_tokenizer(name)
     kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype), "attn_implementation": attn_implementation}
     if device_map:
         kwargs["device_map"] = device_map
@@ -104,9 +102,17 @@ def load_model_and_tokenizer(
     if not device_map:
         model.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model.eval()
+    return model, tok
+
+
+def load_tokenizer(name: str):
+    """The fast tokenizer of :func:`load_model_and_tokenizer` alone (a ``--report-only`` run cuts its cases with it)."""
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(name), use_fast=True)
+    if not tok.is_fast:
+        raise UsageError(f"{name}: a fast tokenizer is needed (offset mapping)")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    return model, tok
+    return tok
 
 
 def model_input_device(model) -> torch.device:

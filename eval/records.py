@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 
 from .cli import UsageError
 
@@ -43,6 +44,42 @@ def iter_jsonl(path: str) -> Iterator[dict]:
                 yield json.loads(line)
             except json.JSONDecodeError:
                 continue
+
+
+def read_done(path: str, key: str = "case") -> dict[tuple[str, str], dict]:
+    """The finished records of ``path`` (none when it does not exist yet) by ``(record[key], record["method"])``."""
+    return {(r[key], r["method"]): r for r in iter_jsonl(path)} if os.path.isfile(path) else {}
+
+
+def pending(cases: Iterable, methods: list, done: dict, key_of: Callable) -> list[tuple]:
+    """``(case, the methods without a record of it)`` for every case some method has not finished (``done``: by
+    ``(key_of(case), method name)``)."""
+    todo = [(c, [m for m in methods if (key_of(c), m.name) not in done]) for c in cases]
+    return [(c, ms) for c, ms in todo if ms]
+
+
+def measure_pending(
+    todo: Iterable[tuple], measure: Callable, path: str, done: dict, key: str = "case", deadline: float | None = None
+) -> int:
+    """Measure the cases of ``todo`` (:func:`pending`) in order, ``measure(case, methods)`` yielding their records,
+    each appended to ``path`` and put in ``done`` as it comes; no case starts after ``deadline`` (a ``time.time()``,
+    ``--stop-after-minutes``). Returns the number of cases finished."""
+    ran = 0
+    for case, methods in todo:
+        if deadline is not None and time.time() >= deadline:
+            break
+        for rec in measure(case, methods):
+            append_jsonl(path, rec)
+            done[(rec[key], rec["method"])] = rec
+        ran += 1
+    return ran
+
+
+def reported(done: dict, keys: Iterable[str], names: list[str]) -> list[dict]:
+    """The records of ``done`` (in the order they were written) for the case keys ``keys`` and the methods ``names``:
+    what a run's reports cover."""
+    keys = set(keys)
+    return [r for (k, m), r in done.items() if k in keys and m in names]
 
 
 def check_settings(out_dir: str, settings: dict, keys) -> None:

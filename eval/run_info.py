@@ -140,9 +140,16 @@ class Invocation:
 
     def finished(self, unit: str, ran: int, todo: int, config: dict | None = None) -> None:
         """Complete the record: the runtime, ``<unit>_processed``, and ``status`` "stopped" with ``<unit>_left``
-        where ``--stop-after-minutes`` left ``todo - ran`` of them."""
+        where ``--stop-after-minutes`` left ``todo - ran`` of them (said on stdout too)."""
         entry = {"runtime_s": round(time.time() - self.t_start, 1), f"{unit}_processed": ran, "finished_at": now()}
         entry["status"] = "finished" if ran >= todo else "stopped"
         if ran < todo:
             entry[f"{unit}_left"] = todo - ran
+            print(f"stopped after {ran} of {todo} {unit} (--stop-after-minutes); the same command resumes")
         update_run_info(self.out_dir, self.started_at, entry, config)
+
+
+def run_config(args, methods: list, encoder: str, **extra) -> dict:
+    """The ``config`` of ``run_info.json``: every method's config, the parsed arguments, and ``extra``."""
+    cfg = {"methods": {m.name: m.config_dict(encoder) for m in methods}}
+    return {**cfg, "args": {k: v for k, v in vars(args).items() if k != "method_list"}, **extra}

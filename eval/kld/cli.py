@@ -21,20 +21,27 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer
 
 from hf_cocktail import offline_encoder_path
 
 from ..cli import UsageError, parse_float_list, parse_int_list
 from ..longbench.metrics import ENGLISH_TASKS
 from ..methods.registry import add_method_args, methods_from_args
-from ..models import load_model_and_tokenizer, resolve_model_path, set_threads
+from ..models import load_model_and_tokenizer, load_tokenizer, set_threads
 from ..paths import ESSAY_DIR, LONGBENCH_DIR
-from ..records import append_jsonl, check_settings, iter_jsonl, left_out_note, lock_out_dir
-from ..run_info import Invocation
+from ..records import (
+    append_jsonl,
+    check_settings,
+    left_out_note,
+    lock_out_dir,
+    measure_pending,
+    pending,
+    read_done,
+    reported,
+)
+from ..run_info import Invocation, run_config
 from ..script_args import add_resume_args, check_script_args, script_parser
 from .cases import KldCase, longbench_cases, needle_cases
 from .measure import KldRunner
@@ -171,10 +178,6 @@ def worker_setup(argv: list[str], encoder: str) -> tuple[KldRunner, dict[str, Kl
     return runner, {c.key: c for c in build_cases(args, tok)}
 
 
-def read_done(path: str) -> dict[tuple[str, str], dict]:
-    return {(r["case"], r["method"]): r for r in iter_jsonl(path)} if os.path.isfile(path) else {}
-
-
 def describe(args, cases: list[KldCase]) -> str:
     lb = [c for c in cases if c.source == "longbench"]
     nd = [c for c in cases if c.source == "needle"]
@@ -200,44 +203,16 @@ def run_cases(
 ) -> int:
     """Measure the pending cases in order (in ``--workers`` processes), appending a record per (case, method); no
     new case starts after ``--stop-after-minutes``. Returns the number of cases finished."""
-    bar = tqdm(total=len(todo), desc="kld", disable=args.no_progress, dynamic_ncols=True)
+    with tqdm(todo, desc="kld", disable=args.no_progress, dynamic_ncols=True) as bar:
+        if args.workers == 1:
+            runner = KldRunner(model, tok, encoder, args.max_answer_tokens, args.tail_tokens)
+            return measure_pending(bar, runner.run, rec_path, done, deadline=deadline)
 
-    def on_record(rec: dict) -> None:
-        append_jsonl(rec_path, rec)
-        done[(rec["case"], rec["method"])] = rec
+        def on_record(rec: dict) -> None:
+            append_jsonl(rec_path, rec)
+            done[(rec["case"], rec["method"])] = rec
 
-    def on_case(key: str) -> None:
-        bar.update(1)
-        bar.set_postfix_str(key[:40])
-
-    if args.workers > 1:
-        ran = run_parallel(args.workers, worker_setup, argv, encoder, todo, deadline, on_record, on_case)
-    else:
-        runner = KldRunner(model, tok, encoder, args.max_answer_tokens, args.tail_tokens)
-        ran = 0
-        for case, methods in todo:
-            if deadline is not None and time.time() >= deadline:
-                break
-            for rec in runner.run(case, methods):
-                on_record(rec)
-            ran += 1
-            on_case(case.key)
-    bar.close()
-    return ran
-
-
-def run_config(args, encoder: str) -> dict:
-    return {
-        "methods": {m.name: m.config_dict(encoder) for m in args.method_list},
-        "args": {k: v for k, v in vars(args).items() if k != "method_list"},
-    }
-
-
-def load_tokenizer(name: str):
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(name), use_fast=True)
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    return tok
+        return run_parallel(args.workers, worker_setup, argv, encoder, todo, deadline, on_record, bar.update)
 
 
 def main(argv=None) -> int:
@@ -255,23 +230,15 @@ def main(argv=None) -> int:
     else:  # the workers load the model; here the tokenizer builds the cases
         model, tok = None, load_tokenizer(args.model)
     cases = build_cases(args, tok)
-    todo = [(c, [m for m in args.method_list if (c.key, m.name) not in done]) for c in cases]
-    todo = [(c, ms) for c, ms in todo if ms]
+    todo = pending(cases, args.method_list, done, lambda c: c.key)
     ran = 0
     if not args.report_only:
         run.running()
         ran = run_cases(args, argv, model, tok, encoder, todo, rec_path, done, run.deadline(args.stop_after_minutes))
-        if ran < len(todo):
-            print(
-                f"stopped after {ran} of {len(todo)} cases (--stop-after-minutes {args.stop_after_minutes:g}); "
-                "the same command resumes"
-            )
     names = [m.name for m in args.method_list]
-    keys = {c.key for c in cases}
-    records = [r for (k, m), r in done.items() if k in keys and m in names]
-    print(write_reports(args.out_dir, records, names, describe(args, cases)))
+    print(write_reports(args.out_dir, reported(done, [c.key for c in cases], names), names, describe(args, cases)))
     if note := left_out_note(done, names):
         print(note)
     if not args.report_only:
-        run.finished("cases", ran, len(todo), run_config(args, encoder))
+        run.finished("cases", ran, len(todo), run_config(args, args.method_list, encoder))
     return 0

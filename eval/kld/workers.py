@@ -50,11 +50,11 @@ def run_parallel(
     todo: list,
     deadline: float | None,
     on_record: Callable[[dict], None],
-    on_case: Callable[[str], None],
+    on_case: Callable[[], None],
 ) -> int:
     """Measure ``todo`` ((case, methods) pairs) in ``n_workers`` processes (each built by ``setup``, see
     :func:`_worker`), case ``i`` in worker ``i % n``; calls
-    ``on_record`` for every record and ``on_case`` for every finished case, in the main process. Returns the number of
+    ``on_record`` for every record and ``on_case()`` for every finished case, in the main process. Returns the number of
     cases finished; a failing worker stops the others and raises ``RuntimeError`` with its traceback."""
     import multiprocessing as mp
 
@@ -82,7 +82,7 @@ def run_parallel(
                 on_record(payload)
             elif kind == "case":
                 ran += 1
-                on_case(payload)
+                on_case()
             elif kind == "done":
                 finished += 1
             else:

@@ -32,7 +32,7 @@ from ..methods.registry import add_method_args, methods_from_args
 from ..models import load_model_and_tokenizer, set_threads
 from ..paths import LONGBENCH_DIR
 from ..records import check_settings, lock_out_dir
-from ..run_info import Invocation
+from ..run_info import Invocation, run_config
 from ..runner import CaseRunner
 from ..script_args import check_script_args, script_parser
 from .data import example_ids, load_config, load_task_rows
@@ -179,14 +179,6 @@ def run_share(args, process: int, share: list, data: RunData, encoder: str) -> N
     bar.close()
 
 
-def run_config(args, encoder: str, max_new: dict[str, int]) -> dict:
-    return {
-        "methods": {m.name: m.config_dict(encoder) for m in args.method_list},
-        "args": {k: v for k, v in vars(args).items() if k != "method_list"},
-        "max_new_tokens": max_new,
-    }
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     run = Invocation(args.out_dir, MODULE)
@@ -219,7 +211,8 @@ def main(argv=None) -> int:
     if state.is_main_process:
         methods = [m.name for m in args.method_list]
         write_reports(args.out_dir, args.task_list, methods, score_run(args.out_dir, args.task_list, methods, data.ids))
-        run.finished("examples", len(work), len(work), run_config(args, encoder, data.max_new))
+        config = run_config(args, args.method_list, encoder, max_new_tokens=data.max_new)
+        run.finished("examples", len(work), len(work), config)
         if not args.no_progress:
             with open(os.path.join(args.out_dir, "summary.md"), encoding="utf-8") as f:
                 print(f.read())

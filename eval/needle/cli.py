@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from tqdm.auto import tqdm
 
@@ -39,8 +38,8 @@ from ..methods.kinds import Request
 from ..methods.registry import add_method_args, methods_from_args
 from ..models import load_model_and_tokenizer, resolve_model_path, set_threads
 from ..paths import ESSAY_DIR
-from ..records import append_jsonl, check_settings, iter_jsonl, left_out_note, lock_out_dir
-from ..run_info import Invocation
+from ..records import check_settings, left_out_note, lock_out_dir, measure_pending, pending, read_done
+from ..run_info import Invocation, run_config
 from ..runner import CaseRunner, Outcome
 from ..script_args import add_resume_args, check_script_args, script_parser
 from . import ruler
@@ -125,11 +124,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 def check_resume_settings(args) -> None:
     """Refuse to resume into ``--out-dir`` with settings that change what a finished case means."""
     check_settings(args.out_dir, {k: getattr(args, k) for k in SETTINGS_KEYS}, SETTINGS_KEYS)
-
-
-def read_done(path: str) -> dict[tuple[str, str], dict]:
-    """Finished records by (case key, method)."""
-    return {(r["case"], r["method"]): r for r in iter_jsonl(path)} if os.path.isfile(path) else {}
 
 
 def case_record(case: dict, prompt: str, kw: dict, out: Outcome, tok) -> dict:
@@ -220,15 +214,13 @@ def run_cases(
     model, tok = load_model_and_tokenizer(args.model, args.dtype, "cocktail", args.device_map)
     runner = CaseRunner(model, tok, encoder)
     make, desc = (ruler_case, "ruler") if args.variant_list else (passcode_case, "needle")
-    for n, (key, methods) in enumerate(tqdm(todo, desc=desc, disable=args.no_progress, dynamic_ncols=True)):
-        if deadline is not None and time.time() > deadline:
-            return n
-        request, record_of = make(args, tok, essays, *key)
-        for out in runner.run(request, methods, args.max_new_tokens):
-            rec = record_of(out)
-            append_jsonl(rec_path, rec)
-            done[(rec["case"], rec["method"])] = rec
-    return len(todo)
+
+    def measure(case: tuple, methods: list) -> Iterator[dict]:
+        request, record_of = make(args, tok, essays, *case)
+        return (record_of(out) for out in runner.run(request, methods, args.max_new_tokens))
+
+    bar = tqdm(todo, desc=desc, disable=args.no_progress, dynamic_ncols=True)
+    return measure_pending(bar, measure, rec_path, done, deadline=deadline)
 
 
 def model_max_positions(name: str) -> int | None:
@@ -242,18 +234,17 @@ def model_max_positions(name: str) -> int | None:
     return getattr(cfg.get_text_config(decoder=True), "max_position_embeddings", None)
 
 
-def run_config(args, methods, encoder: str) -> dict:
-    cfg = {"methods": {m.name: m.config_dict(encoder) for m in methods}, "args": dict(vars(args))}
+def prompt_config(args) -> dict:
+    """What ``run_info.json`` records of the prompts beside the methods and arguments."""
     if args.variant_list:
         return {
-            **cfg,
             "needle": ruler.NEEDLE,
             "template": ruler.TEMPLATE,
             "answer_prefix": ruler.ANSWER_PREFIX,
             "tokens_to_generate_in_length": ruler.TOKENS_TO_GENERATE,
             "variants": {v: vars(ruler.VARIANTS[v]) for v in args.variant_list},
         }
-    return {**cfg, "needle": NEEDLE, "question": QUESTION}
+    return {"needle": NEEDLE, "question": QUESTION}
 
 
 def main(argv=None) -> int:
@@ -278,15 +269,9 @@ def main(argv=None) -> int:
     else:
         cases = [(L, d, s) for L in args.length_list for d in args.depth_list for s in range(args.samples)]
         key = case_key
-    todo = [(c, [m for m in methods if (key(*c), m.name) not in done]) for c in cases]
-    todo = [(c, ms) for c, ms in todo if ms]
+    todo = pending(cases, methods, done, lambda c: key(*c))
     deadline = run.deadline(args.stop_after_minutes)
     ran = run_cases(args, todo, essays, encoder, rec_path, done, deadline) if todo and not args.report_only else 0
-    if ran < len(todo) and not args.report_only:
-        print(
-            f"stopped after {ran} of {len(todo)} cases (--stop-after-minutes {args.stop_after_minutes:g}); the "
-            "same command resumes"
-        )
     keys = [key(*c) for c in cases]
     rows = [done[(k, m.name)] for k in keys for m in methods if (k, m.name) in done]
     if args.variant_list:
@@ -304,5 +289,5 @@ def main(argv=None) -> int:
     if note := left_out_note(done, [m.name for m in methods]):
         print(note)
     if not args.report_only:
-        run.finished("cases", ran, len(todo), run_config(args, methods, encoder))
+        run.finished("cases", ran, len(todo), run_config(args, methods, encoder, **prompt_config(args)))
     return 0

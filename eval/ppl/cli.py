@@ -17,19 +17,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer
 
 from hf_cocktail import offline_encoder_path
 
 from ..cli import UsageError
 from ..methods.registry import add_method_args, methods_from_args
-from ..models import load_model_and_tokenizer, resolve_model_path, set_threads
+from ..models import load_model_and_tokenizer, load_tokenizer, set_threads
 from ..paths import ESSAY_DIR
-from ..records import append_jsonl, check_settings, iter_jsonl, lock_out_dir
-from ..run_info import Invocation
+from ..records import check_settings, lock_out_dir, measure_pending, pending, read_done, reported
+from ..run_info import Invocation, run_config
 from ..script_args import add_resume_args, check_script_args, script_parser
 from .measure import PplRunner
 from .report import write_reports
@@ -105,19 +103,6 @@ def describe(args) -> str:
     )
 
 
-def run_windows(args, model, tok, encoder, todo, rec_path, done, deadline: float | None) -> int:
-    runner = PplRunner(model, tok, encoder)
-    ran = 0
-    for window, methods in tqdm(todo, desc="ppl", disable=args.no_progress, dynamic_ncols=True):
-        if deadline is not None and time.time() >= deadline:
-            break
-        for rec in runner.run(window, methods):
-            append_jsonl(rec_path, rec)
-            done[(rec["window"], rec["method"])] = rec
-        ran += 1
-    return ran
-
-
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -135,22 +120,21 @@ def main(argv=None) -> int:
 
 def _run(args, encoder: str, run: Invocation) -> int:
     rec_path = os.path.join(args.out_dir, "records.jsonl")
-    done = {(r["window"], r["method"]): r for r in iter_jsonl(rec_path)} if os.path.isfile(rec_path) else {}
+    done = read_done(rec_path, key="window")
     if args.report_only:  # the tokenizer cuts the windows; no model
-        model, tok = None, AutoTokenizer.from_pretrained(resolve_model_path(args.model), use_fast=True)
+        model, tok = None, load_tokenizer(args.model)
     else:
         model, tok = load_model_and_tokenizer(args.model, args.dtype, "cocktail", args.device_map)
     windows = build_windows(args, tok)
-    todo = [(w, [m for m in args.method_list if (w.key, m.name) not in done]) for w in windows]
-    todo = [(w, ms) for w, ms in todo if ms]
+    todo = pending(windows, args.method_list, done, lambda w: w.key)
     ran = 0
     if not args.report_only:
         run.running()
-        ran = run_windows(args, model, tok, encoder, todo, rec_path, done, run.deadline(args.stop_after_minutes))
+        bar = tqdm(todo, desc="ppl", disable=args.no_progress, dynamic_ncols=True)
+        runner = PplRunner(model, tok, encoder)
+        ran = measure_pending(bar, runner.run, rec_path, done, "window", run.deadline(args.stop_after_minutes))
     names = [m.name for m in args.method_list]
-    keys = {w.key for w in windows}
-    records = [r for (k, m), r in done.items() if k in keys and m in names]
-    print(write_reports(args.out_dir, records, names, describe(args)))
+    print(write_reports(args.out_dir, reported(done, [w.key for w in windows], names), names, describe(args)))
     if not args.report_only:
-        run.finished("windows", ran, len(todo), {"methods": {m.name: m.config_dict(encoder) for m in args.method_list}})
+        run.finished("windows", ran, len(todo), run_config(args, args.method_list, encoder))
     return 0
