@@ -54,22 +54,17 @@ def build_card(folder: str, name_or_path: str, root: str = ROOT) -> str:
     """The README.md of preset ``folder``; the usage snippet loads the config from ``name_or_path``."""
     config = CocktailConfig.from_pretrained(folder)
     meta = load_meta(folder)
-    results, run_info = None, {}
-    res_rel = meta.get("results")
-    info_rel = meta.get("run_info")
-    if not res_rel and info_rel and os.path.isfile(os.path.join(root, info_rel)):  # a calibrated preset's own record
+    res_rel, info_rel, run_info = meta.get("results"), meta.get("run_info"), {}
+    has_results = bool(res_rel) and os.path.isfile(os.path.join(root, res_rel))
+    results = read_results(os.path.join(root, res_rel)) if has_results else None
+    # the results' run, or without results a calibrated preset's own record
+    if info_rel and os.path.isfile(os.path.join(root, info_rel)) and (has_results or not res_rel):
         with open(os.path.join(root, info_rel), encoding="utf-8") as f:
             run_info = json.load(f)
-    if res_rel and os.path.isfile(os.path.join(root, res_rel)):
-        results = read_results(os.path.join(root, res_rel))
-        info_rel = meta.get("run_info")
-        if info_rel and os.path.isfile(os.path.join(root, info_rel)):
-            with open(os.path.join(root, info_rel), encoding="utf-8") as f:
-                run_info = json.load(f)
-        else:
-            warnings.warn(
-                f"{res_rel} exists but its run info {info_rel!r} does not: the card says 'not recorded'", stacklevel=2
-            )
+    elif has_results:
+        warnings.warn(
+            f"{res_rel} exists but its run info {info_rel!r} does not: the card says 'not recorded'", stacklevel=2
+        )
     notes = meta.get("notes", [])
     notes = [n.replace("{name_or_path}", name_or_path) for n in ([notes] if isinstance(notes, str) else notes)]
     return make_model_card(

@@ -79,7 +79,7 @@ class CaseRunner:
         dyn, first_logits, queries = prefill_for(self.model, self.tokenizer, input_ids, request, methods)
         shared_prefill_s = time.perf_counter() - t0
         for method in methods:
-            br = branch(method, self.model, self.tokenizer, dyn, input_ids, request, self.encoder, True, queries)
+            br = branch(method, self.model, self.tokenizer, dyn, input_ids, request, self.encoder, queries)
             t1 = time.perf_counter()
             new = generate_from_branch(
                 self.model,

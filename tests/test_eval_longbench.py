@@ -220,7 +220,7 @@ def test_two_processes_same_scores_as_one_and_resume(tmp_path):
 
 
 def test_paired_difference_vs_reference():
-    from eval.longbench.stats import paired_difference
+    from eval.stats import paired_difference
 
     ref = {"a": {"x": 0.0, "y": 1.0}, "b": {"z": 0.5}}
     same = paired_difference(ref, ref)

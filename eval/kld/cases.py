@@ -10,8 +10,7 @@ from ..essays import load_essays
 from ..longbench.data import example_ids, load_config, load_task_rows
 from ..longbench.prompts import build_prompt as longbench_prompt
 from ..methods.kinds import Request
-from ..needle.cases import QUESTION, case_key, make_case
-from ..needle.cases import build_prompt as needle_prompt
+from ..needle.cases import make_case, passcode_request
 
 
 @dataclass
@@ -42,7 +41,6 @@ def longbench_cases(
     window: int,
     per_task: int | None,
     seed: int,
-    use_chat: bool = True,
 ) -> list[KldCase]:
     """The LongBench cases, interleaved across tasks (the first selected example of every task, then the second...)
     so that a run stopped early still covers every task."""
@@ -53,7 +51,7 @@ def longbench_cases(
         ids = example_ids(rows)
         cases = []
         for i in select_rows(len(rows), per_task, seed, task):
-            info = longbench_prompt(tok, task, rows[i], templates[task], window, use_chat=use_chat)
+            info = longbench_prompt(tok, task, rows[i], templates[task], window)
             cases.append(
                 KldCase(
                     f"longbench/{task}/{ids[i]}",
@@ -82,15 +80,7 @@ def needle_cases(
         for d in depths:
             for s in range(samples):
                 case = make_case(tok, essays, L, d, s, seed)
-                prompt, kw = needle_prompt(tok, case["context"])
-                key = case_key(L, d, s)
-                out.append(
-                    KldCase(
-                        f"needle/{key}",
-                        "needle",
-                        "needle",
-                        Request(prompt, case["context"], QUESTION, key, kw),
-                        {"length": L, "depth": d, "sample": s, "code": case["code"]},
-                    )
-                )
+                req = passcode_request(tok, case)
+                meta = {"length": L, "depth": d, "sample": s, "code": case["code"]}
+                out.append(KldCase(f"needle/{req.example_id}", "needle", "needle", req, meta))
     return out

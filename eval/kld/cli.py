@@ -7,13 +7,7 @@ FP16's greedy answer is fed through each cache, and each position's next-token d
 mean KL(P_fp16 || P_method), top-1 agreement, and the KV bytes ratio (see ``eval/kld/measure.py`` for the two
 segments, ``answer`` and ``tail``).
 
-Usage (see eval/README.md)::
-
-    python -m eval.kld --out-dir eval/runs/kld_smoke --tasks qasper --per-task 2 --methods fp16,int2,cocktail
-    python -m eval.kld --out-dir eval/results/kld --per-task 1 --needle-lengths 2000 --workers 2 --threads 1
-
-Outputs under ``--out-dir``: ``records.jsonl`` (one line per (case, method), resumable), ``summary.md``,
-``summary.csv``, ``kld_vs_bytes.png``, ``settings.json``, ``run_info.json``.
+Commands, outputs and how to read them: eval/README.md.
 """
 
 from __future__ import annotations
@@ -55,7 +49,6 @@ SETTINGS_KEYS = (
     "model",
     "dtype",
     "window",
-    "chat",
     "encoder",
     "max_answer_tokens",
     "tail_tokens",
@@ -79,7 +72,6 @@ def _parser() -> argparse.ArgumentParser:
         help="LongBench examples per task, drawn with --seed (default: every example)",
     )
     p.add_argument("--window", type=int, default=2048, help="max LongBench prompt tokens (middle truncation)")
-    p.add_argument("--no-chat", action="store_true", help="never apply the chat template (LongBench)")
     p.add_argument("--data-dir", default=os.path.join(LONGBENCH_DIR, "minilongbench"))
     p.add_argument("--config-dir", default=os.path.join(LONGBENCH_DIR, "config"))
     p.add_argument("--needle-lengths", default=None, help="needle haystack lengths in tokens (default: no needle)")
@@ -144,7 +136,6 @@ def settings_of(args, encoder: str) -> dict:
         "model": args.model,
         "dtype": args.dtype,
         "window": args.window,
-        "chat": not args.no_chat,
         "encoder": os.path.basename(os.path.normpath(encoder)),
         "max_answer_tokens": args.max_answer_tokens,
         "tail_tokens": args.tail_tokens,
@@ -164,7 +155,6 @@ def build_cases(args, tok) -> list[KldCase]:
             args.window,
             args.per_task,
             args.seed,
-            use_chat=not args.no_chat,
         )
     return cases
 

@@ -31,8 +31,8 @@ from hf_cocktail.calibrate.divergence import kl_and_top1, teacher_force
 from hf_cocktail.planning.scoring import get_encoder
 
 from ..kv_bytes import cache_kv_bytes, fp16_kv_bytes, global_kv_ratio
-from ..methods.branching import branch, context_end, generate_from_branch, precision_counts, prefill, prefill_for
-from ..methods.kinds import CocktailMethod, DynamicMethod, Method, Request, build_cache, is_sliding_layer, prefill_items
+from ..methods.branching import branch, context_end, filled_cache, generate_from_branch, prefill, prefill_for
+from ..methods.kinds import CocktailMethod, DynamicMethod, Method, Request, is_sliding_layer, prefill_items
 from ..models import eos_token_ids, model_input_device
 from .cases import KldCase
 
@@ -86,27 +86,6 @@ def memoized_encoders(keys: set[tuple]):
     finally:
         for enc in patched:
             del enc.encode
-
-
-def branch_prefix(
-    method: Method,
-    model,
-    tok,
-    pairs: list,
-    input_ids: torch.Tensor,
-    request: Request,
-    encoder: str | None,
-    prefill_queries: list[torch.Tensor] | None = None,
-):
-    """``method``'s cache prepared for the whole prompt and filled with the prefill ``pairs`` of its first tokens
-    (``prefill_queries``: the queries of those tokens from the context's end on, for the methods that read them)."""
-    cache, inputs = build_cache(method, model, tok, request, encoder)
-    if inputs is not None and not torch.equal(inputs["input_ids"].to(input_ids.device), input_ids):
-        raise RuntimeError(
-            f"{method.name}: the cache's preparation tokenized the prompt differently from the shared prefill"
-        )
-    method.load_prefill(cache, pairs, True, prefill_queries if method.reads_prefill_queries else None)
-    return cache
 
 
 def prefix_prefill(model, dyn, input_ids: torch.Tensor, n: int) -> list:
@@ -175,7 +154,7 @@ class KldRunner:
         answer_in = answer[:, :-1]
         tail_in = torch.cat([input_ids[:, L - k :], answer_in], dim=1)
         ref_tail = teacher_force(
-            model, branch_prefix(REFERENCE, model, tok, prefix_pairs, input_ids, req, None), tail_in, False
+            model, filled_cache(REFERENCE, model, tok, prefix_pairs, input_ids, req), tail_in, False
         )
         base = {
             "case": case.key,
@@ -199,11 +178,10 @@ class KldRunner:
             logits_a = teacher_force(model, br.cache, answer_in)
             seq = int(br.cache.get_seq_length())
             kv, fp16 = cache_kv_bytes(br.cache), fp16_kv_bytes(model.config, seq)
-            kv_global = global_kv_ratio(br.cache, model.config, seq)
-            bits = br.precision_map
+            kv_global, counts = global_kv_ratio(br.cache, model.config, seq), br.precision_counts
             del br
             prefix_queries = None if queries is None else [q[:, :, : q.shape[2] - k] for q in queries]
-            cache = branch_prefix(method, model, tok, prefix_pairs, input_ids, req, self.encoder, prefix_queries)
+            cache = filled_cache(method, model, tok, prefix_pairs, input_ids, req, self.encoder, prefix_queries)
             logits_t = teacher_force(model, cache, tail_in)
             del cache
             yield {
@@ -216,7 +194,7 @@ class KldRunner:
                 "fp16_kv_bytes": fp16,
                 "kv_ratio": kv / fp16,
                 "kv_ratio_global": kv_global,
-                "precision_counts": None if bits is None else precision_counts(bits),
+                "precision_counts": counts,
                 "method_s": round(time.perf_counter() - t1, 3),
             }
         del dyn

@@ -22,7 +22,7 @@ from ..reporting import (
     save_figure,
     write_csv,
 )
-from ..stats import bootstrap_mean
+from ..stats import bootstrap_mean, mean_of_all, paired_stats
 
 SEGMENTS = ("answer", "tail")
 CSV_COLUMNS = [
@@ -81,7 +81,7 @@ def summarize(records: list[dict], methods: list[str], n_boot: int = 2000) -> li
                 "method": m,
                 "examples": len(mine),
                 "kv_ratio": sum(r["kv_ratio"] for r in mine) / len(mine),
-                "kv_ratio_global": _mean_or_none([r.get("kv_ratio_global") for r in mine]),
+                "kv_ratio_global": mean_of_all([r.get("kv_ratio_global") for r in mine]),
             }
             for seg in SEGMENTS:
                 strata: dict[str, list[float]] = defaultdict(list)
@@ -102,11 +102,6 @@ def summarize(records: list[dict], methods: list[str], n_boot: int = 2000) -> li
                 )
             rows.append(row)
     return rows
-
-
-def _mean_or_none(xs: list) -> float | None:
-    """The mean, or None when any value is missing (records written before the field existed)."""
-    return None if not xs or any(x is None for x in xs) else sum(xs) / len(xs)
 
 
 PAIRED_REF = "cocktail"
@@ -135,22 +130,11 @@ def paired(
             ]
             if not pairs:
                 continue
-            diff, lo, hi = bootstrap_mean({source: [a - b for a, b in pairs]}, n_boot)
+            diffs = paired_stats({source: [a - b for a, b in pairs]}, n_boot)
             ref_mean = sum(b for _, b in pairs) / len(pairs)
-            out.append(
-                {
-                    "source": source,
-                    "method": m,
-                    "reference": ref,
-                    "examples": len(pairs),
-                    "diff": diff,
-                    "diff_lo": lo,
-                    "diff_hi": hi,
-                    "lower": sum(a < b for a, b in pairs),
-                    "higher": sum(a > b for a, b in pairs),
-                    "ratio": (sum(a for a, _ in pairs) / len(pairs)) / ref_mean if ref_mean > 0 else None,
-                }
-            )
+            ratio = (sum(a for a, _ in pairs) / len(pairs)) / ref_mean if ref_mean > 0 else None
+            row = {"source": source, "method": m, "reference": ref, "examples": diffs.pop("n")}
+            out.append({**row, **diffs, "ratio": ratio})
     return out
 
 

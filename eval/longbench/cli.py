@@ -7,14 +7,7 @@ prefilled ONCE into a full-precision ``DynamicCache`` and that prefill is branch
 ``generate``: every cache attends at full precision during its own prefill) and each method's cache decodes the rest
 greedily, up to the task's ``dataset2maxlen`` new tokens (samsum also stops at a newline, as the official code does).
 
-Usage (see eval/README.md)::
-
-    python -m eval.longbench --out-dir eval/runs/lb --tasks qasper,trec --limit 2 --methods fp16,cocktail,int2
-    accelerate launch --multi_gpu --num_processes 2 -m eval.longbench --out-dir eval/runs/lb ...
-
-Outputs under ``--out-dir``: ``predictions/<task>/<method>.jsonl``, ``scores.json``, ``summary.md``,
-``summary.csv``, ``score_vs_kv.png``, ``precision_mix.png``, ``settings.json``, ``run_info.json``. Runs resume: a
-finished (task, method, example) prediction is never recomputed or overwritten.
+Commands, outputs and how to read them: eval/README.md.
 """
 
 from __future__ import annotations
@@ -45,7 +38,7 @@ from .scoring import score_run
 
 MODULE = "eval.longbench"
 DEFAULT_METHODS = "fp16,cocktail,int4,int2,kivi2,nosearch,hqq2"
-SETTINGS_KEYS = ("model", "dtype", "window", "chat", "encoder", "max_new_tokens_cap")  # must match to resume
+SETTINGS_KEYS = ("model", "dtype", "window", "encoder", "max_new_tokens_cap")  # must match to resume
 
 
 def parse_task_ints(spec: str | None, name: str) -> dict[str, int]:
@@ -92,7 +85,6 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="per-task caps on the new tokens below dataset2maxlen, e.g. 'gov_report=128'",
     )
-    p.add_argument("--no-chat", action="store_true", help="never apply the chat template")
     add_method_args(p, DEFAULT_METHODS)
     return p
 
@@ -170,7 +162,7 @@ def run_share(args, process: int, share: list, data: RunData, encoder: str) -> N
     for t, i, missing in bar:
         ex, ex_id = data.rows[t][i], data.ids[t][i]
         bar.set_postfix_str(f"{t} {i + 1}/{len(data.rows[t])}")
-        info = build_prompt(tok, t, ex, data.templates[t], args.window, use_chat=not args.no_chat)
+        info = build_prompt(tok, t, ex, data.templates[t], args.window)
         stop = runner.eos + [newline_id] if t == "samsum" else runner.eos
         for out in runner.run(
             info.request(ex_id), missing, data.max_new[t], stop, min_new_tokens=1 if t == "samsum" else 0
@@ -190,7 +182,6 @@ def main(argv=None) -> int:
         "model": args.model,
         "dtype": args.dtype,
         "window": args.window,
-        "chat": not args.no_chat,
         "encoder": os.path.basename(os.path.normpath(encoder)),
         "max_new_tokens_cap": args.new_cap_map,
     }

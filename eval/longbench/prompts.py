@@ -66,7 +66,7 @@ def _search_query(task: str, template: str, inp: str, context: str) -> tuple[str
     return " ".join(template.replace("{context}", " ").replace("{input}", " ").split()), "instruction"
 
 
-def build_prompt(tok, task: str, ex: dict, template: str, window: int, use_chat: bool = True) -> PromptInfo:
+def build_prompt(tok, task: str, ex: dict, template: str, window: int) -> PromptInfo:
     """LongBench ``pred.py``: fill the template, middle-truncate the tokenized prompt to ``window`` tokens, apply
     the chat template except for the few-shot / code tasks."""
     context, inp = ex["context"], ex["input"]
@@ -86,7 +86,7 @@ def build_prompt(tok, task: str, ex: dict, template: str, window: int, use_chat:
     else:
         ctx = context
     query, source = _search_query(task, template, inp, ctx)
-    chat = use_chat and task not in NO_CHAT_TASKS and has_chat_template(tok)
+    chat = task not in NO_CHAT_TASKS and has_chat_template(tok)
     if chat:
         final, kwargs = chat_prompt(tok, prompt), dict(CHAT_TOKENIZER_KWARGS)
     else:  # the protocol's few-shot / code tasks, or a tokenizer without a chat template: the completion form

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-import csv
 import os
 
 from ..records import write_json
-from ..reporting import METHOD_COLUMNS, METHOD_RULE, method_cells, method_heading, plot_name, pyplot, save_figure
+from ..reporting import (
+    METHOD_COLUMNS,
+    METHOD_RULE,
+    method_cells,
+    method_heading,
+    plot_name,
+    pyplot,
+    save_figure,
+    write_csv,
+)
 from .scoring import Summary
 
 CSV_COLUMNS = ["task", "method", "score", "kv_ratio", "prefill_s", "decode_ms_per_token", "n"]
@@ -21,31 +29,17 @@ FOOTNOTE = (
 
 def write_reports(out_dir: str, tasks: list[str], methods: list[str], summary: Summary) -> None:
     write_json(os.path.join(out_dir, "scores.json"), summary.as_json())
-    write_csv(os.path.join(out_dir, "summary.csv"), summary)
+    # one row per (task, method), then task=average rows (means over tasks)
+    write_csv(os.path.join(out_dir, "summary.csv"), CSV_COLUMNS, map(_csv_line, summary.per_task + summary.average))
     with open(os.path.join(out_dir, "summary.md"), "w", encoding="utf-8") as f:
         f.write(markdown(tasks, methods, summary))
     plot_score_vs_kv(os.path.join(out_dir, "score_vs_kv.png"), summary)
     plot_precision_mix(os.path.join(out_dir, "precision_mix.png"), tasks, methods, summary)
 
 
-def write_csv(path: str, summary: Summary) -> None:
-    """One row per (task, method), then ``task=average`` rows (means over tasks)."""
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f)
-        w.writerow(CSV_COLUMNS)
-        for r in summary.per_task + summary.average:
-            dec = r["decode_ms_per_token"]
-            w.writerow(
-                [
-                    r["task"],
-                    r["method"],
-                    f"{r['score']:.2f}",
-                    f"{r['kv_ratio']:.4f}",
-                    f"{r['prefill_s']:.3f}",
-                    "" if dec is None else f"{dec:.1f}",
-                    r["n"],
-                ]
-            )
+def _csv_line(r: dict) -> list:
+    dec = "" if r["decode_ms_per_token"] is None else f"{r['decode_ms_per_token']:.1f}"
+    return [r["task"], r["method"], f"{r['score']:.2f}", f"{r['kv_ratio']:.4f}", f"{r['prefill_s']:.3f}", dec, r["n"]]
 
 
 def _score_table(tasks: list[str], present: list[str], summary: Summary) -> list[str]:

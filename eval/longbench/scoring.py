@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..stats import mean_or_none, paired_difference
 from .metrics import example_score
 from .predictions import merge_records
-from .stats import mean_or_none, paired_difference
 
 
 @dataclass

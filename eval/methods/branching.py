@@ -96,7 +96,6 @@ def branch(
     input_ids: torch.Tensor,
     request: Request,
     encoder: str | None = None,
-    split_attention: bool = True,
     prefill_queries: list[torch.Tensor] | None = None,
 ) -> Branch:
     """Build ``method``'s cache holding the shared prefill ``dyn`` (all prompt tokens); ``prefill_queries``
@@ -108,17 +107,31 @@ def branch(
     L = input_ids.shape[1]
     if dyn.get_seq_length() != L:
         raise ValueError(f"the prefill holds {dyn.get_seq_length()} tokens, expected the {L} prompt tokens")
+    cache = filled_cache(method, model, tokenizer, prefill_items(dyn), input_ids, request, encoder, prefill_queries)
+    bits = method.precision_map(cache)
+    counts = None if bits is None else precision_counts(bits)
+    return Branch(cache, time.perf_counter() - t0, counts, bits)
+
+
+def filled_cache(
+    method: Method,
+    model,
+    tokenizer,
+    pairs: list,
+    input_ids: torch.Tensor,
+    request: Request,
+    encoder: str | None = None,
+    prefill_queries: list[torch.Tensor] | None = None,
+) -> Cache:
+    """``method``'s cache prepared for the whole prompt ``input_ids`` (1, L) and filled with the full-precision
+    prefill ``pairs`` (:func:`prefill_items`) of its first tokens, all of them or fewer."""
     cache, inputs = build_cache(method, model, tokenizer, request, encoder)
     if inputs is not None and not torch.equal(inputs["input_ids"].to(input_ids.device), input_ids):
         raise RuntimeError(
             f"{method.name}: the cache's preparation tokenized the prompt differently from the shared prefill"
         )
-    method.load_prefill(
-        cache, prefill_items(dyn), split_attention, prefill_queries if method.reads_prefill_queries else None
-    )
-    bits = method.precision_map(cache)
-    counts = None if bits is None else precision_counts(bits)
-    return Branch(cache, time.perf_counter() - t0, counts, bits)
+    method.load_prefill(cache, pairs, True, prefill_queries if method.reads_prefill_queries else None)
+    return cache
 
 
 @torch.no_grad()

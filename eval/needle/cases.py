@@ -9,6 +9,7 @@ from hf_cocktail import CocktailCache
 
 from ..chat import CHAT_TOKENIZER_KWARGS, chat_prompt, has_chat_template
 from ..cli import UsageError
+from ..methods.kinds import Request
 
 NEEDLE = "The secret passcode for the vault is {code}."
 QUESTION = "What is the secret passcode for the vault?"
@@ -48,6 +49,12 @@ def build_prompt(tok, context: str) -> tuple[str, dict]:
     if has_chat_template(tok):
         return chat_prompt(tok, content), dict(CHAT_TOKENIZER_KWARGS)
     return content, {}  # the completion form (eval.chat)
+
+
+def passcode_request(tok, case: dict) -> Request:
+    """What every method's cache is built for on the passcode case ``case`` (:func:`make_case`)."""
+    prompt, kw = build_prompt(tok, case["context"])
+    return Request(prompt, case["context"], QUESTION, case_key(case["length"], case["depth"], case["sample"]), kw)
 
 
 def needle_chunk_bits(tok, prompt: str, tokenizer_kwargs: dict, case: dict, cache) -> list[int] | None:

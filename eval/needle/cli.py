@@ -4,22 +4,9 @@ A needle sentence holding a random 7-digit passcode is inserted at a sentence bo
 1 = end) of a haystack of ``length`` tokens cut from the essays; the model is asked for the passcode (chat template,
 greedy, 16 new tokens). A case is correct when the passcode appears in the answer. Like LongBench, each case is
 prefilled once at full precision and branched into every method's cache (``eval/methods/branching.py``).
+``--variant`` runs RULER-style needles instead (``eval/needle/ruler.py``). Finished records are never recomputed.
 
-Two uses (see eval/README.md)::
-
-    # grid: one heatmap PNG per method (lengths x depths) + a CSV
-    python -m eval.needle --out-dir /tmp/needle_grid --lengths 1000,2000,4000 --depths 0,0.25,0.5,0.75,1 \
-        --methods fp16,cocktail,int2
-    # fixed length: >= 20 cases at ~3000 tokens, accuracy table with each method's kv_ratio
-    python -m eval.needle --out-dir eval/results/needle --lengths 3000 \
-        --depths 0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1 --samples 2 --methods fp16,cocktail,int4,int2
-
-RULER-style needles (``--variant single,multikey,multivalue,multiquery``, see ``eval/needle/ruler.py``)::
-
-    python -m eval.needle --out-dir eval/results/ruler --variant single,multikey,multivalue,multiquery \
-        --lengths 2000,4000 --samples 4 --methods fp16,cocktail,int4,int2
-
-Resumable: finished (case, method) results in ``records.jsonl`` are never recomputed.
+Commands, outputs and how to read them: eval/README.md.
 """
 
 from __future__ import annotations
@@ -43,7 +30,7 @@ from ..run_info import Invocation, run_config
 from ..runner import CaseRunner, Outcome
 from ..script_args import add_resume_args, check_script_args, script_parser
 from . import ruler
-from .cases import NEEDLE, QUESTION, build_prompt, case_key, make_case, needle_chunk_bits
+from .cases import NEEDLE, QUESTION, case_key, make_case, needle_chunk_bits, passcode_request
 from .report import write_reports
 from .ruler_report import write_reports as write_ruler_reports
 
@@ -126,7 +113,7 @@ def check_resume_settings(args) -> None:
     check_settings(args.out_dir, {k: getattr(args, k) for k in SETTINGS_KEYS}, SETTINGS_KEYS)
 
 
-def case_record(case: dict, prompt: str, kw: dict, out: Outcome, tok) -> dict:
+def case_record(case: dict, request: Request, out: Outcome, tok) -> dict:
     """The record of one method on one case."""
     L, d, s = case["length"], case["depth"], case["sample"]
     return {
@@ -146,7 +133,7 @@ def case_record(case: dict, prompt: str, kw: dict, out: Outcome, tok) -> dict:
         "prefill_s": out.prefill_s,
         "decode_s": out.decode_s,
         "precision_counts": out.branch.precision_counts,
-        "needle_chunk_bits": needle_chunk_bits(tok, prompt, kw, case, out.branch.cache),
+        "needle_chunk_bits": needle_chunk_bits(tok, request.prompt, request.tokenizer_kwargs, case, out.branch.cache),
     }
 
 
@@ -193,9 +180,8 @@ def ruler_record(case: dict, out: Outcome, tok) -> dict:
 def passcode_case(args, tok, essays: list[str], L: int, d: float, s: int) -> tuple[Request, Callable]:
     """The passcode case ``(L, d, s)``: its request and the function that makes a method's record of it."""
     case = make_case(tok, essays, L, d, s, args.seed)
-    prompt, kw = build_prompt(tok, case["context"])
-    request = Request(prompt, case["context"], QUESTION, case_key(L, d, s), kw)
-    return request, lambda out: case_record(case, prompt, kw, out, tok)
+    request = passcode_request(tok, case)
+    return request, lambda out: case_record(case, request, out, tok)
 
 
 def ruler_case(args, tok, essays: list[str], v: str, L: int, s: int) -> tuple[Request, Callable]:

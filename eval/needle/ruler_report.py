@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from ..reporting import METHOD_COLUMNS, METHOD_RULE, method_cells, plot_name, pyplot, save_figure, write_dict_csv
-from ..stats import bootstrap_mean
+from ..stats import mean_of_all, paired_stats
 
 CSV_COLUMNS = [
     "variant",
@@ -23,18 +23,16 @@ CSV_COLUMNS = [
 ]
 
 
-def _global_ratio(rs: list[dict]) -> float | None:
-    """The mean full-attention layers' ratio, None when a record lacks it (written before the field existed)."""
-    xs = [r.get("kv_ratio_global") for r in rs]
-    return None if not xs or None in xs else round(sum(xs) / len(xs), 4)
-
-
 PAIRED_REF = "fp16"
 PAIRED_COLUMNS = ["variant", "length", "method", "reference", "cases", "diff", "diff_lo", "diff_hi", "higher", "lower"]
 
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
+
+
+def _round(x: float | None, digits: int) -> float | None:
+    return None if x is None else round(x, digits)
 
 
 def _fp16_share(rs: list[dict]) -> str:
@@ -60,7 +58,7 @@ def summarize(rows: list[dict], methods: list[str], variants: list[str], lengths
                     "n": len(rs),
                     "kv_ratio": round(_mean([r["kv_ratio"] for r in rs]), 4),
                     "asked_needles_fp16": _fp16_share(rs),
-                    "kv_ratio_global": _global_ratio(rs),
+                    "kv_ratio_global": _round(mean_of_all([r.get("kv_ratio_global") for r in rs]), 4),
                 }
             )
 
@@ -103,22 +101,10 @@ def paired(
         strata = _differences(score, cases, m, ref, v, L)
         if not strata:
             continue
-        diff, lo, hi = bootstrap_mean(strata, n_boot)
-        flat = [d for ds in strata.values() for d in ds]
-        out.append(
-            {
-                "variant": v,
-                "length": L,
-                "method": m,
-                "reference": ref,
-                "cases": len(flat),
-                "diff": round(diff, 2),
-                "diff_lo": round(lo, 2),
-                "diff_hi": round(hi, 2),
-                "higher": sum(d > 0 for d in flat),
-                "lower": sum(d < 0 for d in flat),
-            }
-        )
+        st = paired_stats(strata, n_boot)
+        row = {"variant": v, "length": L, "method": m, "reference": ref, "cases": st["n"]}
+        diffs = {k: round(st[k], 2) for k in ("diff", "diff_lo", "diff_hi")}
+        out.append({**row, **diffs, "higher": st["higher"], "lower": st["lower"]})
     return out
 
 

@@ -4,12 +4,7 @@ Per window of WikiText-2 or the Paul Graham essays: the prompt (a context of rea
 before the continuation) is prefilled once at full precision and branched into every method's cache; the next
 tokens of the text are teacher-forced through each cache (see ``eval/ppl/measure.py``).
 
-Usage (see eval/README.md)::
-
-    python -m eval.ppl --model gemma-3-270m --out-dir eval/results/gemma3_270m/ppl --windows 8 --threads 1
-
-Outputs under ``--out-dir``: ``records.jsonl`` (one line per (window, method), resumable), ``summary.md``,
-``summary.csv``, ``ppl_vs_bytes.png``, ``settings.json``, ``run_info.json``.
+Commands, outputs and how to read them: eval/README.md.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from ..reporting import (
     save_figure,
     write_csv,
 )
-from ..stats import bootstrap_mean
+from ..stats import bootstrap_mean, mean_of_all
 
 CSV_COLUMNS = [
     "source",
@@ -63,8 +63,7 @@ def summarize(records: list[dict], methods: list[str], n_boot: int = 2000) -> li
                 continue
             row: dict = {"source": source, "method": m, "windows": len(mine)}
             row["kv_ratio"] = sum(r["kv_ratio"] for r in mine) / len(mine)
-            glob = [r.get("kv_ratio_global") for r in mine]
-            row["kv_ratio_global"] = None if None in glob else sum(glob) / len(glob)
+            row["kv_ratio_global"] = mean_of_all([r.get("kv_ratio_global") for r in mine])
             for name in ("nll", "kl", "top1"):
                 strata: dict[str, list[float]] = defaultdict(list)
                 for r in mine:
