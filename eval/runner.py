@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from transformers.cache_utils import Cache
 
 from .kv_bytes import cache_kv_bytes, fp16_kv_bytes, global_kv_ratio
 from .methods.branching import Branch, branch, generate_from_branch, prefill_for
@@ -16,6 +17,16 @@ from .methods.kinds import Method, Request
 from .models import eos_token_ids, model_input_device
 
 WARM_UP_CONTEXT = "The quick brown fox jumps over the lazy dog. " * 12
+
+
+def kv_fields(cache: Cache, config) -> dict:
+    """The size of a filled cache, as every record holds it: ``cache_tokens``, ``kv_bytes`` (an FP16 deployment,
+    :mod:`eval.kv_bytes`), ``fp16_kv_bytes`` (the model's own FP16 ``DynamicCache`` of the same tokens; sliding
+    layers: their window), ``kv_ratio`` and ``kv_ratio_global`` (the full-attention layers alone)."""
+    seq = int(cache.get_seq_length())
+    kv, fp16 = cache_kv_bytes(cache), fp16_kv_bytes(config, seq)
+    ratios = {"kv_ratio": kv / fp16, "kv_ratio_global": global_kv_ratio(cache, config, seq)}
+    return {"cache_tokens": seq, "kv_bytes": kv, "fp16_kv_bytes": fp16, **ratios}
 
 
 @dataclass
@@ -26,13 +37,10 @@ class Outcome:
     new_tokens: torch.Tensor  # (1, n)
     text: str  # decoded with skip_special_tokens
     prompt_tokens: int
-    cache_tokens: int
-    kv_bytes: int  # FP16 deployment (eval.kv_bytes)
-    fp16_kv_bytes: int  # the model's own FP16 DynamicCache of the same tokens (sliding layers: their window)
+    kv: dict  # kv_fields of the cache after generation
     shared_prefill_s: float
     decode_s: float
     branch: Branch
-    kv_ratio_global: float | None = None  # the full-attention layers alone (eval.kv_bytes.global_kv_ratio)
 
     @property
     def num_new(self) -> int:
@@ -40,7 +48,12 @@ class Outcome:
 
     @property
     def kv_ratio(self) -> float:
-        return self.kv_bytes / self.fp16_kv_bytes
+        return self.kv["kv_ratio"]
+
+    def fields(self) -> dict:
+        """What every record of a generated case holds: the sizes, the times and the chunks' precision counts."""
+        times = {"prefill_s": self.prefill_s, "decode_s": self.decode_s}
+        return {**self.kv, **times, "precision_counts": self.branch.precision_counts}
 
     @property
     def prefill_s(self) -> float:
@@ -99,20 +112,8 @@ class CaseRunner:
 
     def _outcome(self, method, br, new, input_ids, shared_prefill_s, decode_s) -> Outcome:
         text = self.tokenizer.decode(new[0], skip_special_tokens=True)
-        seq = int(br.cache.get_seq_length())
-        return Outcome(
-            method,
-            new,
-            text,
-            int(input_ids.shape[1]),
-            seq,
-            cache_kv_bytes(br.cache),
-            fp16_kv_bytes(self.model.config, seq),
-            shared_prefill_s,
-            decode_s,
-            br,
-            global_kv_ratio(br.cache, self.model.config, seq),
-        )
+        kv = kv_fields(br.cache, self.model.config)
+        return Outcome(method, new, text, int(input_ids.shape[1]), kv, shared_prefill_s, decode_s, br)
 
     def warm_up(self, methods: list[Method]) -> None:
         """Run every method once on a short prompt, untimed: first-call costs (encoder loading, optimum-quanto's

@@ -30,10 +30,10 @@ import torch
 from hf_cocktail.calibrate.divergence import kl_and_top1, teacher_force
 from hf_cocktail.planning.scoring import get_encoder
 
-from ..kv_bytes import cache_kv_bytes, fp16_kv_bytes, global_kv_ratio
 from ..methods.branching import branch, context_end, filled_cache, generate_from_branch, prefill, prefill_for
 from ..methods.kinds import CocktailMethod, DynamicMethod, Method, Request, is_sliding_layer, prefill_items
 from ..models import eos_token_ids, model_input_device
+from ..runner import kv_fields
 from .cases import KldCase
 
 REFERENCE = DynamicMethod("fp16_reference", "DynamicCache: the FP16 reference of the comparison")
@@ -176,9 +176,7 @@ class KldRunner:
             t1 = time.perf_counter()
             br = branch(method, model, tok, dyn, input_ids, req, self.encoder, prefill_queries=queries)
             logits_a = teacher_force(model, br.cache, answer_in)
-            seq = int(br.cache.get_seq_length())
-            kv, fp16 = cache_kv_bytes(br.cache), fp16_kv_bytes(model.config, seq)
-            kv_global, counts = global_kv_ratio(br.cache, model.config, seq), br.precision_counts
+            kv, counts = kv_fields(br.cache, model.config), br.precision_counts
             del br
             prefix_queries = None if queries is None else [q[:, :, : q.shape[2] - k] for q in queries]
             cache = filled_cache(method, model, tok, prefix_pairs, input_ids, req, self.encoder, prefix_queries)
@@ -189,11 +187,7 @@ class KldRunner:
                 "method": method.name,
                 **_segment("answer", ref_answer, logits_a),
                 **_segment("tail", ref_tail, logits_t),
-                "cache_tokens": seq,
-                "kv_bytes": kv,
-                "fp16_kv_bytes": fp16,
-                "kv_ratio": kv / fp16,
-                "kv_ratio_global": kv_global,
+                **kv,
                 "precision_counts": counts,
                 "method_s": round(time.perf_counter() - t1, 3),
             }

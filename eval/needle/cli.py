@@ -126,13 +126,7 @@ def case_record(case: dict, request: Request, out: Outcome, tok) -> dict:
         "pred": out.text,
         "correct": int(case["code"] in out.text),
         "prompt_tokens": out.prompt_tokens,
-        "kv_bytes": out.kv_bytes,
-        "fp16_kv_bytes": out.fp16_kv_bytes,
-        "kv_ratio": out.kv_ratio,
-        "kv_ratio_global": out.kv_ratio_global,
-        "prefill_s": out.prefill_s,
-        "decode_s": out.decode_s,
-        "precision_counts": out.branch.precision_counts,
+        **out.fields(),
         "needle_chunk_bits": needle_chunk_bits(tok, request.prompt, request.tokenizer_kwargs, case, out.branch.cache),
     }
 
@@ -167,13 +161,7 @@ def ruler_record(case: dict, out: Outcome, tok) -> dict:
         ),
         "prompt_tokens": out.prompt_tokens,
         "new_tokens": out.num_new,
-        "kv_bytes": out.kv_bytes,
-        "fp16_kv_bytes": out.fp16_kv_bytes,
-        "kv_ratio": out.kv_ratio,
-        "kv_ratio_global": out.kv_ratio_global,
-        "prefill_s": out.prefill_s,
-        "decode_s": out.decode_s,
-        "precision_counts": out.branch.precision_counts,
+        **out.fields(),
     }
 
 

@@ -17,10 +17,10 @@ import torch
 from hf_cocktail.calibrate.divergence import kl_and_top1, teacher_force
 
 from ..kld.measure import REFERENCE, encoder_keys, memoized_encoders
-from ..kv_bytes import cache_kv_bytes, fp16_kv_bytes, global_kv_ratio
-from ..methods.branching import branch, context_end, precision_counts, prefill_for
+from ..methods.branching import branch, context_end, prefill_for
 from ..methods.kinds import Method
 from ..models import model_input_device
+from ..runner import kv_fields
 from .windows import Window
 
 
@@ -65,10 +65,8 @@ class PplRunner:
             t1 = time.perf_counter()
             br = branch(method, model, tok, dyn, input_ids, req, self.encoder, prefill_queries=queries)
             logits = teacher_force(model, br.cache, fed)
-            seq = int(br.cache.get_seq_length())
             nll = token_nll(logits, targets)
             kl, agree = kl_and_top1(ref, logits)
-            kv, fp16 = cache_kv_bytes(br.cache), fp16_kv_bytes(model.config, seq)
             yield {
                 **base,
                 "method": method.name,
@@ -76,12 +74,8 @@ class PplRunner:
                 "nll_fp16": float(ref_nll.mean()),
                 "kl": float(kl.mean()),
                 "top1": float(agree.double().mean()),
-                "cache_tokens": seq,
-                "kv_bytes": kv,
-                "fp16_kv_bytes": fp16,
-                "kv_ratio": kv / fp16,
-                "kv_ratio_global": global_kv_ratio(br.cache, model.config, seq),
-                "precision_counts": None if br.precision_map is None else precision_counts(br.precision_map),
+                **kv_fields(br.cache, model.config),
+                "precision_counts": br.precision_counts,
                 "method_s": round(time.perf_counter() - t1, 3),
             }
             del br
