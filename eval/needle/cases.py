@@ -57,18 +57,17 @@ def passcode_request(tok, case: dict) -> Request:
     return Request(prompt, case["context"], QUESTION, case_key(case["length"], case["depth"], case["sample"]), kw)
 
 
-def needle_chunk_bits(tok, prompt: str, tokenizer_kwargs: dict, case: dict, cache) -> list[int] | None:
-    """Precision given to the chunk(s) holding the needle sentence (``cache``: a CocktailCache holding the case;
-    other caches: None), to see whether the search found it."""
+def span_chunk_bits(tok, request: Request, text: str, cache) -> list[int] | None:
+    """Precision of the context chunk(s) holding ``text`` (a needle) in ``request.prompt`` (``cache``: a CocktailCache
+    holding the prompt; other caches: None), to see whether the search found it."""
     if not isinstance(cache, CocktailCache):
         return None
-    plan = cache.plans[0]
-    needle = NEEDLE.format(code=case["code"])
-    c0 = prompt.find(needle)
+    c0 = request.prompt.find(text)
     if c0 < 0:
         return None
-    enc = tok(prompt, return_offsets_mapping=True, **tokenizer_kwargs)
-    toks = [t for t, (a, b) in enumerate(enc["offset_mapping"]) if b > a and a < c0 + len(needle) and b > c0]
+    plan = cache.plans[0]
+    enc = tok(request.prompt, return_offsets_mapping=True, **request.tokenizer_kwargs)
+    toks = [t for t, (a, b) in enumerate(enc["offset_mapping"]) if b > a and a < c0 + len(text) and b > c0]
     C = cache.config.chunk_size
     chunks = sorted({(t - plan.ctx_start) // C for t in toks if plan.ctx_start <= t < plan.ctx_end})
     return [plan.bits[i] for i in chunks]

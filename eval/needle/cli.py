@@ -30,7 +30,7 @@ from ..run_info import Invocation, run_config
 from ..runner import CaseRunner, Outcome
 from ..script_args import add_resume_args, check_script_args, script_parser
 from . import ruler
-from .cases import NEEDLE, QUESTION, case_key, make_case, needle_chunk_bits, passcode_request
+from .cases import NEEDLE, QUESTION, case_key, make_case, passcode_request, span_chunk_bits
 from .report import write_reports
 from .ruler_report import write_reports as write_ruler_reports
 
@@ -127,13 +127,13 @@ def case_record(case: dict, request: Request, out: Outcome, tok) -> dict:
         "correct": int(case["code"] in out.text),
         "prompt_tokens": out.prompt_tokens,
         **out.fields(),
-        "needle_chunk_bits": needle_chunk_bits(tok, request.prompt, request.tokenizer_kwargs, case, out.branch.cache),
+        "needle_chunk_bits": span_chunk_bits(tok, request, NEEDLE.format(code=case["code"]), out.branch.cache),
     }
 
 
-def ruler_record(case: dict, out: Outcome, tok) -> dict:
+def ruler_record(case: dict, request: Request, out: Outcome, tok) -> dict:
     """The record of one method on one RULER-style case; ``score`` is RULER's string_match_all."""
-    prompt, kw, cache = case["prompt"], case["tokenizer_kwargs"], out.branch.cache
+    cache = out.branch.cache
     asked = {
         ruler.NEEDLE.format(key=k, value=v)
         for k, vs in zip(case["keys"], case["values"])
@@ -141,7 +141,7 @@ def ruler_record(case: dict, out: Outcome, tok) -> dict:
         for v in vs
     }
     needles = [
-        {**n, "asked": n["text"] in asked, "chunk_bits": ruler.span_chunk_bits(tok, prompt, kw, n["text"], cache)}
+        {**n, "asked": n["text"] in asked, "chunk_bits": span_chunk_bits(tok, request, n["text"], cache)}
         for n in case["needles"]
     ]
     return {
@@ -177,7 +177,7 @@ def ruler_case(args, tok, essays: list[str], v: str, L: int, s: int) -> tuple[Re
     case = ruler.make_case(tok, essays, v, L, s, args.seed)
     key = ruler.case_key(v, L, s)
     request = Request(case["prompt"], case["context"], case["question"], key, case["tokenizer_kwargs"])
-    return request, lambda out: ruler_record(case, out, tok)
+    return request, lambda out: ruler_record(case, request, out, tok)
 
 
 def run_cases(

@@ -31,8 +31,6 @@ import random
 import re
 from dataclasses import dataclass
 
-from hf_cocktail import CocktailCache
-
 from ..chat import CHAT_TOKENIZER_KWARGS, chat_prompt, has_chat_template
 from ..cli import UsageError
 
@@ -274,19 +272,3 @@ def make_case(
         "prompt_tokens": n,
         "needles": [{"text": t, "depth": d, "haystack_frac": round(f, 4)} for t, d, f in zip(needles, depths, fracs)],
     }
-
-
-def span_chunk_bits(tok, prompt: str, tokenizer_kwargs: dict, text: str, cache) -> list[int] | None:
-    """Precision of the context chunk(s) holding ``text`` in ``prompt`` (``cache``: a CocktailCache holding the
-    prompt; other caches: None)."""
-    if not isinstance(cache, CocktailCache):
-        return None
-    c0 = prompt.find(text)
-    if c0 < 0:
-        return None
-    plan = cache.plans[0]
-    enc = tok(prompt, return_offsets_mapping=True, **tokenizer_kwargs)
-    toks = [t for t, (a, b) in enumerate(enc["offset_mapping"]) if b > a and a < c0 + len(text) and b > c0]
-    C = cache.config.chunk_size
-    chunks = sorted({(t - plan.ctx_start) // C for t in toks if plan.ctx_start <= t < plan.ctx_end})
-    return [plan.bits[i] for i in chunks]
