@@ -2,8 +2,8 @@
 
 Differences from the official code, all documented in ``eval/README.md``:
 
-* ROUGE-L is computed through ``evaluate`` with the local module ``eval/longbench/rouge_local`` (Google's
-  ``rouge_score``, rougeL F-measure, no stemming), whereas LongBench uses the ``rouge`` PyPI package (summary-level
+* ROUGE-L is Google's ``rouge_score`` (rougeL F-measure, its default tokenizer, no stemming, as the Hub's ``rouge``
+  metric of ``evaluate`` computes it), whereas LongBench uses the ``rouge`` PyPI package (summary-level
   LCS over '.'-split sentences, whitespace tokens). Scores are comparable between methods, not with published
   numbers.
 * ``code_sim_score`` uses ``difflib.SequenceMatcher`` as fuzzywuzzy's ``fuzz.ratio`` does when python-Levenshtein
@@ -14,24 +14,20 @@ Differences from the official code, all documented in ``eval/README.md``:
 from __future__ import annotations
 
 import difflib
-import os
+import functools
 import re
 import string
-import uuid
 from collections import Counter
 
-ROUGE_MODULE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rouge_local")
-_ROUGE = None
 
-
-def rouge_metric():
-    """The local ROUGE ``evaluate`` module (loaded once, in memory: safe with several processes)."""
-    global _ROUGE
-    if _ROUGE is None:
-        import evaluate
-
-        _ROUGE = evaluate.load(ROUGE_MODULE, experiment_id=uuid.uuid4().hex, keep_in_memory=True)
-    return _ROUGE
+@functools.cache
+def rouge_l():
+    """Google's ROUGE-L scorer (``rouge_score.rouge_scorer.RougeScorer``), made once."""
+    try:
+        from rouge_score import rouge_scorer
+    except ImportError as e:
+        raise ImportError("LongBench's ROUGE-L needs rouge-score: pip install -e '.[eval]'") from e
+    return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
 
 
 def normalize_answer(s: str) -> str:
@@ -101,12 +97,8 @@ def classification_score(prediction: str, ground_truth: str, **kwargs) -> float:
 
 
 def rouge_score(prediction: str, ground_truth: str, **kwargs) -> float:
-    """ROUGE-L F-measure of one pair (via the local ``evaluate`` module)."""
-    return float(
-        rouge_metric().compute(
-            predictions=[prediction], references=[ground_truth], rouge_types=["rougeL"], use_aggregator=False
-        )["rougeL"][0]
-    )
+    """ROUGE-L F-measure of one pair."""
+    return float(rouge_l().score(ground_truth, prediction)["rougeL"].fmeasure)
 
 
 def f1_score(prediction, ground_truth, **kwargs) -> float:
@@ -161,14 +153,6 @@ def example_score(task: str, prediction: str, answers: list[str], all_classes=No
     metric = metric_for(task)
     if task in FIRST_LINE_TASKS:
         prediction = prediction.lstrip("\n").split("\n")[0]
-    if metric is rouge_score and answers:  # one evaluate call for all references
-        out = rouge_metric().compute(
-            predictions=[prediction] * len(answers),
-            references=list(answers),
-            rouge_types=["rougeL"],
-            use_aggregator=False,
-        )["rougeL"]
-        return float(max([0.0] + list(out)))
     score = 0.0
     for ground_truth in answers:
         score = max(score, metric(prediction, ground_truth, all_classes=all_classes))
