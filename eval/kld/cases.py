@@ -47,7 +47,7 @@ def longbench_cases(
     templates, _ = load_config(config_dir)
     per: list[list[KldCase]] = []
     for task in tasks:
-        rows = load_task_rows(task, data_dir, hub=False)
+        rows = load_task_rows(task, data_dir)
         ids = example_ids(rows)
         cases = []
         for i in select_rows(len(rows), per_task, seed, task):

@@ -70,7 +70,6 @@ def _parser() -> argparse.ArgumentParser:
         default=os.path.join(LONGBENCH_DIR, "minilongbench"),
         help="folder of <task>.jsonl files in the LongBench schema",
     )
-    p.add_argument("--hub", action="store_true", help="read the data from THUDM/LongBench on the Hub instead")
     p.add_argument(
         "--config-dir",
         default=os.path.join(LONGBENCH_DIR, "config"),
@@ -107,11 +106,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.method_list = methods_from_args(args)
     args.task_limit_map = parse_task_ints(args.task_limits, "--task-limits")
     args.new_cap_map = parse_task_ints(args.max_new_tokens_cap, "--max-new-tokens-cap")
-    if not args.hub and not os.path.isdir(args.data_dir):
-        raise UsageError(
-            f"--data-dir {args.data_dir} does not exist (the offline data lives in ../shared/data; "
-            "or pass --hub when the Hugging Face Hub is reachable)"
-        )
+    if not os.path.isdir(args.data_dir):
+        raise UsageError(f"--data-dir {args.data_dir} does not exist (the offline data lives in ../shared/data)")
     return args
 
 
@@ -133,7 +129,7 @@ def load_run_data(args) -> RunData:
     rows, ids = {}, {}
     for t in args.task_list:
         cap = args.task_limit_map.get(t, args.limit)
-        task_rows = load_task_rows(t, args.data_dir, args.hub)
+        task_rows = load_task_rows(t, args.data_dir)
         rows[t] = task_rows[:cap] if cap else task_rows
         ids[t] = example_ids(rows[t])
     max_new = {t: min(d2m[t], args.new_cap_map.get(t, d2m[t])) for t in args.task_list}

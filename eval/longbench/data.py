@@ -1,13 +1,11 @@
 """LongBench data: the prompt templates and max new tokens (``dataset2prompt.json`` / ``dataset2maxlen.json``) and the
-examples of a task, from a folder of jsonl files in the LongBench schema or from THUDM/LongBench on the Hub."""
+examples of a task, from a folder of jsonl files in the LongBench schema (MiniLongBench, or the ``data/`` of
+THUDM/LongBench's ``data.zip``)."""
 
 from __future__ import annotations
 
 import json
 import os
-import zipfile
-
-from huggingface_hub import hf_hub_download
 
 from ..cli import UsageError
 
@@ -31,25 +29,8 @@ def read_jsonl(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _hub_task_rows(task: str) -> list[dict]:
-    """``data/<task>.jsonl`` of THUDM/LongBench's ``data.zip`` (what the dataset's loading script reads; ``datasets``
-    >= 4 refuses loading scripts)."""
-    try:
-        z = hf_hub_download("THUDM/LongBench", "data.zip", repo_type="dataset")
-    except Exception as e:  # offline, no cache
-        raise UsageError(
-            f"--hub: could not download THUDM/LongBench data.zip ({type(e).__name__}: {e}); "
-            "use --data-dir with local jsonl files instead"
-        ) from e
-    with zipfile.ZipFile(z) as zf:
-        with zf.open(f"data/{task}.jsonl") as f:
-            return [json.loads(line) for line in f.read().decode("utf-8").splitlines() if line.strip()]
-
-
-def load_task_rows(task: str, data_dir: str | None, hub: bool) -> list[dict]:
-    """Rows of ``task`` in the LongBench schema, from ``data_dir/<task>.jsonl`` or the Hub (THUDM/LongBench)."""
-    if hub:
-        return _hub_task_rows(task)
+def load_task_rows(task: str, data_dir: str) -> list[dict]:
+    """Rows of ``task`` in the LongBench schema, from ``data_dir/<task>.jsonl``."""
     path = os.path.join(data_dir, f"{task}.jsonl")
     if not os.path.isfile(path):
         raise UsageError(f"no data for task {task!r}: {path} does not exist (--data-dir {data_dir})")
