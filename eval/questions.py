@@ -45,11 +45,13 @@ KLD_SHOWN = (  # FP16 itself (0 by definition) is left out
     "kivi2",
     "int4v3_had_g64",
     "recommended",
+    "int4_auto_s8_g64",
     "recommended_k4v3",
     "layers3r2_had_s8_sal1_f8",
     "preset",
 )
-FIDELITY_SHOWN = ("int4", "recommended", "recommended_k4v3", "preset", "preset_020")  # the reports: the candidates
+# the fidelity reports: the candidates
+FIDELITY_SHOWN = ("int4", "recommended", "int4_auto_s8_g64", "recommended_k4v3", "preset", "preset_020")
 RULER_SHOWN = ("fp16", "int4", "int4_had", "recommended_k4v3", "layers3r2_had_s8_sal1_f8")
 LONGBENCH_SHOWN = ("cocktail", "int4", "kivi2", "hqq2", "recommended_k4v3")  # the report: int2, nosearch, quanto2 too
 SINGLE_LENGTH = (("length", ("2000",)),)  # a one-length RULER run: its "all" rows repeat the length's

@@ -10,7 +10,8 @@ import re
 NAMED = {
     "fp16": "FP16 (DynamicCache)",
     "cocktail": "paper Cocktail (FP16/INT4/INT2 by relevance)",
-    "recommended": "recommended() (4-bit keys and values, rotation auto, 8-bit params)",
+    "recommended": "recommended() (4-bit keys and values, rotation auto, 8-bit params, centred keys)",
+    "int4_auto_s8_g64": "recommended() without centred keys (its setting until the centring, 2026-12-07)",
     "preset_020": "preset calibrated at --target-bytes 0.20 (eval/results/presets_020/, not shipped)",
     "recommended_k4v3": "recommended() before 2026-12-07 (rotated, 4-bit keys, 3-bit values)",
     "recommended_k4v3_f8": "recommended() before 2026-12-07, 8-bit full part",
