@@ -123,29 +123,53 @@ def _segment(prefix: str, ref: torch.Tensor, logits: torch.Tensor) -> dict:
     }
 
 
-class KldRunner:
+class ForcedRunner:
+    """What ``eval.kld`` and ``eval.ppl`` measure with: one model, a case's prompt prefilled once and each method's
+    branch of it teacher-forced, the retrieval encoders memoized over a case's methods (:func:`memoized_encoders`).
+    A subclass yields a case's records from ``_run``."""
+
+    def __init__(self, model, tok, encoder: str | None = None):
+        self.model, self.tok, self.encoder = model, tok, encoder
+        self.device = model_input_device(model)
+
+    def run(self, case, methods: list[Method]) -> Iterator[dict]:
+        """Yield one record per method (see the module docstrings)."""
+        with memoized_encoders(encoder_keys(methods, self.encoder)):
+            yield from self._run(case, methods)
+
+    def _run(self, case, methods: list[Method]) -> Iterator[dict]:
+        raise NotImplementedError
+
+    def shared_prefill(self, req: Request, methods: list[Method], ctx_end: int) -> tuple:
+        """The prompt's ids ``(1, L)``, its full-precision prefill (:func:`prefill_for`: cache, last logits, queries)
+        and the seconds that took."""
+        input_ids = self.tok(req.prompt, return_tensors="pt", **req.tokenizer_kwargs)["input_ids"].to(self.device)
+        t0 = time.perf_counter()
+        dyn, first_logits, queries = prefill_for(self.model, self.tok, input_ids, req, methods, ctx_end)
+        return input_ids, dyn, first_logits, queries, round(time.perf_counter() - t0, 3)
+
+    def forced(self, method: Method, dyn, input_ids, req: Request, queries, fed: torch.Tensor) -> tuple:
+        """``method``'s branch of the shared prefill ``dyn`` fed ``fed`` ``(1, n)``: its teacher-forced logits
+        ``(n, V)`` and the cache's size after (:func:`eval.runner.kv_fields` and ``precision_counts``)."""
+        br = branch(method, self.model, self.tok, dyn, input_ids, req, self.encoder, prefill_queries=queries)
+        logits = teacher_force(self.model, br.cache, fed)
+        return logits, {**kv_fields(br.cache, self.model.config), "precision_counts": br.precision_counts}
+
+
+class KldRunner(ForcedRunner):
     """Measures cases with one model."""
 
     def __init__(self, model, tok, encoder: str | None = None, max_answer_tokens: int = 32, tail_tokens: int = 16):
-        self.model, self.tok, self.encoder = model, tok, encoder
+        super().__init__(model, tok, encoder)
         self.max_answer_tokens, self.tail_tokens = max_answer_tokens, tail_tokens
-        self.device = model_input_device(model)
         self.eos = eos_token_ids(model, tok)
-
-    def run(self, case: KldCase, methods: list[Method]) -> Iterator[dict]:
-        """Yield one record per method (see the module docstring)."""
-        with memoized_encoders(encoder_keys(methods, self.encoder)):
-            yield from self._run(case, methods)
 
     @torch.no_grad()
     def _run(self, case: KldCase, methods: list[Method]) -> Iterator[dict]:
         model, tok, req = self.model, self.tok, case.request
-        input_ids = tok(req.prompt, return_tensors="pt", **req.tokenizer_kwargs)["input_ids"].to(self.device)
-        L = input_ids.shape[1]
         ctx_end = context_end(tok, req)
-        t0 = time.perf_counter()
-        dyn, first_logits, queries = prefill_for(model, tok, input_ids, req, methods, ctx_end)
-        prefill_s = time.perf_counter() - t0
+        input_ids, dyn, first_logits, queries, prefill_s = self.shared_prefill(req, methods, ctx_end)
+        L = input_ids.shape[1]
         answer, ref_answer = reference_answer(
             model, tok, dyn, first_logits, input_ids, req, self.max_answer_tokens, self.eos
         )
@@ -170,14 +194,11 @@ class KldRunner:
             "ref_top1_is_answer": float((ref_answer.argmax(-1) == answer[0, 1:].to(ref_answer.device)).double().mean())
             if answer_in.shape[1]
             else None,
-            "shared_prefill_s": round(prefill_s, 3),
+            "shared_prefill_s": prefill_s,
         }
         for method in methods:
             t1 = time.perf_counter()
-            br = branch(method, model, tok, dyn, input_ids, req, self.encoder, prefill_queries=queries)
-            logits_a = teacher_force(model, br.cache, answer_in)
-            kv, counts = kv_fields(br.cache, model.config), br.precision_counts
-            del br
+            logits_a, size = self.forced(method, dyn, input_ids, req, queries, answer_in)
             prefix_queries = None if queries is None else [q[:, :, : q.shape[2] - k] for q in queries]
             cache = filled_cache(method, model, tok, prefix_pairs, input_ids, req, self.encoder, prefix_queries)
             logits_t = teacher_force(model, cache, tail_in)
@@ -187,8 +208,7 @@ class KldRunner:
                 "method": method.name,
                 **_segment("answer", ref_answer, logits_a),
                 **_segment("tail", ref_tail, logits_t),
-                **kv,
-                "precision_counts": counts,
+                **size,
                 "method_s": round(time.perf_counter() - t1, 3),
             }
         del dyn
