@@ -34,16 +34,12 @@ MODIFIERS = {
     "s8": "8-bit scales",
     "f8": "8-bit full part",
     "lloyd": "Lloyd codebook (removed)",  # codebook="lloyd": ids of results measured before its removal
-    "nosink": "no sink tokens",
     "nb1": "FP16 neighbours",
     "a02": "alpha 0.2",
     "shuffled": "random chunks",
     "l3": "INT3 low tier",
     "l3v3": "INT3 low tier, 3-bit values",
     "v3": "3-bit values",
-    "encoder": "encoder scores",
-    "bm25": "BM25 scores",
-    "attention": "attention scores",
 }
 BACKENDS = {"torch": "PyTorch", "auto": "automatic", "cpu": "fused CPU"}  # eval/benchmarks/rounds.py
 _BASES = [
@@ -63,8 +59,6 @@ _SIZED = [
     (r"sal(\d+)", lambda m: f"{m[1]}% salient tokens"),
     (r"kout(\d+)", lambda m: f"1/{m[1]} of key channels at 8 bits"),
     (r"seed(\d+)", lambda m: f"rotation seed {m[1]}"),
-    (r"r(\d+)", lambda m: f"FP residual {m[1]}"),
-    (r"l(\d)", lambda m: f"INT{m[1]} low tier"),
     (r"caps([\d.]+)", lambda m: f"per-layer caps at {m[1]} bits"),
     (r"t([\d.]+)", lambda m: f"target {m[1]} bits"),
     (r"f(\d+)", lambda m: f"{m[1]}-bit full part"),
