@@ -38,6 +38,7 @@ SAMPLES: dict = {
     "full_part_bits": [8],
     "residual_tokens": [64],
     "key_outlier_share": [0.125],
+    "center_keys": [True],
 }
 ANY = None
 ALL_UNIFORM = {16, 4, 3, 2}
@@ -52,6 +53,7 @@ MOOT = [
     ("key_outlier_share", ANY, "uniform_bits", {16}),
     ("rotation", ANY, "uniform_bits", {16}),  # with full_part_bits at its default 16
     ("scale_dtype", ANY, "uniform_bits", {16}),  # the same
+    ("center_keys", ANY, "uniform_bits", {16}),  # the same
     ("layer_bits", ANY, "uniform_bits", {16, 2}),
     ("value_bits", {3, 4}, "uniform_bits", {3}),
     ("value_bits", {2, 3, 4}, "uniform_bits", {2}),

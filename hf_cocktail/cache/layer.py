@@ -20,6 +20,7 @@ from transformers.cache_utils import CacheLayerMixin
 from hf_cocktail.decode.dispatch import attach_fused_writer, quantizers
 from hf_cocktail.planning.key_rotation import layer_rotation, tail_query_moment
 from hf_cocktail.storage.generated import AppendedPacking, crop_appended, pack_appended
+from hf_cocktail.storage.key_centering import centered, context_key_mean
 from hf_cocktail.storage.layer_bits import code_widths
 from hf_cocktail.storage.rotation import Rotation
 from hf_cocktail.storage.store import LayerStore
@@ -86,6 +87,7 @@ class CocktailLayer(CacheLayerMixin):
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # requery: the copy, to re-prefill
         self.deferred: tuple[torch.Tensor, torch.Tensor] | None = None  # state DEFERRED: raw prefill k/v
         self.query_moment: torch.Tensor | None = None  # rotation="auto": the prompt's queries (key_rotation)
+        self.center_keys = cache.config.center_keys  # False once the attention shows soft-capping or sinks
         self._dequantized_steps = 0
 
     @property
@@ -183,10 +185,14 @@ class CocktailLayer(CacheLayerMixin):
         if self.path is not AttentionPath.DEQUANTIZE:
             self.path = AttentionPath.SPLIT
 
-    def observe_prefill_attention(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+    def observe_prefill_attention(
+        self, query: torch.Tensor, key: torch.Tensor, scaling: float, shift_sensitive: bool = False
+    ) -> None:
         """scorer="attention" / salient_tokens: record this layer's prefill attention (before it quantizes);
         rotation="auto": the second moment of its queries after the context. ``query (B, H_q, L_q, D)``, ``key
-        (B, H_kv, L, D)``."""
+        (B, H_kv, L, D)``. ``shift_sensitive``: the attention soft-caps or has sinks, so ``center_keys`` is not
+        applied to this layer (the fused kernels could not serve it)."""
+        self.center_keys = self.center_keys and not shift_sensitive
         if self.state is LayerState.DEFERRED:
             self.cache.accumulate_attention(query, key, scaling, self.layer_idx)
             if self._auto_rotation():
@@ -235,8 +241,13 @@ class CocktailLayer(CacheLayerMixin):
         quantize_k, quantize_v = quantizers(cfg.backend, k.device)
         positions = self.cache.layer_positions(self.layer_idx, self.all_full)
         H, D = k.shape[1], k.shape[3]
+        mean = None
+        if self.center_keys and not self.all_full:
+            mean = context_key_mean(k, [(p.ctx_start, p.ctx_end) for p in plans], cfg.torch_scale_dtype(k.dtype))
         rotation = (
-            None if self.all_full else Rotation.make(self._rotation_kind(k, plans), H, D, cfg.rotation_seed, k.device)
+            None
+            if self.all_full
+            else Rotation.make(self._rotation_kind(centered(k, mean), plans), H, D, cfg.rotation_seed, k.device)
         )
         self.store = LayerStore.build(
             k,
@@ -252,6 +263,7 @@ class CocktailLayer(CacheLayerMixin):
             cfg.scale_bits,
             16 if self.all_full else cfg.full_part_bits,
             0.0 if self.all_full else cfg.key_outlier_share,
+            mean,
         )
         self.store.packing = self._appended_packing(quantize_k, quantize_v, cfg.torch_scale_dtype(k.dtype))
         # the prefill's tokens past the cache's prompt_len age like appended ones: the prompt's tail without

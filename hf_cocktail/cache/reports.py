@@ -70,6 +70,8 @@ def memory_report(
     (``quantized_layers_fp16_equivalent_bytes``). On a sliding + global model (Gemma 3) the whole cache's ratio is
     nearer 1.
 
+    ``scales_zeros_bytes`` includes the key means of centred keys (``center_keys``).
+
     ``appended_packed_tokens``: per sequence, the tokens appended after the prefill (generated tokens, later turns)
     that were packed (:mod:`hf_cocktail.storage.generated`); their codes and scales are in ``codes_bytes`` and
     ``scales_zeros_bytes``, and the tokens in the FP16 equivalent."""
@@ -86,7 +88,7 @@ def memory_report(
         rep["headroom_bytes"] += st.full.reserved_bytes()
         headroom_deployed += st.full.reserved_deployed_bytes()
         rep["codes_bytes"] += sum(s.nbytes_codes() for s in st.segments)
-        rep["scales_zeros_bytes"] += sum(s.nbytes_params() for s in st.segments)
+        rep["scales_zeros_bytes"] += sum(s.nbytes_params() for s in st.segments) + st.key_mean_bytes()
         index += st.index_bytes()
         tokens = st.full.valid_tokens() + sum(s.num_tokens for s in st.segments)
         fp16_equiv += tokens * H * D * 2 * 2

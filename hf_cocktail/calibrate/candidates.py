@@ -23,7 +23,7 @@ from typing import Any
 from hf_cocktail.calibrate.solve import solve
 from hf_cocktail.presets.config import CocktailConfig
 
-STORAGE = {"rotation": "hadamard", "scale_bits": 8, "chunk_size": 32}
+STORAGE = {"rotation": "hadamard", "scale_bits": 8, "chunk_size": 32, "center_keys": True}
 VARIANTS = tuple((fp, sal) for fp in (8, 16) for sal in (0.0, 0.01, 0.02))  # (full_part_bits, salient_tokens)
 ROTATION_TAGS = {"hadamard": "had", "hadamard_keys": "hadk", "hadamard_values": "hadv"}  # as eval's method ids
 BUDGETS = tuple(round(2.0 + 0.1 * i, 1) for i in range(21))  # mean code bits per K/V element, 2.0 .. 4.0

@@ -12,6 +12,7 @@ import torch
 
 from hf_cocktail.presets.config import CocktailConfig
 from hf_cocktail.storage import params8, quant
+from hf_cocktail.storage.key_centering import centered, context_key_mean, uncentered
 from hf_cocktail.storage.rotation import orthonormal_matrices
 
 
@@ -32,11 +33,13 @@ class FakeQuantizer:
         return x @ (self.R.transpose(-1, -2) if back else self.R)
 
     def keys(self, k: torch.Tensor, bits: int) -> torch.Tensor:
-        """``k (H_kv, N, D)`` -> its ``bits``-bit store round trip, fp32."""
+        """``k (H_kv, N, D)`` -> its ``bits``-bit store round trip, fp32 (with ``center_keys``, centred on the
+        context's mean key as the store centres them, :mod:`hf_cocktail.storage.key_centering`)."""
         C = self.config.chunk_size
-        y = self._rotate(k.float(), self.rotate_k)
+        mean = context_key_mean(k[None], [(0, k.shape[1])], self.scale_dtype)[0] if self.config.center_keys else None
+        y = self._rotate(centered(k.float(), mean), self.rotate_k)
         back = params8.round_trip_keys(y, bits, C, self.config.scale_bits, self.scale_dtype)
-        return self._rotate(back, self.rotate_k, back=True)
+        return uncentered(self._rotate(back, self.rotate_k, back=True), mean)
 
     def values(self, v: torch.Tensor, bits: int) -> torch.Tensor:
         """``v (H_kv, N, D)`` -> its ``bits``-bit store round trip, fp32."""

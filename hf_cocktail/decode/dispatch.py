@@ -278,7 +278,15 @@ def split_precision_attention(
     A store holding a bit width the chosen kernel does not read takes the PyTorch path (one warning). The choice
     depends only on the backend, the device, the head dim and the store's segments: it is made once per store and
     kept in ``store.kernel_cache``. ``sinks`` ``(H_q,)`` (attention sinks) and ``softcap`` (logit soft-capping): as
-    :func:`~hf_cocktail.decode.split_attention.split_precision_attention_torch`, on every backend."""
+    :func:`~hf_cocktail.decode.split_attention.split_precision_attention_torch`, on every backend (centred keys, whose
+    scores they make shift-sensitive, on the PyTorch path: the kernels do not add the shift back)."""
+    if store.key_mean is not None and (sinks is not None or softcap is not None):
+        _warn_once(
+            "centred",
+            "center_keys=True on a model with logit soft-capping or attention sinks, with keys quantized before its "
+            "attention was seen: decode runs the PyTorch split attention; center_keys=False keeps the fused kernels",
+        )
+        return split_precision_attention_torch(query, store, scaling, sinks=sinks, softcap=softcap)
     key = ("route", backend, query.device, query.shape[-1])
     entry = store.kernel_cache.get(key)
     if entry is None or not _same_segments(entry[0], store):

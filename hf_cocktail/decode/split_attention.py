@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from hf_cocktail.storage import key_outliers, quant
+from hf_cocktail.storage.key_centering import logit_offsets
 from hf_cocktail.storage.store import LayerStore, PackedSegment
 
 BLOCK_TOKENS = 4096  # the PyTorch path dequantizes at most this many tokens of one segment at a time
@@ -69,7 +70,9 @@ def split_precision_attention_torch(
     in fp32. The newest ``L_q`` tokens of the full-precision part are the queries' own tokens: query ``i`` sees them
     causally. Packed segments are dequantized one block (at most ``BLOCK_TOKENS`` tokens of one sequence) at a time;
     the whole cache is never materialised at full precision. A rotated store (``store.rotation``) is never
-    un-rotated: the query is rotated once and the output rotated back once (:func:`with_rotation`).
+    un-rotated: the query is rotated once and the output rotated back once (:func:`with_rotation`). Centred keys
+    (``store.key_mean``) need nothing: the common shift of a query's scores cancels in the softmax. Under ``sinks``
+    or ``softcap`` it does not, and the shift is added back to every score.
 
     The scores are those of transformers' eager attention: ``s = scaling * q·k``; with ``softcap``,
     ``s = softcap * tanh(s / softcap)`` (Gemma 2 logit soft-capping) before the causal mask; with ``sinks`` (gpt-oss
@@ -86,7 +89,10 @@ def split_precision_attention_torch(
     Returns:
         ``(B, H_q, L_q, D)`` in ``query.dtype``.
     """
-    return with_rotation(attend_in_store_basis, query, store, scaling, sinks=sinks, softcap=softcap)
+    offsets = None
+    if store.key_mean is not None and (sinks is not None or softcap is not None):  # centring is no longer invisible
+        offsets = logit_offsets(query, store.key_mean, scaling)
+    return with_rotation(attend_in_store_basis, query, store, scaling, sinks=sinks, softcap=softcap, offsets=offsets)
 
 
 def with_rotation(attend: Callable, query: torch.Tensor, store: LayerStore, scaling: float, **kwargs) -> torch.Tensor:
@@ -127,8 +133,10 @@ def attend_in_store_basis(
     *,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
+    offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:func:`split_precision_attention_torch` on a query already in the store's (rotated) basis."""
+    """:func:`split_precision_attention_torch` on a query already in the store's (rotated) basis; ``offsets (B, H_q,
+    L_q, 1)``, added to every score before the soft-cap: what centred keys took from them (:mod:`.key_centering`)."""
     B, H_q, Lq, D = query.shape
     H_kv = store.full.shape[1]
     if H_q % H_kv:
@@ -142,9 +150,10 @@ def attend_in_store_basis(
     for b in range(B):
         q = query[b].float().reshape(H_kv, n_rep * Lq, D) * scaling  # rows ordered (rep, i)
         blocks = list(_segment_blocks(store, b, full))
+        shift = 0.0 if offsets is None else offsets[b].reshape(H_kv, n_rep * Lq, 1)
         scores = []
         for kind, get in blocks:
-            s = soft_capped(q @ get("k").transpose(1, 2), softcap)  # (H_kv, n_rep*Lq, T_block)
+            s = soft_capped(q @ get("k").transpose(1, 2) + shift, softcap)  # (H_kv, n_rep*Lq, T_block)
             scores.append(causal_mask_full_part(s, store.full.start[b], R, Lq, n_rep) if kind == "full" else s)
         p = softmax_with_sinks(torch.cat(scores, dim=-1), sinks)
         o = torch.zeros(H_kv, n_rep * Lq, D, dtype=torch.float32, device=query.device)

@@ -170,7 +170,8 @@ def cocktail_attention_forward(module, query, key, value, attention_mask, scalin
     claimed = layer.path is AttentionPath.SPLIT  # update returned the full part (not the whole dequantized cache)
     layer.claim_split_attention()
     if not reads_store:
-        layer.observe_prefill_attention(query, key, scaling)
+        shift_sensitive = kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None
+        layer.observe_prefill_attention(query, key, scaling, shift_sensitive)
         return _attention_without_store(module, query, key, value, attention_mask, dropout, scaling, kwargs)
     if claimed:
         _refuse_transformed_values(module, layer, value)

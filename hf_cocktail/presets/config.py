@@ -128,6 +128,10 @@ class CocktailConfig(ConfigFiles):
             outliers being fixed per channel (KIVI, KVQuant); the rest keep the chunk's width, values are unchanged.
             Rounded up per segment so the rest fill whole code bytes (:mod:`hf_cocktail.storage.key_outliers`).
             0 (default): none. Needs ``scale_bits=16``.
+        center_keys: store each layer's keys minus the mean key of the prompt's context (per sequence, head and
+            channel; :mod:`hf_cocktail.storage.key_centering`). Attention is unchanged (every score of a query moves by
+            the same amount), but a channel's constant offset no longer costs the 8-bit zeros (``scale_bits=8``) and
+            the 8-bit full part their precision. Costs ``2 * D`` bytes per sequence, head and layer. False: the paper.
         keep_context_copy: keep a full-precision copy of the prompt up to the end of the context on CPU, so that
             :meth:`CocktailCache.requery` can answer a new question about the same document without a new prefill.
     """
@@ -159,6 +163,7 @@ class CocktailConfig(ConfigFiles):
     full_part_bits: int = 16
     residual_tokens: int = 128
     key_outlier_share: float = 0.0
+    center_keys: bool = False
 
     def __post_init__(self) -> None:
         for name, allowed in _CHOICES.items():  # of the allowed values' own types (True is not 1, 8.0 is not 8)
@@ -198,10 +203,8 @@ class CocktailConfig(ConfigFiles):
             f"full_precision_layers must be a list of layer indices >= 0, got {layers!r}",
         )
         object.__setattr__(self, "full_precision_layers", tuple(sorted(set(layers))))  # no re-validation
-        _check(
-            isinstance(self.keep_context_copy, bool),
-            f"keep_context_copy must be True or False, got {self.keep_context_copy!r}",
-        )
+        for name in ("keep_context_copy", "center_keys"):
+            _check(isinstance(getattr(self, name), bool), f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.target_bits is not None:
             lo = self.packed_bits_per_element(self.low_bits)
             _check(
@@ -267,15 +270,15 @@ class CocktailConfig(ConfigFiles):
     @classmethod
     def recommended(cls, **overrides: Any) -> CocktailConfig:
         """The recommended setting: every context chunk with 4-bit keys and values (``uniform_bits=4``), 8-bit scales
-        and zeros (``scale_bits=8``), values in groups of up to 64 channels, values rotated and keys rotated in the
-        layers where the prompt's own queries see less error so (``rotation="auto"``, read from the prefill under
-        ``attn_implementation="cocktail"``; keys rotated everywhere under another attention). At 8K-token LongBench
-        windows: SmolLM2 uniform INT4's KL divergence from FP16 at 0.89x its bytes, Gemma 3 270M 1.5x at 0.94x
-        (issue 46; docs/results.md). No query is needed, so it works without ``prepare_inputs``. Groups of up to 64
-        channels: a head dim that 64 does not divide (32, 80, 96) gets the largest power of two that does
-        (:meth:`group_size_for`). ``CocktailConfig()`` stays the paper's setting; the recommendation before
-        2026-12-07 is ``recommended(rotation="hadamard", value_bits=3, scale_bits=16)``. ``overrides`` replace
-        fields (e.g. ``encoder=``)."""
+        and zeros (``scale_bits=8``), values in groups of up to 64 channels, keys centred on the context's mean key
+        (``center_keys=True``), values rotated and keys rotated in the layers where the prompt's own queries see less
+        error so (``rotation="auto"``, read from the prefill under ``attn_implementation="cocktail"``; keys rotated
+        everywhere under another attention). Its KL divergence from FP16 beside uniform INT4's, at 8K-token LongBench
+        windows and needle prompts: docs/results.md (issue 46). No query is needed, so it works without
+        ``prepare_inputs``. Groups of up to 64 channels: a head dim that 64 does not divide (32, 80, 96) gets the
+        largest power of two that does (:meth:`group_size_for`). ``CocktailConfig()`` stays the paper's setting; the
+        recommendation before 2026-12-07 is ``recommended(rotation="hadamard", value_bits=3, scale_bits=16,
+        center_keys=False)``. ``overrides`` replace fields (e.g. ``encoder=``)."""
         return cls(**{**RECOMMENDED, **overrides})
 
     def group_size_for(self, head_dim: int) -> int:
@@ -383,4 +386,10 @@ def removed_field_error(name: str, value: Any) -> ValueError:
     )
 
 
-RECOMMENDED: dict[str, Any] = {"rotation": "auto", "uniform_bits": 4, "scale_bits": 8, "group_size": 64}
+RECOMMENDED: dict[str, Any] = {
+    "rotation": "auto",
+    "uniform_bits": 4,
+    "scale_bits": 8,
+    "group_size": 64,
+    "center_keys": True,
+}

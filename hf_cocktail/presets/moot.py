@@ -64,6 +64,7 @@ MOOT: tuple[Moot, ...] = (
     ),
     Moot("rotation", "uniform_bits", _all_full_stored_full, _NOTHING_QUANTIZED),
     Moot("scale_dtype", "uniform_bits", _all_full_stored_full, _NOTHING_QUANTIZED),
+    Moot("center_keys", "uniform_bits", _all_full_stored_full, _NOTHING_QUANTIZED),
     Moot(
         "value_bits",
         "uniform_bits",
