@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from .cli import UsageError
+from .cli import UsageError, parse_float_list, parse_int_list
 from .models import DTYPES
 
 
@@ -38,10 +38,25 @@ def add_resume_args(p: argparse.ArgumentParser, unit: str) -> None:
     p.add_argument("--report-only", action="store_true", help="rewrite the reports from the records, run nothing")
 
 
-def check_script_args(args: argparse.Namespace) -> None:
-    """Refuse ``--threads`` < 1 and a ``--stop-after-minutes`` that is not positive."""
-    if args.threads is not None and args.threads < 1:
-        raise UsageError(f"--threads must be >= 1, got {args.threads}")
+def check_script_args(args: argparse.Namespace, **minimums: int) -> None:
+    """Refuse ``--threads`` or an argument of ``minimums`` (``dest=lowest allowed``; an unset optional one is not
+    checked) below its minimum, and a ``--stop-after-minutes`` that is not positive."""
+    for dest, low in {"threads": 1, **minimums}.items():
+        value = getattr(args, dest)
+        if value is not None and value < low:
+            raise UsageError(f"--{dest.replace('_', '-')} must be >= {low}, got {value}")
     minutes = getattr(args, "stop_after_minutes", None)
     if minutes is not None and minutes <= 0:
         raise UsageError(f"--stop-after-minutes must be > 0, got {minutes}")
+
+
+def needle_grid(lengths: str | None, depths: str | None, names: tuple[str, str]) -> tuple[list[int], list[float]]:
+    """The haystack lengths (>= 64 tokens) and needle depths (in [0, 1]) of the comma-separated arguments ``names``
+    (empty lists for an argument not given)."""
+    length_list = parse_int_list(lengths, names[0]) if lengths is not None else []
+    depth_list = parse_float_list(depths, names[1]) if depths is not None else []
+    if any(x < 64 for x in length_list):
+        raise UsageError(f"{names[0]} must be >= 64 tokens, got {length_list}")
+    if any(not 0 <= d <= 1 for d in depth_list):
+        raise UsageError(f"{names[1]} must lie in [0, 1], got {depth_list}")
+    return length_list, depth_list

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from hf_cocktail import offline_encoder_path
 
-from ..cli import UsageError, parse_float_list, parse_int_list
+from ..cli import UsageError
 from ..longbench.metrics import ENGLISH_TASKS
 from ..methods.registry import add_method_args, methods_from_args
 from ..models import load_model_and_tokenizer, load_tokenizer, set_threads
@@ -36,7 +36,7 @@ from ..records import (
     reported,
 )
 from ..run_info import Invocation, run_config
-from ..script_args import add_resume_args, check_script_args, script_parser
+from ..script_args import add_resume_args, check_script_args, needle_grid, script_parser
 from .cases import KldCase, longbench_cases, needle_cases
 from .measure import KldRunner
 from .report import write_reports
@@ -103,29 +103,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [t for t in args.task_list if t not in ENGLISH_TASKS]
     if bad:
         raise UsageError(f"--tasks: unknown or unsupported task(s) {bad}; known: {ENGLISH_TASKS} (or 'none')")
-    if args.per_task is not None and args.per_task < 1:
-        raise UsageError(f"--per-task must be >= 1, got {args.per_task}")
-    if args.window < 64:
-        raise UsageError(f"--window must be >= 64, got {args.window}")
-    args.length_list = parse_int_list(args.needle_lengths, "--needle-lengths") if args.needle_lengths else []
-    args.depth_list = parse_float_list(args.needle_depths, "--needle-depths")
-    if any(x < 64 for x in args.length_list):
-        raise UsageError(f"--needle-lengths must be >= 64 tokens, got {args.length_list}")
-    if any(not 0 <= d <= 1 for d in args.depth_list):
-        raise UsageError(f"--needle-depths must lie in [0, 1], got {args.depth_list}")
-    if args.needle_samples < 1:
-        raise UsageError(f"--needle-samples must be >= 1, got {args.needle_samples}")
+    check_script_args(args, per_task=1, window=64, needle_samples=1, tail_tokens=0, workers=1)
+    names = ("--needle-lengths", "--needle-depths")
+    args.length_list, args.depth_list = needle_grid(args.needle_lengths, args.needle_depths, names)
     if not args.task_list and not args.length_list:
         raise UsageError("nothing to run: --tasks none and no --needle-lengths")
     if args.max_answer_tokens < 2:
         raise UsageError(
             f"--max-answer-tokens must be >= 2 (the first answer token is not scored), got {args.max_answer_tokens}"
         )
-    if args.tail_tokens < 0:
-        raise UsageError(f"--tail-tokens must be >= 0, got {args.tail_tokens}")
-    check_script_args(args)
-    if args.workers < 1:
-        raise UsageError(f"--workers must be >= 1, got {args.workers}")
     if args.task_list and not os.path.isdir(args.data_dir):
         raise UsageError(f"--data-dir {args.data_dir} does not exist (the offline data lives in ../shared/data)")
     return args

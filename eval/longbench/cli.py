@@ -90,11 +90,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def parse_args(argv=None) -> argparse.Namespace:
     args = _parser().parse_args(argv)
-    if args.window < 64:
-        raise UsageError(f"--window must be >= 64, got {args.window}")
-    if args.limit is not None and args.limit < 1:
-        raise UsageError(f"--limit must be >= 1, got {args.limit}")
-    check_script_args(args)
+    check_script_args(args, window=64, limit=1)
     args.task_list = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not args.task_list:
         raise UsageError("--tasks is empty")

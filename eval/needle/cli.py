@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from hf_cocktail import CocktailCache, offline_encoder_path
 
-from ..cli import UsageError, parse_float_list, parse_int_list
+from ..cli import UsageError
 from ..essays import load_essays
 from ..methods.kinds import Request
 from ..methods.registry import add_method_args, methods_from_args
@@ -28,7 +28,7 @@ from ..paths import ESSAY_DIR
 from ..records import check_settings, left_out_note, lock_out_dir, measure_pending, pending, read_done
 from ..run_info import Invocation, run_config
 from ..runner import CaseRunner, Outcome
-from ..script_args import add_resume_args, check_script_args, script_parser
+from ..script_args import add_resume_args, check_script_args, needle_grid, script_parser
 from . import ruler
 from .cases import NEEDLE, QUESTION, case_key, make_case, passcode_request, span_chunk_bits
 from .report import write_reports
@@ -81,7 +81,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def parse_args(argv=None) -> argparse.Namespace:
     args = _parser().parse_args(argv)
-    args.length_list = parse_int_list(args.lengths, "--lengths")
     args.variant_list = ruler.parse_variants(args.variant) if args.variant is not None else []
     args.task = RULER_TASK if args.variant_list else None
     if args.variant_list:
@@ -90,21 +89,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                 "--depths is for the passcode needle; with --variant each needle's depth is drawn from "
                 "RULER's 40 depths (seeded by --seed)"
             )
-        ruler.check_lengths(args.length_list)
     else:
         args.depths = CLASSIC_DEPTHS if args.depths is None else args.depths
     if args.max_new_tokens is None:
         args.max_new_tokens = ruler.TOKENS_TO_GENERATE if args.variant_list else 16
-    args.depth_list = parse_float_list(args.depths, "--depths") if args.depths is not None else []
-    if any(x < 64 for x in args.length_list):
-        raise UsageError(f"--lengths must be >= 64 tokens, got {args.length_list}")
-    if any(not 0 <= d <= 1 for d in args.depth_list):
-        raise UsageError(f"--depths must lie in [0, 1], got {args.depth_list}")
-    if args.samples < 1:
-        raise UsageError(f"--samples must be >= 1, got {args.samples}")
-    if args.max_new_tokens < 1:
-        raise UsageError("--max-new-tokens must be >= 1")
-    check_script_args(args)
+    args.length_list, args.depth_list = needle_grid(args.lengths, args.depths, ("--lengths", "--depths"))
+    if args.variant_list:
+        ruler.check_lengths(args.length_list)
+    check_script_args(args, samples=1, max_new_tokens=1)
     return args
 
 

@@ -54,10 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [s for s in args.source_list if s not in SOURCES]
     if bad or not args.source_list:
         raise UsageError(f"--sources must be a comma-separated list from {SOURCES}, got {args.sources!r}")
-    for name, low in (("windows", 1), ("context", 64), ("lead", 1), ("continuation", 2)):
-        if getattr(args, name) < low:
-            raise UsageError(f"--{name} must be >= {low}, got {getattr(args, name)}")
-    check_script_args(args)
+    check_script_args(args, windows=1, context=64, lead=1, continuation=2)
     return args
 
 
