@@ -87,20 +87,13 @@ def _read(path: str) -> dict:
         return json.load(f)
 
 
-def _past_invocations(old: dict) -> list[dict]:
-    """The invocations recorded so far; a folder from before invocations were listed has one, at the top level."""
-    if "invocations" in old:
-        return list(old["invocations"])
-    return [{k: old[k] for k in ("command", "commit", "runtime_s") if k in old}] if old else []
-
-
 def update_run_info(out_dir: str, started_at: str, invocation: dict, config: dict | None = None) -> None:
     """Record this invocation (identified by ``started_at``) in ``out_dir/run_info.json``, merged over what an
     earlier call for it wrote. Top level: ``command`` / ``commit`` of the first invocation, ``runtime_s`` of all
     finished ones together, ``config`` with the union over invocations of the methods' configs."""
     path = os.path.join(out_dir, "run_info.json")
     old = _read(path)
-    past = _past_invocations(old)
+    past = list(old.get("invocations", []))
     mine = next((x for x in past if x.get("started_at") == started_at), {})
     invocations = [x for x in past if x.get("started_at") != started_at]
     invocations.append({**mine, **invocation, "started_at": started_at})

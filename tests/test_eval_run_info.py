@@ -67,20 +67,11 @@ def test_run_info_keeps_a_killed_invocation_and_append_survives_a_cut_line(tmp_p
     assert sorted(read_records(out, "qasper", "fp16")) == ["a", "c"]
 
 
-def test_run_info_resumes_a_folder_from_before_invocations(tmp_path):
-    """The needle folders committed before run_info listed invocations keep their first invocation."""
+def test_run_info_resumed_keeps_the_earlier_invocations_hardware_and_config(tmp_path):
     out = str(tmp_path)
     with open(os.path.join(out, "run_info.json"), "w") as f:
-        json.dump(
-            {
-                "command": "eval/needle.py --out-dir x",
-                "commit": "old",
-                "runtime_s": 60.0,
-                "hardware": {"cpu_count": 2},
-                "config": {"args": {"seed": 0}},
-            },
-            f,
-        )
+        first = {"command": "eval/needle.py --out-dir x", "commit": "old", "runtime_s": 60.0, "status": "finished"}
+        json.dump({"invocations": [first], "hardware": {"cpu_count": 2}, "config": {"args": {"seed": 0}}}, f)
     update_run_info(
         out,
         "2026-01-02T00:00:00",
