@@ -5,6 +5,7 @@ records a later run resumes, the time limit and ``--report-only``."""
 from __future__ import annotations
 
 import argparse
+import os
 
 from .cli import UsageError, parse_float_list, parse_int_list
 from .models import DTYPES
@@ -48,6 +49,13 @@ def check_script_args(args: argparse.Namespace, **minimums: int) -> None:
     minutes = getattr(args, "stop_after_minutes", None)
     if minutes is not None and minutes <= 0:
         raise UsageError(f"--stop-after-minutes must be > 0, got {minutes}")
+
+
+def run_settings(args: argparse.Namespace, keys: tuple[str, ...], encoder: str, **values) -> dict:
+    """What ``settings.json`` holds of a run (:func:`eval.records.check_settings`): each of ``keys`` from ``values``,
+    else the argument of that name; ``encoder``: the retrieval encoder's folder name."""
+    named = {"encoder": os.path.basename(os.path.normpath(encoder)), **values}
+    return {k: named[k] if k in named else getattr(args, k) for k in keys}
 
 
 def needle_grid(lengths: str | None, depths: str | None, names: tuple[str, str]) -> tuple[list[int], list[float]]:

@@ -36,7 +36,7 @@ from ..records import (
     reported,
 )
 from ..run_info import Invocation, run_config
-from ..script_args import add_resume_args, check_script_args, needle_grid, script_parser
+from ..script_args import add_resume_args, check_script_args, needle_grid, run_settings, script_parser
 from .cases import KldCase, longbench_cases, needle_cases
 from .measure import KldRunner
 from .report import write_reports
@@ -117,18 +117,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def settings_of(args, encoder: str) -> dict:
-    return {
-        "model": args.model,
-        "dtype": args.dtype,
-        "window": args.window,
-        "encoder": os.path.basename(os.path.normpath(encoder)),
-        "max_answer_tokens": args.max_answer_tokens,
-        "tail_tokens": args.tail_tokens,
-        "seed": args.seed,
-    }
-
-
 def build_cases(args, tok) -> list[KldCase]:
     """Needle prompts first (few and short), then the LongBench examples interleaved across tasks."""
     cases = needle_cases(tok, args.length_list, args.depth_list, args.needle_samples, args.seed, args.essay_dir)
@@ -197,7 +185,7 @@ def main(argv=None) -> int:
     run = Invocation(args.out_dir, MODULE)
     set_threads(args.workers, args.threads)
     encoder = args.encoder or offline_encoder_path()
-    check_settings(args.out_dir, settings_of(args, encoder), SETTINGS_KEYS)
+    check_settings(args.out_dir, run_settings(args, SETTINGS_KEYS, encoder), SETTINGS_KEYS)
     lock = lock_out_dir(args.out_dir)  # noqa: F841 (held until the process exits)
     rec_path = os.path.join(args.out_dir, "records.jsonl")
     done = read_done(rec_path)

@@ -27,7 +27,7 @@ from ..paths import LONGBENCH_DIR
 from ..records import check_settings, lock_out_dir
 from ..run_info import Invocation, run_config
 from ..runner import CaseRunner
-from ..script_args import check_script_args, script_parser
+from ..script_args import check_script_args, run_settings, script_parser
 from .data import example_ids, load_config, load_task_rows
 from .metrics import ENGLISH_TASKS, metric_for
 from .predictions import append_part, prediction_record, read_records
@@ -170,13 +170,7 @@ def main(argv=None) -> int:
     set_threads(state.num_processes, args.threads)
     encoder = args.encoder or offline_encoder_path()
     data = load_run_data(args)
-    settings = {
-        "model": args.model,
-        "dtype": args.dtype,
-        "window": args.window,
-        "encoder": os.path.basename(os.path.normpath(encoder)),
-        "max_new_tokens_cap": args.new_cap_map,
-    }
+    settings = run_settings(args, SETTINGS_KEYS, encoder, max_new_tokens_cap=args.new_cap_map)
     os.makedirs(args.out_dir, exist_ok=True)
     if state.is_main_process:
         lock = lock_out_dir(args.out_dir)  # noqa: F841 (held until the process exits)

@@ -23,7 +23,7 @@ from ..models import load_model_and_tokenizer, load_tokenizer, set_threads
 from ..paths import ESSAY_DIR
 from ..records import check_settings, lock_out_dir, measure_pending, pending, read_done, reported
 from ..run_info import Invocation, run_config
-from ..script_args import add_resume_args, check_script_args, script_parser
+from ..script_args import add_resume_args, check_script_args, run_settings, script_parser
 from .measure import PplRunner
 from .report import write_reports
 from .windows import SOURCES, Window, make_windows, source_text
@@ -58,17 +58,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def settings_of(args, encoder: str) -> dict:
-    return {
-        "model": args.model,
-        "dtype": args.dtype,
-        "context": args.context,
-        "lead": args.lead,
-        "continuation": args.continuation,
-        "encoder": os.path.basename(os.path.normpath(encoder)),
-    }
-
-
 def build_windows(args, tok) -> list[Window]:
     """The windows of every source, interleaved (the first of each source, then the second...) so that a run
     stopped early still covers every source."""
@@ -101,7 +90,7 @@ def main(argv=None) -> int:
     run = Invocation(args.out_dir, MODULE)
     set_threads(1, args.threads)
     encoder = args.encoder or offline_encoder_path()
-    check_settings(args.out_dir, settings_of(args, encoder), SETTINGS_KEYS)
+    check_settings(args.out_dir, run_settings(args, SETTINGS_KEYS, encoder), SETTINGS_KEYS)
     lock = lock_out_dir(args.out_dir)  # held until the run ends
     try:
         return _run(args, encoder, run)
