@@ -2,6 +2,6 @@
 ``python -m eval.<script>`` from the repository root (layout: eval/README.md).
 
 Dependencies point one way: ``paths``, ``cli``, ``records`` <- ``run_info``, ``models``, ``kv_bytes``, ``essays`` <-
-``methods`` <- ``runner`` <- ``longbench``, ``needle``; ``benchmarks`` use ``methods``, ``models``, ``kv_bytes``,
-``essays``. Nothing here imports a script's internals from another script.
+``methods`` <- ``runner`` <- ``longbench``, ``needle`` <- ``kld`` (their prompts) <- ``ppl`` (``kld``'s runner);
+``benchmarks`` use ``methods``, ``models``, ``kv_bytes``, ``essays``.
 """
