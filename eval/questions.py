@@ -88,8 +88,9 @@ QUESTIONS = (
         "fidelity_8k",
         "SmolLM2-135M-Instruct at 8K: `recommended()`, the storages it was chosen from, a preset at 0.20x",
         "`eval.kld --window 8000 --per-task 1` on 4 LongBench tasks (issue 46; written as `recommended_8k/`): "
-        'uniform INT4, `recommended()` (4-bit keys and values, `rotation="auto"`, 8-bit parameters) and the one '
-        "before it (`recommended_k4v3`), 4-bit storages with 8-bit parameters, G = 64 and an 8-bit full part per "
+        'uniform INT4, `recommended()` (4-bit keys and values, `rotation="auto"`, 8-bit parameters, centred keys; '
+        "rerun 2026-12-07 after the centring), the same without centring (`int4_auto_s8_g64`) and the one before "
+        "(`recommended_k4v3`), 4-bit storages with 8-bit parameters, G = 64 and an 8-bit full part per "
         "rotation, and the preset calibrated at `--target-bytes 0.20` (`presets_020/`).",
         (Report("summary.md", ("longbench",), FIDELITY_SHOWN),),
     ),
@@ -179,7 +180,8 @@ QUESTIONS = (
         "ruler_8k",
         "SmolLM2-135M-Instruct: RULER-style needles at 8K tokens",
         "`eval.needle --variant single,multikey,multivalue,multiquery --lengths 8192 --samples 6` (issue 46; stopped "
-        "after 38 minutes: the report covers the finished cases): uniform INT4, `recommended()` now and before, the "
+        "after 38 minutes: the report covers the finished cases): uniform INT4, `recommended()` before the centring "
+        "(`int4_auto_s8_g64`; the centred one is not measured here) and before that (`recommended_k4v3`), the "
         "shipped preset.",
         (Report("ruler_summary.md", where=(("length", ("8192",)),), tables=(1,)),),
     ),
