@@ -180,9 +180,9 @@ QUESTIONS = (
         "ruler_8k",
         "SmolLM2-135M-Instruct: RULER-style needles at 8K tokens",
         "`eval.needle --variant single,multikey,multivalue,multiquery --lengths 8192 --samples 6` (issue 46; stopped "
-        "after 38 minutes: the report covers the finished cases): uniform INT4, `recommended()` before the centring "
-        "(`int4_auto_s8_g64`; the centred one is not measured here) and before that (`recommended_k4v3`), the "
-        "shipped preset.",
+        "after 38 minutes: the report covers the finished cases): uniform INT4, `recommended()` (centred keys; run "
+        "2026-12-07 on the same cases), before the centring (`int4_auto_s8_g64`) and before that "
+        "(`recommended_k4v3`), the shipped preset.",
         (Report("ruler_summary.md", where=(("length", ("8192",)),), tables=(1,)),),
     ),
     Question(
