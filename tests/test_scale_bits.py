@@ -55,6 +55,49 @@ def test_params8_are_the_nearest_codes(bits):
     assert -0.005 < float(log_err.mean()) < 0.005  # as many scales rounded down as up (rounding up: ~+1/32)
 
 
+def _nearest_and_refined_keys(bits, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 5, 16, 32, generator=g) * torch.rand(1, 1, 1, 32, generator=g) * 4  # (H, M, C, D)
+    sc, zc, block = params8.encode_params8(x.amin(2), x.amax(2), bits, torch.float16)
+    rsc, rzc = params8.refine_codes(x, 2, sc, zc, block, bits)
+    return x, (sc, zc), (rsc, rzc), block
+
+
+def _group_errors(x, codes, block, bits):
+    scale, zero = (t.unsqueeze(2) for t in params8.decode_params8(*codes, block))
+    return (quant.group_codes(x, scale, zero, bits).float() * scale + zero - x).square().sum(2)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_refined_codes_are_the_best_neighbours(bits):
+    """Every group's refined pair lies within one code of the nearest pair, reconstructs the group with no more
+    squared error, and with the least error of the nine candidates (checked one candidate at a time); most groups
+    gain, and the segment's error falls."""
+    x, nearest, refined, block = _nearest_and_refined_keys(bits, seed=bits)
+    for near, ref in zip(nearest, refined):
+        assert int((near.int() - ref.int()).abs().max()) <= 1
+    err_near, err_ref = _group_errors(x, nearest, block, bits), _group_errors(x, refined, block, bits)
+    assert bool((err_ref <= err_near).all())
+    for dz, ds in params8.REFINE_STEPS:
+        sc = (nearest[0].int() + ds).clamp(0, 255).to(torch.uint8)
+        zc = (nearest[1].int() + dz).clamp(0, 255).to(torch.uint8)
+        assert bool((err_ref <= _group_errors(x, (sc, zc), block, bits)).all())
+    assert float((err_ref < err_near).float().mean()) > 0.3
+    assert float(err_ref.sum()) < 0.95 * float(err_near.sum())
+
+
+def test_refining_keeps_the_nearest_codes_on_a_tie():
+    """A block of constant groups is given back exactly by all nine candidates (z_step is 0, every code 0): the
+    nearest codes stay."""
+    x = torch.full((2, 3, 8, 4), 1.5)
+    sc, zc, block = params8.encode_params8(x.amin(2), x.amax(2), 4, torch.float16)
+    for dz, ds in params8.REFINE_STEPS:
+        near = (sc.int() + ds).clamp(0, 255).to(torch.uint8), (zc.int() + dz).clamp(0, 255).to(torch.uint8)
+        assert float(_group_errors(x, near, block, 4).max()) == 0.0
+    rsc, rzc = params8.refine_codes(x, 2, sc, zc, block, 4)
+    assert torch.equal(rsc, sc) and torch.equal(rzc, zc)
+
+
 def _store(scale_bits, rotation=None, B=2, T=72, H=2, D=32, C=8, G=16, scale_dtype=torch.float16, seed=0):
     g = torch.Generator().manual_seed(seed)
     k, v = torch.randn(B, H, T, D, generator=g) + 2, torch.randn(B, H, T, D, generator=g)
@@ -91,9 +134,9 @@ def test_select_and_dequantize_agree_with_the_sequences():
     keys2, values2 = picked.dequantized([positions[1], positions[0], positions[1]], 72, 72)
     assert torch.equal(keys2[0], keys[1]) and torch.equal(values2[2], values[1]) and torch.equal(keys2[1], keys[0])
     fp16_keys, fp16_values = _store(16)[0].dequantized(positions, 72, 72)
-    for x8, x16, x in ((keys, fp16_keys, k), (values, fp16_values, v)):  # a little more error than fp16 parameters
+    for x8, x16, x in ((keys, fp16_keys, k), (values, fp16_values, v)):  # about the error of fp16 parameters
         err8, err16 = (x8 - x).abs().mean(), (x16 - x).abs().mean()
-        assert err16 < err8 < 1.25 * err16, (err8, err16)
+        assert 0.8 * err16 < err8 < 1.25 * err16, (err8, err16)
 
 
 @pytest.mark.parametrize("rotation", [None, "hadamard"])
