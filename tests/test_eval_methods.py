@@ -177,6 +177,29 @@ def test_preset_becomes_a_method():
         METHODS.pop("preset", None)
 
 
+def test_named_presets_are_methods_beside_each_other():
+    """``--preset ID=FOLDER`` adds the method ID (one prefill serves several presets); an id that does not start with
+    'preset', or one given twice, is refused with the value named."""
+    from eval.cli import UsageError
+    from eval.methods.registry import METHODS, parse_methods, register_presets
+
+    cards = os.path.join(REPO_ROOT, "model_cards")
+    try:
+        register_presets(
+            [os.path.join(cards, "smollm2-135m-instruct"), f"preset_g={os.path.join(cards, 'gemma-3-270m')}"]
+        )
+        shipped, gemma = parse_methods("preset,preset_g")
+        assert shipped.name == "preset" and gemma.name == "preset_g"
+        assert shipped.cocktail_config().layer_bits != gemma.cocktail_config().layer_bits
+        with pytest.raises(UsageError, match="'int4'"):
+            register_presets([f"int4={cards}/gemma-3-270m"])
+        with pytest.raises(UsageError, match="twice"):
+            register_presets([f"preset_a={cards}/gemma-3-270m", f"preset_a={cards}/gemma-3-270m"])
+    finally:
+        METHODS.pop("preset", None)
+        METHODS.pop("preset_g", None)
+
+
 def test_every_method_builds_its_cache(tiny_llama, tiny_tokenizer):
     """The registry's one build_cache: each kind makes its own cache class; only the Cocktail kinds prepare inputs."""
     from transformers import DynamicCache, QuantizedCache

@@ -13,14 +13,12 @@ from ..cli import UsageError, parse_int_list
 from ..essays import essay_prefix
 from ..kv_bytes import cache_kv_bytes, fp16_kv_bytes
 from ..methods.kinds import Method, Request, cache_and_inputs
-from ..methods.registry import METHODS, register_preset
+from ..methods.registry import METHODS, PRESET_HELP, register_presets
 from ..models import DTYPES, load_model_and_tokenizer, model_input_device, set_threads
 from ..records import write_json
 from ..run_info import command_line, git_commit, hardware_info
 from .rounds import bench_request, resolve_methods
 from .timing import timed_generate
-
-PRESET_HELP = "a cocktail_config.json folder or Hub id (e.g. model_cards/smollm2-135m-instruct): adds the method preset"
 
 
 def measure(method: Method, model, tok, request: Request, new_tokens: int, encoder: str | None = None) -> dict:
@@ -77,7 +75,7 @@ def parse_args(
     p = new_parser(module, doc)
     p.add_argument("--contexts", default=None, help="context lengths in tokens (default 1024,2048,4096,8192)")
     p.add_argument("--methods", default=None, help=f"methods (default {default_methods})")
-    p.add_argument("--preset", default=None, help=PRESET_HELP)
+    p.add_argument("--preset", action="append", default=None, help=PRESET_HELP)
     p.add_argument("--quick", action="store_true", help="default contexts 1024,2048, methods fp16,cocktail,int2")
     common_args(p)
     p.add_argument("--device-map", default=None)
@@ -98,8 +96,7 @@ def parse_args(
         raise UsageError("--new-tokens must be >= 2 (decode time needs at least one decode step)")
     if rounds and (args.rounds < 1 or args.steps_per_round < 1 or args.warmup_steps < 0):
         raise UsageError("--rounds and --steps-per-round must be >= 1, --warmup-steps >= 0")
-    if args.preset:
-        register_preset(args.preset)
+    register_presets(args.preset)
     args.method_list = fp16_first(args.methods)
     return args
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 from hf_cocktail import CocktailConfig
 
@@ -173,36 +174,55 @@ METHODS["int4_auto_s8_g64"] = CocktailMethod(
 )
 
 
-def register_preset(name_or_path: str) -> Method:
-    """Add the method ``preset``: a CocktailCache with ``CocktailConfig.from_pretrained(name_or_path)`` (its encoder
-    is replaced by the evaluation's)."""
+def register_preset(spec: str) -> Method:
+    """Add a preset method from ``spec``, ``[ID=]FOLDER_OR_HUB_ID``: a CocktailCache with
+    ``CocktailConfig.from_pretrained(FOLDER_OR_HUB_ID)`` (its encoder replaced by the evaluation's), named ``ID``
+    (``preset`` when none is given; an id must start with ``preset``, e.g. ``preset_020``, so it never replaces a
+    method of the registry)."""
+    name, sep, name_or_path = spec.partition("=")
+    if not sep:
+        name, name_or_path = "preset", spec
+    if not re.fullmatch(r"preset\w*", name):
+        raise UsageError(
+            f"--preset {spec!r}: the id before '=' must start with 'preset' (e.g. preset_020), got {name!r}"
+        )
     try:
         cfg = CocktailConfig.from_pretrained(name_or_path)
     except (OSError, ValueError) as e:
-        raise UsageError(f"--preset {name_or_path!r}: {e}") from e
+        raise UsageError(f"--preset {spec!r}: {e}") from e
     fields = cfg.to_dict()
     fields.pop("format_version", None)
     fields.pop("encoder", None)  # the evaluation's encoder (offline MiniLM unless --encoder)
-    METHODS["preset"] = CocktailMethod("preset", f"CocktailConfig.from_pretrained({name_or_path!r})", fields)
-    return METHODS["preset"]
+    METHODS[name] = CocktailMethod(name, f"CocktailConfig.from_pretrained({name_or_path!r})", fields)
+    return METHODS[name]
+
+
+PRESET_HELP = (
+    "[ID=]FOLDER: a cocktail_config.json folder or Hub id (e.g. model_cards/gemma-3-270m), added as the method ID "
+    "('preset' when no ID is given; an ID starts with 'preset', e.g. preset_020=eval/results/presets_020/gemma-3-270m; "
+    "its encoder is replaced by --encoder / the offline MiniLM); may be given more than once"
+)
 
 
 def add_method_args(p, default: str) -> None:
     """The ``--methods`` and ``--preset`` arguments every evaluation script takes (``argparse`` parser ``p``)."""
     p.add_argument("--methods", default=default, help="comma-separated methods (eval/methods/registry.py)")
-    p.add_argument(
-        "--preset",
-        default=None,
-        help="a cocktail_config.json folder or Hub id (e.g. model_cards/gemma-3-270m): adds the method 'preset' "
-        "(its encoder is replaced by --encoder / the offline MiniLM)",
-    )
+    p.add_argument("--preset", action="append", default=None, help=PRESET_HELP)
+
+
+def register_presets(specs: list[str] | None) -> None:
+    """Register every ``--preset`` (:func:`register_preset`); an id given twice is refused."""
+    names = [spec.partition("=")[0] if "=" in spec else "preset" for spec in specs or []]
+    if len(set(names)) != len(names):
+        raise UsageError(f"--preset gives a method id twice: {names}")
+    for spec in specs or []:
+        register_preset(spec)
 
 
 def methods_from_args(args) -> list[Method]:
-    """The methods of parsed ``--methods`` / ``--preset`` (:func:`add_method_args`), the preset registered first;
+    """The methods of parsed ``--methods`` / ``--preset`` (:func:`add_method_args`), the presets registered first;
     with ``--report-only`` an id no longer registered stands for the records it left in the results folder."""
-    if args.preset:
-        register_preset(args.preset)
+    register_presets(args.preset)
     return parse_methods(args.methods, recorded=getattr(args, "report_only", False))
 
 
