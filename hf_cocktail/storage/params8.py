@@ -3,22 +3,22 @@ PyTorch (the spec; the fused CPU decoder ``cpu_ops.decode_params8`` is tested bi
 
 The min-max scale and zero of every group of a *block* (keys: the D channels of one chunk of one head; values: the
 groups of the C tokens of one chunk of one head) are stored as 8-bit codes on three ``scale_dtype`` numbers per block,
-``(s_max, z_lo, z_step)``:
-``zero = z_lo + zc * z_step`` with ``zc = floor((min - z_lo) / z_step + 1/2)`` (``z_step = (max(min) - min(min)) /
-255``) and ``scale = s_max * 2 ** (-sc / 16)`` with ``sc = floor(-16 * log2(need / s_max) + 1/2)``, ``need = (max -
-zero) / (2**bits - 1)``, ``s_max`` the block's largest ``need``: both codes the nearest (a zero within half a
-``z_step`` of the group's min, a scale within a factor ``2 ** (1/32)`` of what it needs; the group's extremes may
-clip to code 0 or ``2**bits - 1`` by that much). Nearest codes, not codes that always cover the group (the zero
-rounded down, the scale up, as before 2026-12-03), measured 18-28% lower KL divergence from FP16 at equal bytes on
-SmolLM2 and Gemma 3 (``docs/experiments.md``). The quantizers then refine each group's pair (:func:`refine_codes`): of the nearest codes and
-their neighbours (each code -1, 0 or +1), the pair whose decoded numbers reconstruct the group's own values with the
-least squared error. On real keys and values (SmolLM2, Gemma 3; ``docs/experiments.md``) that error falls 10-13%
-below the nearest codes', and below min-max parameters stored at 16 bits. Both are decoded to fp32 (:func:`decode_params8`) and the codes
-computed from those numbers exactly as above. Key parameters then cost ``16 / C`` bits per element instead of
-``32 / C``, value parameters ``16 / G`` instead of ``32 / G`` (plus 48 bits per block). Quantized by this reference on
-every backend; the fused kernels (``cpu_ops``, ``triton_ops``) read the codes and blocks as stored and decode them
-as they go (the same product and sum), the PyTorch path decodes one block at a time; the fp32 numbers are never
-stored (``cpu_ops.decode_params8``, bit for bit :func:`decode_params8`, decodes whole tensors where asked).
+``(s_max, z_lo, z_step)``: ``zero = z_lo + zc * z_step`` with ``zc = floor((min - z_lo) / z_step + 1/2)`` (``z_step =
+(max(min) - min(min)) / 255``) and ``scale = s_max * 2 ** (-sc / 16)`` with ``sc = floor(-16 * log2(need / s_max) +
+1/2)``, ``need = (max - zero) / (2**bits - 1)``, ``s_max`` the block's largest ``need``: both codes the nearest (a zero
+within half a ``z_step`` of the group's min, a scale within a factor ``2 ** (1/32)`` of what it needs; the group's
+extremes may clip to code 0 or ``2**bits - 1`` by that much). Nearest codes, not codes that always cover the group (the
+zero rounded down, the scale up, as before 2026-12-03), measured 18-28% lower KL divergence from FP16 at equal bytes on
+SmolLM2 and Gemma 3 (``docs/experiments.md``). The quantizers then refine each group's pair (:func:`refine_codes`): of
+the nearest codes and their neighbours (each code -1, 0 or +1), the pair whose decoded numbers reconstruct the group's
+own values with the least squared error. On real keys and values (SmolLM2, Gemma 3; ``docs/experiments.md``) that error
+falls 10-13% below the nearest codes', and below min-max parameters stored at 16 bits. Both are decoded to fp32
+(:func:`decode_params8`) and the codes computed from those numbers exactly as above. Key parameters then cost ``16 / C``
+bits per element instead of ``32 / C``, value parameters ``16 / G`` instead of ``32 / G`` (plus 48 bits per block).
+Quantized by this reference on every backend; the fused kernels (``cpu_ops``, ``triton_ops``) read the codes and blocks
+as stored and decode them as they go (the same product and sum), the PyTorch path decodes one block at a time; the fp32
+numbers are never stored (``cpu_ops.decode_params8``, bit for bit :func:`decode_params8`, decodes whole tensors where
+asked).
 
 Shapes: H heads (``H_kv``), N tokens, M chunks (C tokens each), D head dim, G value group size, K groups per row.
 """
