@@ -7,7 +7,9 @@ scores ``q . (k - m) = q . k - q . m`` all move by the same ``q . m``, which a s
 a channel's constant offset (Gemma 3's large key channels, nearly constant over thousands of tokens after RoPE's
 slowest frequencies) no longer sets the span of a chunk's 8-bit zeros (:mod:`.params8`: the zero codes step through
 the block's channel minima) or the per-token scale of the 8-bit full part. Measured at 8K tokens on Gemma 3 270M:
-uniform INT4 with an 8-bit full part 0.0019 -> 0.0008 KL divergence from FP16 (docs/experiments.md).
+uniform INT4 with an 8-bit full part 0.0019 -> 0.0008 KL divergence from FP16 (4 LongBench windows, a probe with
+the centring patched in: commit ``533c4d5``'s message; the uncentred run is ``int4_f8`` in
+``eval/results/gemma3_270m/fidelity_8k/``).
 
 Two things are not shift-invariant: logit soft-capping and attention sinks. There the PyTorch path adds ``q . m``
 back to every score (:func:`logit_offsets`); the fused kernels never see such a call (the decode dispatch routes
