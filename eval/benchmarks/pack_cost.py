@@ -2,8 +2,8 @@
 quantized, the segment copied with it inserted, the residual window moved down, ``storage.generated.pack_appended``)
 against one decode step's attention over the same store, and the first attention after a pack (the kernel's
 arguments prepared again for the new segment) against a steady one. Synthetic keys/values with a model's shapes
-(default SmolLM2-135M: 3 KV heads of 64, 9 query heads) under ``recommended()``'s format (Hadamard rotation, 4-bit keys,
-3-bit values, chunks of 32, value groups of 64), ``--context`` prompt tokens in the packed segment; the backend's own
+(default SmolLM2-135M: 3 KV heads of 64, 9 query heads) under ``CocktailConfig.recommended()``'s format (whatever it
+is at the commit run: its docstring), ``--context`` prompt tokens in the packed segment; the backend's own
 quantizers and attention (``auto``: the fused CPU kernel). Timings alternate (attention, pack, attention after pack)
 ``--reps`` times; medians. The pack happens once per ``chunk_size`` decode steps, so its amortised cost per step is
 ``pack / chunk_size``.
