@@ -34,16 +34,20 @@ MODULE = "eval.benchmarks.pack_cost"
 
 def make_store(context: int, H_kv: int, D: int, cfg: CocktailConfig, dtype: torch.dtype) -> LayerStore:
     """A layer's store after a prefill of ``context`` tokens: 4 sink tokens and the last 32 at full precision, the
-    rest packed at ``cfg``'s widths; appended tokens packed as the layer packs them."""
+    rest packed at ``cfg``'s widths, scales and zeros, centred on the packed keys' mean where ``cfg`` centres;
+    appended tokens packed as the layer packs them."""
     torch.manual_seed(0)
     k, v = torch.randn(1, H_kv, context, D, dtype=dtype), torch.randn(1, H_kv, context, D, dtype=dtype)
     full = torch.cat([torch.arange(4), torch.arange(context - 32, context)])
     positions = [{"full": full, 4: torch.arange(4, context - 32), 2: torch.zeros(0, dtype=torch.long)}]
     qk, qv = quantizers(cfg.backend, k.device)
-    rotation = Rotation.make(cfg.rotation, H_kv, D, cfg.rotation_seed, k.device)
+    kind = "hadamard" if cfg.rotation == "auto" else cfg.rotation  # "auto" with no prefill queries: keys rotated too
+    rotation = Rotation.make(kind, H_kv, D, cfg.rotation_seed, k.device)
+    key_mean = k[:, :, 4 : context - 32].float().mean(2, keepdim=True).half() if cfg.center_keys else None
     store = LayerStore.build(
-        k, v, positions, cfg.chunk_size, cfg.group_size, torch.float16, qk, qv, rotation, cfg.value_bits
-    )
+        k, v, positions, cfg.chunk_size, cfg.group_size, torch.float16, qk, qv, rotation, cfg.value_bits,
+        scale_bits=cfg.scale_bits, full_part_bits=cfg.full_part_bits, key_mean=key_mean,
+    )  # fmt: skip
     store.packing = AppendedPacking(0, torch.float16, cfg.scale_bits, qk, qv)
     attach_fused_writer(store, cfg.backend)
     return store
