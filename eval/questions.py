@@ -51,8 +51,19 @@ KLD_SHOWN = (  # FP16 itself (0 by definition) is left out
     "preset",
 )
 # the fidelity reports: the candidates
-FIDELITY_SHOWN = ("int4", "recommended", "int4_auto_s8_g64", "recommended_k4v3", "preset", "preset_020")
-RULER_SHOWN = ("fp16", "int4", "int4_had", "recommended_k4v3", "layers3r2_had_s8_sal1_f8")
+FIDELITY_SHOWN = (
+    "int4",
+    "recommended",
+    "int4_auto_s8_g64",
+    "recommended_f8",
+    "recommended_k4v3",
+    "preset",
+    "preset_020",
+)
+REFINED = (  # the 8-bit parameters' codes refined per group (params8.refine_codes, 2026-12-07): which rows were rerun
+    " The rows with 8-bit parameters shown (`recommended`, `int4_auto_s8_g64`, `recommended_f8`, the presets) were "
+    "rerun with the refined codes (`8b994da`); the folder's other 8-bit-parameter rows are from before."
+)
 LONGBENCH_SHOWN = ("cocktail", "int4", "kivi2", "hqq2", "recommended_k4v3")  # the report: int2, nosearch, quanto2 too
 SINGLE_LENGTH = (("length", ("2000",)),)  # a one-length RULER run: its "all" rows repeat the length's
 ROOFLINE_ROWS = (
@@ -69,13 +80,15 @@ QUESTIONS = (
         "SmolLM2-135M-Instruct: how far from FP16 is each storage, 2K LongBench windows and needles",
         "`eval.kld`, 32 LongBench windows of 2048 tokens (2 per task) and 4 needle prompts, every method on the same "
         "prefill; the folder holds every variant measured (the lab log says which study each belongs to), the page "
-        "the ones the README and the presets build on.",
+        "the ones the README and the presets build on. `recommended` and `int4_auto_s8_g64` were rerun with the "
+        "refined 8-bit codes (`8b994da`); the other 8-bit-parameter rows are from before.",
         (Report("summary.md", ("longbench",), KLD_SHOWN),),
     ),
     Question(
         "kld_calibrated",
         "SmolLM2-135M-Instruct: the calibrated preset against uniform INT4, same windows",
-        "`eval.kld --preset model_cards/smollm2-135m-instruct` on the windows and needles of `kld/`.",
+        "`eval.kld --preset model_cards/smollm2-135m-instruct` on the windows and needles of `kld/`; the preset's rows "
+        "rerun with the refined 8-bit codes (`8b994da`).",
         (Report("summary.md", ("Paired with `int4`",), ("preset",)),),
     ),
     Question(
@@ -88,37 +101,38 @@ QUESTIONS = (
         "fidelity_8k",
         "SmolLM2-135M-Instruct at 8K: `recommended()`, the storages it was chosen from, a preset at 0.20x",
         "`eval.kld --window 8000 --per-task 1` on 4 LongBench tasks (issue 46; written as `recommended_8k/`): "
-        'uniform INT4, `recommended()` (4-bit keys and values, `rotation="auto"`, 8-bit parameters, centred keys; '
-        "rerun 2026-12-07 after the centring), the same without centring (`int4_auto_s8_g64`) and the one before "
-        "(`recommended_k4v3`), 4-bit storages with 8-bit parameters, G = 64 and an 8-bit full part per "
-        "rotation, and the preset calibrated at `--target-bytes 0.20` (`presets_020/`).",
+        'uniform INT4, `recommended()` (4-bit keys and values, `rotation="auto"`, 8-bit parameters, centred keys), '
+        "the same without centring (`int4_auto_s8_g64`), with an 8-bit full part (`recommended_f8`) and the one "
+        "before (`recommended_k4v3`), 4-bit storages with 8-bit parameters, G = 64 and an 8-bit full part per "
+        "rotation, the shipped preset and the preset calibrated at `--target-bytes 0.20` (`presets_020/`)." + REFINED,
         (Report("summary.md", ("longbench",), FIDELITY_SHOWN),),
     ),
     Question(
         "gemma3_270m/fidelity_8k",
         "Gemma 3 270M at 8K: `recommended()`, the storages it was chosen from, a preset at 0.20x",
-        "As `fidelity_8k/`, with uniform INT4 changed one thing at a time (8-bit parameters, G = 64, an 8-bit full "
-        "part): the 8-bit full part is what costs Gemma its fidelity.",
-        (Report("summary.md", ("longbench",), FIDELITY_SHOWN + ("int4_f8",)),),
+        "As `fidelity_8k/`, with uniform INT4 changed one thing at a time (8-bit parameters, rerun with the refined "
+        "codes; G = 64; an 8-bit full part): the 8-bit full part is what costs Gemma its fidelity." + REFINED,
+        (Report("summary.md", ("longbench",), FIDELITY_SHOWN + ("int4_s8", "int4_f8")),),
     ),
     Question(
         "fidelity_2k",
         "SmolLM2-135M-Instruct at 2K: the same settings",
-        "`eval.kld --window 2048 --per-task 1` on 8 LongBench tasks (issue 46's 2K comparison).",
+        "`eval.kld --window 2048 --per-task 1` on 8 LongBench tasks (issue 46's 2K comparison)." + REFINED,
         (Report("summary.md", ("longbench",), FIDELITY_SHOWN),),
     ),
     Question(
         "gemma3_270m/fidelity_2k",
         "Gemma 3 270M at 2K: the same settings",
-        "`eval.kld --model gemma-3-270m --window 2048 --per-task 1` on 8 LongBench tasks.",
+        "`eval.kld --model gemma-3-270m --window 2048 --per-task 1` on 8 LongBench tasks." + REFINED,
         (Report("summary.md", ("longbench",), FIDELITY_SHOWN),),
     ),
     Question(
         "presets_020",
         "Presets calibrated at a fifth of the bytes (not shipped)",
         "`python -m hf_cocktail.calibrate ... --target-bytes 0.20` with the bytes measured on an 8K-token prompt "
-        "(`--bytes-window`, default), for both models (written to `model_cards/`, moved here): their cards, configs "
-        "and `calibration.json`; measured in `fidelity_8k/` and `fidelity_2k/` as `preset_020`.",
+        "(`--bytes-window`, default), for both models, rerun 2026-12-07 with centred keys and the refined 8-bit codes: "
+        "their cards, configs and `calibration.json`; measured in `fidelity_8k/` and `fidelity_2k/` as `preset_020` "
+        "(`--preset preset_020=eval/results/presets_020/<model>`).",
     ),
     Question(
         "key_outliers_8k",
@@ -147,7 +161,7 @@ QUESTIONS = (
         "gemma3_270m/kld_calibrated",
         "Gemma 3 270M: the calibrated preset against uniform INT4, same windows",
         "`eval.kld --model gemma-3-270m --preset model_cards/gemma-3-270m` on the windows and needles of "
-        "`gemma3_270m/kld/`.",
+        "`gemma3_270m/kld/`; the preset's rows rerun with the refined 8-bit codes (`8b994da`).",
         (Report("summary.md", ("Paired with `int4`",), ("preset",)),),
     ),
     Question(
@@ -174,7 +188,7 @@ QUESTIONS = (
         "ruler",
         "SmolLM2-135M-Instruct: RULER-style needles, rotated INT4, `recommended()` and per-layer widths",
         "`eval.needle --variant single,multikey,multivalue,multiquery --lengths 2000,4000`, 24 samples per variant.",
-        (Report("ruler_summary.md", methods=RULER_SHOWN, tables=(0,)),),
+        (),  # the lab log has what it showed
     ),
     Question(
         "ruler_8k",
@@ -182,20 +196,21 @@ QUESTIONS = (
         "`eval.needle --variant single,multikey,multivalue,multiquery --lengths 8192 --samples 6` (issue 46; stopped "
         "after 38 minutes: the report covers the finished cases): uniform INT4, `recommended()` (centred keys; run "
         "2026-12-07 on the same cases), before the centring (`int4_auto_s8_g64`) and before that "
-        "(`recommended_k4v3`), the shipped preset.",
+        "(`recommended_k4v3`), the shipped preset. Measured with the nearest 8-bit codes, before they were refined "
+        "(`8b994da`): not rerun.",
         (Report("ruler_summary.md", where=(("length", ("8192",)),), tables=(1,)),),
     ),
     Question(
         "gemma3_270m/ruler_8k",
         "Gemma 3 270M: RULER-style needles at 8K tokens",
-        "As `ruler_8k/`, with `--model gemma-3-270m --preset model_cards/gemma-3-270m`.",
+        "As `ruler_8k/`, with `--model gemma-3-270m --preset model_cards/gemma-3-270m` (the nearest 8-bit codes too).",
         (Report("ruler_summary.md", where=(("length", ("8192",)),), tables=(1,)),),
     ),
     Question(
         "ruler_multikey",
         "SmolLM2-135M-Instruct: RULER multikey needles, the hardest variant, on more cases",
         "`eval.needle --variant multikey --lengths 2000,4000 --samples 64`.",
-        (Report("ruler_summary.md", tables=(0,)),),
+        (),  # the lab log has what it showed
     ),
     Question(
         "gemma3_270m/ruler",
@@ -232,9 +247,9 @@ QUESTIONS = (
         "calibrate_search",
         "Chunk search on top of calibrated widths, at low byte targets",
         "`eval.calibrate_search --targets 0.20,0.15` (left at `78ae457`): the best setting with and without "
-        "Cocktail's chunk search (`python -m hf_cocktail.calibrate --search`), on held-out texts; the page shows "
-        "SmolLM2 (`gemma-3-270m/summary.md`: the same answer for Gemma 3 270M).",
-        (Report("smollm2-135m-instruct/summary.md"),),
+        "Cocktail's chunk search (`python -m hf_cocktail.calibrate --search`), on held-out texts, one "
+        "`summary.md` per model.",
+        (),  # the lab log has what it showed
     ),
     Question(
         "decode_latency",
