@@ -86,6 +86,23 @@ def test_refined_codes_are_the_best_neighbours(bits):
     assert float(err_ref.sum()) < 0.95 * float(err_near.sum())
 
 
+def test_refining_a_slice_at_a_time_gives_the_codes_of_one_slice(monkeypatch):
+    """Keys and values (whose blocks are read by row) refined in slices of a few rows give the codes of one slice."""
+    g = torch.Generator().manual_seed(7)
+    k, v = torch.randn(2, 70, 32, generator=g) * 3, torch.randn(2, 70, 32, generator=g)
+    whole = (
+        params8.quantize_pack_keys8(k, 3, 8, torch.float16),
+        params8.quantize_pack_values8(v, 2, 16, torch.float16, chunk_size=8),
+    )
+    monkeypatch.setattr(params8, "REFINE_SLICE_ELEMENTS", 100)  # 1 chunk of keys, 3 tokens of values a slice
+    sliced = (
+        params8.quantize_pack_keys8(k, 3, 8, torch.float16),
+        params8.quantize_pack_values8(v, 2, 16, torch.float16, chunk_size=8),
+    )
+    for a, b in zip(whole, sliced):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 def test_refining_keeps_the_nearest_codes_on_a_tie():
     """A block of constant groups is given back exactly by all nine candidates (z_step is 0, every code 0): the
     nearest codes stay."""
