@@ -260,8 +260,8 @@ QUESTIONS = (
         "`gemma3_fp32.md` Gemma 3 270M, "
         "`smollm2_layers_preset_8k.md` the per-layer-widths preset (cited by its card), "
         "`smollm2_generated_packing_8k.md` generated tokens packed against never packed (issue 44), "
-        "`smollm2_recommended_8k.md` `recommended()` (centred keys) beside its uncentred twin and the one before "
-        "them (issue 46) and "
+        "`smollm2_recommended_8k.md` `recommended()` (centred keys, refined 8-bit codes) beside its uncentred twin "
+        "and the one before them (issue 46) and "
         "`generated_pack_cost.md` one pack's cost against a decode step's attention (`eval.benchmarks.pack_cost`).",
         (Report("smollm2_fp32_8k_16k.md", methods=("fp16", "cocktail", "recommended_k4v3")),),
         ("latency.png",),
