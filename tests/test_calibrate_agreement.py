@@ -22,9 +22,9 @@ def test_the_fake_quantizer_gives_the_real_stores_divergence(tiny_tokenizer, rot
     fake = run._probe(model, prep, [0, 1], rotation).kl([run.BASE] * 2)
     real = real_base_kl(model, tiny_tokenizer, prep, [0, 1], rotation, run.BASE)
     assert fake > 1e-6 and real == pytest.approx(fake, rel=1e-3)
-    # packing the 4 sink tokens too moves every chunk: another store, another divergence
+    # packing the 4 sink tokens too moves every chunk: another store, a divergence the agreement's tolerance tells apart
     shifted = real_base_kl(model, tiny_tokenizer, prep, [0, 1], rotation, run.BASE, sink_tokens=0)
-    assert shifted != pytest.approx(fake, rel=1e-2)
+    assert shifted != pytest.approx(fake, rel=1e-3)
 
 
 def test_calibration_records_the_real_stores_base_divergence_beside_the_fake_one(tiny_tokenizer):
