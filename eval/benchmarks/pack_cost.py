@@ -22,7 +22,9 @@ import torch
 
 from hf_cocktail import CocktailConfig
 from hf_cocktail.decode.dispatch import attach_fused_writer, quantizers, split_precision_attention
+from hf_cocktail.planning.key_rotation import ROTATED
 from hf_cocktail.storage.generated import AppendedPacking, pack_appended
+from hf_cocktail.storage.key_centering import context_key_mean
 from hf_cocktail.storage.rotation import Rotation
 from hf_cocktail.storage.store import LayerStore
 
@@ -41,9 +43,9 @@ def make_store(context: int, H_kv: int, D: int, cfg: CocktailConfig, dtype: torc
     full = torch.cat([torch.arange(4), torch.arange(context - 32, context)])
     positions = [{"full": full, 4: torch.arange(4, context - 32), 2: torch.zeros(0, dtype=torch.long)}]
     qk, qv = quantizers(cfg.backend, k.device)
-    kind = "hadamard" if cfg.rotation == "auto" else cfg.rotation  # "auto" with no prefill queries: keys rotated too
+    kind = ROTATED if cfg.rotation == "auto" else cfg.rotation  # "auto" with no prefill queries: keys rotated too
     rotation = Rotation.make(kind, H_kv, D, cfg.rotation_seed, k.device)
-    key_mean = k[:, :, 4 : context - 32].float().mean(2, keepdim=True).half() if cfg.center_keys else None
+    key_mean = context_key_mean(k, [(4, context - 32)], torch.float16) if cfg.center_keys else None
     store = LayerStore.build(
         k, v, positions, cfg.chunk_size, cfg.group_size, torch.float16, qk, qv, rotation, cfg.value_bits,
         scale_bits=cfg.scale_bits, full_part_bits=cfg.full_part_bits, key_mean=key_mean,

@@ -179,18 +179,24 @@ METHODS["int4_auto_s8_g64"] = CocktailMethod(
 METHODS.update(_twin("recommended", "_f8", str({"full_part_bits": 8}), {"full_part_bits": 8}))
 
 
+def _preset_id_and_path(spec: str) -> tuple[str, str]:
+    """``[ID=]FOLDER_OR_HUB_ID`` -> ``(ID, FOLDER_OR_HUB_ID)``, ``ID`` ``preset`` when none is given."""
+    name, sep, name_or_path = spec.partition("=")
+    if not sep:
+        return "preset", spec
+    if not re.fullmatch(r"preset\w*", name):
+        raise UsageError(
+            f"--preset {spec!r}: the id before '=' must start with 'preset' (e.g. preset_020), got {name!r}"
+        )
+    return name, name_or_path
+
+
 def register_preset(spec: str) -> Method:
     """Add a preset method from ``spec``, ``[ID=]FOLDER_OR_HUB_ID``: a CocktailCache with
     ``CocktailConfig.from_pretrained(FOLDER_OR_HUB_ID)`` (its encoder replaced by the evaluation's), named ``ID``
     (``preset`` when none is given; an id must start with ``preset``, e.g. ``preset_020``, so it never replaces a
     method of the registry)."""
-    name, sep, name_or_path = spec.partition("=")
-    if not sep:
-        name, name_or_path = "preset", spec
-    if not re.fullmatch(r"preset\w*", name):
-        raise UsageError(
-            f"--preset {spec!r}: the id before '=' must start with 'preset' (e.g. preset_020), got {name!r}"
-        )
+    name, name_or_path = _preset_id_and_path(spec)
     try:
         cfg = CocktailConfig.from_pretrained(name_or_path)
     except (OSError, ValueError) as e:
@@ -217,7 +223,7 @@ def add_method_args(p, default: str) -> None:
 
 def register_presets(specs: list[str] | None) -> None:
     """Register every ``--preset`` (:func:`register_preset`); an id given twice is refused."""
-    names = [spec.partition("=")[0] if "=" in spec else "preset" for spec in specs or []]
+    names = [_preset_id_and_path(spec)[0] for spec in specs or []]
     if len(set(names)) != len(names):
         raise UsageError(f"--preset gives a method id twice: {names}")
     for spec in specs or []:

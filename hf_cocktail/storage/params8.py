@@ -136,7 +136,8 @@ def refine_codes(
             :func:`decode_params8` takes them.
 
     Returns:
-        ``scale_codes, zero_codes`` uint8, the shapes given.
+        ``scale_codes, zero_codes`` uint8, the shapes given, and the values' codes under them (``group_codes``, uint8,
+        ``x``'s shape).
     """
     step = max(1, REFINE_SLICE_ELEMENTS // max(1, x[:, :1].numel()))
     parts = []
@@ -145,8 +146,8 @@ def refine_codes(
         blk, of_row = (block[:, rows], None) if block_of_row is None else (block, block_of_row[rows])
         parts.append(_refine_rows(x[:, rows], group_dim, scale_codes[:, rows], zero_codes[:, rows], blk, bits, of_row))
     if not parts:
-        return scale_codes, zero_codes
-    return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
+        return scale_codes, zero_codes, x.to(torch.uint8)
+    return tuple(torch.cat([p[i] for p in parts], 1) for i in range(3))
 
 
 def _refine_rows(x, group_dim, scale_codes, zero_codes, block, bits, block_of_row):
@@ -156,9 +157,11 @@ def _refine_rows(x, group_dim, scale_codes, zero_codes, block, bits, block_of_ro
     zc = (zero_codes.to(torch.int16) + steps[:, 0]).clamp_(0, 255).to(torch.uint8)  # (S, *codes)
     sc = (scale_codes.to(torch.int16) + steps[:, 1]).clamp_(0, 255).to(torch.uint8)
     scale, zero = (t.unsqueeze(group_dim + 1) for t in decode_params8(sc, zc, block, block_of_row))
-    err = (group_codes(x, scale, zero, bits).float() * scale + zero - x).square_().sum(group_dim + 1)
+    codes = group_codes(x, scale, zero, bits)  # (S, *x)
+    err = (codes.float() * scale + zero - x).square_().sum(group_dim + 1)
     best = err.argmin(0, keepdim=True)  # the first of equal minima: the nearest codes on a tie
-    return sc.gather(0, best).squeeze(0), zc.gather(0, best).squeeze(0)
+    best_codes = codes.gather(0, best.unsqueeze(group_dim + 1).expand(1, *x.shape)).squeeze(0)
+    return sc.gather(0, best).squeeze(0), zc.gather(0, best).squeeze(0), best_codes
 
 
 def quantize_pack_keys8(k: torch.Tensor, bits: int, chunk_size: int, scale_dtype: torch.dtype | None = None):
@@ -176,9 +179,7 @@ def quantize_pack_keys8(k: torch.Tensor, bits: int, chunk_size: int, scale_dtype
     check_finite(k, "keys")
     x = whole_chunks(k.float(), chunk_size)  # (H, M, C, D)
     sc, zc, block = encode_params8(x.amin(2), x.amax(2), bits, scale_dtype)
-    sc, zc = refine_codes(x, 2, sc, zc, block, bits)
-    scale, zero = decode_params8(sc, zc, block)
-    codes = group_codes(x, scale.unsqueeze(2), zero.unsqueeze(2), bits)
+    sc, zc, codes = refine_codes(x, 2, sc, zc, block, bits)
     return pack_codes(codes.reshape(H, -1, D)[:, :N], bits), sc, zc, block
 
 
@@ -213,9 +214,7 @@ def quantize_pack_values8(
     sc, zc, block = encode_params8(mn, mx, bits, scale_dtype)
     sc, zc = (t.reshape(H, -1, D // group_size)[:, :N] for t in (sc, zc))
     rows = torch.arange(N, device=v.device) // chunk_size
-    sc, zc = refine_codes(x, 3, sc, zc, block, bits, rows)
-    scale, zero = decode_params8(sc, zc, block, rows)
-    codes = group_codes(x, scale.unsqueeze(3), zero.unsqueeze(3), bits)
+    sc, zc, codes = refine_codes(x, 3, sc, zc, block, bits, rows)
     return pack_codes(codes.reshape(H, N, D), bits), sc, zc, block
 
 
