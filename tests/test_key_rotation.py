@@ -103,3 +103,19 @@ def test_auto_matches_what_the_layers_queries_say(tiny_tokenizer):
         mats = shared_matrices(k.shape[1], 32, 0, "cpu")
         want = key_rotation([k[0, :, plan.ctx_start : plan.ctx_end]], moment, mats, **Q)
         assert layer.store.rotation.kind == want
+
+
+def test_with_8bit_parameters_the_choice_reads_the_nearest_codes_error(monkeypatch):
+    """The choice estimates each basis's error with the nearest 8-bit codes (the store refines once, on the basis
+    chosen): the moment it sums is the unrefined round trip's."""
+    from hf_cocktail.planning.key_rotation import key_error_moment
+
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(2, 64, 16, generator=g) * torch.linspace(0.5, 6, 16)
+    quantizer = dict(bits=4, chunk_size=32, scale_bits=8, scale_dtype=torch.float16)
+    e = params8.round_trip_keys(k, 4, 32, 8, torch.float16, refine=False) - k
+    torch.testing.assert_close(key_error_moment(k, **quantizer), e.transpose(1, 2) @ e)
+    calls = []
+    monkeypatch.setattr(params8, "refine_codes", lambda *a, **kw: calls.append(1))
+    key_error_moment(k, matrices=shared_matrices(2, 16, 0, "cpu"), **quantizer)
+    assert calls == []

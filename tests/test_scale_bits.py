@@ -267,3 +267,21 @@ def test_model_card_says_the_parameters_width():
 
     assert "(`scale_bits=8`)" in make_model_card(CocktailConfig(scale_bits=8))
     assert "8-bit codes on three numbers" not in make_model_card(CocktailConfig())
+
+
+def test_unrefined_keys_keep_the_nearest_codes_and_refining_lowers_their_error():
+    """``refine=False`` (the rotation choice's estimate): the nearest scale and zero codes, every key coded under
+    them; the refined store's squared error is no larger."""
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(2, 40, 16, generator=g) * torch.linspace(0.5, 4, 16)
+    C, bits = 8, 3
+    codes, sc, zc, block = params8.quantize_pack_keys8(k, bits, C, torch.float16, refine=False)
+    x = k.reshape(2, 5, C, 16)
+    sc0, zc0, block0 = params8.encode_params8(x.amin(2), x.amax(2), bits, torch.float16)
+    assert torch.equal(sc, sc0) and torch.equal(zc, zc0) and torch.equal(block, block0)
+    scale, zero = params8.decode_params8(sc0, zc0, block0)
+    want = quant.group_codes(x, scale.unsqueeze(2), zero.unsqueeze(2), bits).reshape(2, 40, 16)
+    assert torch.equal(codes, quant.pack_codes(want, bits))
+    nearest = params8.round_trip_keys(k, bits, C, 8, torch.float16, refine=False)
+    refined = params8.round_trip_keys(k, bits, C, 8, torch.float16)
+    assert float((refined - k).square().sum()) < float((nearest - k).square().sum())

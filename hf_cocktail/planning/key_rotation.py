@@ -49,10 +49,12 @@ def tail_query_moment(query: torch.Tensor, key_len: int, rows: list[tuple[int, i
 def key_error_moment(keys: torch.Tensor, bits: int, chunk_size: int, scale_bits: int, scale_dtype, matrices=None):
     """``E (H_kv, D, D)`` fp32: ``sum e e^T`` over ``keys (H_kv, N, D)``'s quantization errors at ``bits`` (chunks of
     ``chunk_size``, ``scale_bits`` parameters), stored rotated by ``matrices (H_kv, D, D)`` or as they are (None),
-    the errors in the keys' own basis."""
+    the errors in the keys' own basis. 8-bit parameters are taken at their nearest codes, not refined
+    (:func:`params8.refine_codes`, which the store runs once, on the basis chosen): refining would make this choice
+    quantize the keys twice more at 9 candidate pairs per group, the largest part of the setup after an 8K prefill."""
     k = keys.float()
     y = k if matrices is None else k @ matrices
-    back = params8.round_trip_keys(y, bits, chunk_size, scale_bits, scale_dtype)
+    back = params8.round_trip_keys(y, bits, chunk_size, scale_bits, scale_dtype, refine=False)
     e = back - y if matrices is None else (back - y) @ matrices.transpose(-1, -2)
     return e.transpose(1, 2) @ e
 

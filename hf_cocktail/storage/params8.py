@@ -164,9 +164,12 @@ def _refine_rows(x, group_dim, scale_codes, zero_codes, block, bits, block_of_ro
     return sc.gather(0, best).squeeze(0), zc.gather(0, best).squeeze(0), best_codes
 
 
-def quantize_pack_keys8(k: torch.Tensor, bits: int, chunk_size: int, scale_dtype: torch.dtype | None = None):
+def quantize_pack_keys8(
+    k: torch.Tensor, bits: int, chunk_size: int, scale_dtype: torch.dtype | None = None, *, refine: bool = True
+):
     """:func:`hf_cocktail.storage.quant.quantize_pack_keys` with 8-bit scales and zeros, one block per chunk and head
-    (module docstring).
+    (module docstring); ``refine=False`` keeps the nearest codes (:func:`refine_codes` not run: what the store
+    keeps differs, a cheaper estimate of its error).
 
     Returns:
         ``codes uint8 (H_kv, N, D*bits//8)``, ``scale_codes uint8 (H_kv, M, D)``, ``zero_codes uint8 (H_kv, M, D)``,
@@ -179,7 +182,11 @@ def quantize_pack_keys8(k: torch.Tensor, bits: int, chunk_size: int, scale_dtype
     check_finite(k, "keys")
     x = whole_chunks(k.float(), chunk_size)  # (H, M, C, D)
     sc, zc, block = encode_params8(x.amin(2), x.amax(2), bits, scale_dtype)
-    sc, zc, codes = refine_codes(x, 2, sc, zc, block, bits)
+    if refine:
+        sc, zc, codes = refine_codes(x, 2, sc, zc, block, bits)
+    else:
+        scale, zero = decode_params8(sc, zc, block)
+        codes = group_codes(x, scale.unsqueeze(2), zero.unsqueeze(2), bits)
     return pack_codes(codes.reshape(H, -1, D)[:, :N], bits), sc, zc, block
 
 
@@ -218,11 +225,14 @@ def quantize_pack_values8(
     return pack_codes(codes.reshape(H, N, D), bits), sc, zc, block
 
 
-def round_trip_keys(y: torch.Tensor, bits: int, chunk_size: int, scale_bits: int, scale_dtype: torch.dtype):
+def round_trip_keys(
+    y: torch.Tensor, bits: int, chunk_size: int, scale_bits: int, scale_dtype: torch.dtype, *, refine: bool = True
+):
     """Keys ``y (H_kv, N, D)`` as a ``bits``-bit segment with ``scale_bits`` scales and zeros gives them back, fp32
-    (quantized per channel within each chunk by the reference quantizers, then dequantized)."""
+    (quantized per channel within each chunk by the reference quantizers, then dequantized); ``refine``: as
+    :func:`quantize_pack_keys8` takes it (8-bit parameters only)."""
     if scale_bits == 8:
-        codes, sc, zc, block = quantize_pack_keys8(y, bits, chunk_size, scale_dtype)
+        codes, sc, zc, block = quantize_pack_keys8(y, bits, chunk_size, scale_dtype, refine=refine)
         scale, zero = decode_params8(sc, zc, block)
     else:
         codes, scale, zero = quantize_pack_keys(y, bits, chunk_size, scale_dtype)
