@@ -5,7 +5,8 @@ round every method runs the whole prefill of the benchmark prompt (Paul Graham e
 
 * ``fp16``: ``tokenizer(prompt)`` + one forward into a ``DynamicCache``;
 * a Cocktail method: ``cache.prepare_inputs(...)`` (tokenization with offsets, context location, chunk texts) + one
-  forward into the ``CocktailCache`` (the search and every layer's quantization happen inside it).
+  forward into the ``CocktailCache`` (the search and every layer's quantization happen inside it; where a layer
+  defers its store to the first decode step, ``rotation="auto"`` or attention scores, that build is timed too).
 
 Both forwards compute the last token's logits only (``logits_to_keep=1``, as ``generate`` does). The overhead of a
 method = its prefill time / fp16's prefill time in the same round - 1 (median over rounds). Its parts are timed by
@@ -201,6 +202,8 @@ def one_prefill(method, model, tok, request: Request, timers: Timers, encoder=No
                 inputs = tok(request.prompt, return_tensors="pt", **request.tokenizer_kwargs)
         inputs = inputs.to(model_input_device(model))
         model(**inputs, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+        if isinstance(method, CocktailMethod):
+            cache.nbytes()  # builds a store the prefill deferred (rotation="auto"), as the first decode step would
     return time.perf_counter() - t0
 
 
