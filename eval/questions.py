@@ -255,15 +255,12 @@ QUESTIONS = (
         "decode_latency",
         "Decode speed against `DynamicCache` on CPU",
         f"`eval.benchmarks.bench_latency` at 8K-32K tokens, fp32 and bf16, both models; {SPEED}. "
-        "The page shows SmolLM2 at 8K and 16K (fp32; the report: the calibrated preset too); "
+        "The page shows SmolLM2 at 8K and 16K (fp32), with the shipped preset and the one calibrated at 0.20x; "
         "`smollm2_fp32_32k.md` holds 32K, `smollm2_bf16.md` bf16, "
         "`gemma3_fp32.md` Gemma 3 270M, "
-        "`smollm2_layers_preset_8k.md` the per-layer-widths preset (cited by its card), "
-        "`smollm2_generated_packing_8k.md` generated tokens packed against never packed (issue 44), "
-        "`smollm2_recommended_8k.md` `recommended()` (centred keys, refined 8-bit codes) beside its uncentred twin "
-        "and the one before them (issue 46) and "
-        "`generated_pack_cost.md` one pack's cost against a decode step's attention (`eval.benchmarks.pack_cost`).",
-        (Report("smollm2_fp32_8k_16k.md", methods=("fp16", "cocktail", "recommended_k4v3")),),
+        "`smollm2_layers_preset_8k.md` the per-layer-widths preset (cited by its card) and "
+        "`smollm2_generated_packing_8k.md` generated tokens packed against never packed (issue 44).",
+        (Report("smollm2_fp32_8k_16k.md"),),
         ("latency.png",),
     ),
     Question(

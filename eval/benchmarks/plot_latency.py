@@ -3,7 +3,8 @@ context length, one panel pair per (model, dtype, CPU kernel build) found in the
 the runs recorded the build, ``hardware.cpu_ops``, ran the AVX2 one: the only build there was).
 
     python -m eval.benchmarks.plot_latency eval/results/decode_latency/smollm2_fp32_8k_16k.json \\
-        eval/results/decode_latency/smollm2_bf16.json --out eval/results/decode_latency/latency.png
+        eval/results/decode_latency/{smollm2_fp32_32k,smollm2_bf16,gemma3_fp32}.json \\
+        --out eval/results/decode_latency/latency.png
 """
 
 from __future__ import annotations
