@@ -161,6 +161,20 @@ def test_prefill_parts(tiny_tokenizer):
     assert set(fp16_parts) == {"model", "tokenize"} and sum(fp16_parts.values()) == pytest.approx(wall_fp16, rel=0.05)
 
 
+def test_prefill_parts_of_recommended_include_its_deferred_build(tiny_tokenizer):
+    """rotation="auto" defers a layer's store to the first decode step: the prefill times that build, the choice of
+    rotation and the 8-bit-parameter quantizers among its parts."""
+    model = make_tiny_llama(num_kv_heads=2, heads=4, head_dim=32, layers=2)
+    request = Request(*make_prompt(150))
+    timers = Timers()
+    with instrumented(timers):
+        wall = one_prefill(resolve_method("recommended"), model, tiny_tokenizer, request, timers)
+        parts = dict(timers.totals)
+    assert sum(parts.values()) == pytest.approx(wall, rel=0.05)
+    for p in ("quantization", "store build", "rotation", "rotation choice"):
+        assert parts.get(p, 0) > 0, p
+
+
 def test_throughput_table_and_plot(tmp_path):
     rows = []
     for budget in (256, 512):

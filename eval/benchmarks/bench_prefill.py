@@ -19,9 +19,11 @@ nested in it):
 * ``search``: the rest of ``run_search`` (thresholds / budget);
 * ``positions``: ``SequencePlan.build_positions``;
 * ``quantization``: ``quantize_pack_keys`` / ``quantize_pack_values`` (the fused ``cpu_ops`` ones on CPU, the
-  PyTorch reference ``hf_cocktail.storage.quant`` with ``backend="torch"``);
+  PyTorch reference ``hf_cocktail.storage.quant`` with ``backend="torch"``) and their 8-bit-parameter versions
+  (``storage.params8``), wherever they are called (the rotation choice's estimates too);
 * ``store build``: the rest of ``LayerStore.build`` (gathering each part's tokens, the full-precision part);
-* ``rotation``: ``Rotation._apply`` (rotated storage);
+* ``rotation``: ``Rotation._apply`` (rotated storage); ``rotation choice``: the rest of ``rotation="auto"``'s
+  ``key_rotation.layer_rotation``;
 * ``model``: the rest of the forward (the model's own prefill compute).
 
     python -m eval.benchmarks.bench_prefill --contexts 4000,8000 --methods fp16,cocktail,recommended --rounds 3 \\
@@ -62,6 +64,7 @@ PARTS = (
     "quantization",
     "store build",
     "rotation",
+    "rotation choice",
     "model",
 )
 OVERHEAD_PARTS = PARTS[1:-1]  # what a DynamicCache prefill does not do (tokenization is compared separately)
@@ -159,9 +162,9 @@ def instrumented(timers: Timers):
     import cpu_ops
     from hf_cocktail import CocktailCache
     from hf_cocktail.cache import inputs
+    from hf_cocktail.planning import key_rotation, scoring
     from hf_cocktail.planning import plans as planning
-    from hf_cocktail.planning import scoring
-    from hf_cocktail.storage import quant, store
+    from hf_cocktail.storage import params8, quant, store
     from hf_cocktail.storage.rotation import Rotation
 
     with patching() as p:
@@ -179,8 +182,11 @@ def instrumented(timers: Timers):
         p.function(quant.quantize_pack_values, wrap("quantization"))
         p.function(cpu_ops.quantize_pack_keys, wrap("quantization"))  # the fused CPU quantizers (backend "cpu")
         p.function(cpu_ops.quantize_pack_values, wrap("quantization"))
+        p.function(params8.quantize_pack_keys8, wrap("quantization"))
+        p.function(params8.quantize_pack_values8, wrap("quantization"))
         p.method(store.LayerStore, "build", wrap("store build"))
         p.method(Rotation, "_apply", wrap("rotation"))
+        p.function(key_rotation.layer_rotation, wrap("rotation choice"))
         yield
 
 
