@@ -104,7 +104,10 @@ QUESTIONS = (
         'uniform INT4, `recommended()` (4-bit keys and values, `rotation="auto"`, 8-bit parameters, centred keys), '
         "the same without centring (`int4_auto_s8_g64`), with an 8-bit full part (`recommended_f8`) and the one "
         "before (`recommended_k4v3`), 4-bit storages with 8-bit parameters, G = 64 and an 8-bit full part per "
-        "rotation, the shipped preset and the preset calibrated at `--target-bytes 0.20` (`presets_020/`)." + REFINED,
+        "rotation, the shipped preset and the preset calibrated at `--target-bytes 0.20` (`presets_020/`)."
+        + REFINED
+        + ' `recommended`, `int4_auto_s8_g64` and `recommended_f8` were rerun once more when `rotation="auto"` came '
+        "to choose on the nearest codes (`66bf7cd`).",
         (Report("summary.md", ("longbench",), FIDELITY_SHOWN),),
     ),
     Question(
