@@ -196,11 +196,11 @@ QUESTIONS = (
     Question(
         "ruler_8k",
         "SmolLM2-135M-Instruct: RULER-style needles at 8K tokens",
-        "`eval.needle --variant single,multikey,multivalue,multiquery --lengths 8192 --samples 6` (issue 46; stopped "
-        "after 38 minutes: the report covers the finished cases): uniform INT4, `recommended()` (centred keys; run "
-        "2026-12-07 on the same cases), before the centring (`int4_auto_s8_g64`) and before that "
-        "(`recommended_k4v3`), the shipped preset. Measured with the nearest 8-bit codes, before they were refined "
-        "(`8b994da`): not rerun.",
+        "`eval.needle --variant single,multikey,multivalue,multiquery --lengths 8192 --samples 6` (issue 46): "
+        "uniform INT4, `recommended()` (centred keys), before the centring (`int4_auto_s8_g64`) and before that "
+        "(`recommended_k4v3`), the shipped preset. The rows with 8-bit parameters (`recommended`, "
+        '`int4_auto_s8_g64`, `preset`) rerun with the refined codes (`8b994da`; `rotation="auto"` still chose on '
+        "refined codes, before `66bf7cd`).",
         (Report("ruler_summary.md", where=(("length", ("8192",)),), tables=(1,)),),
     ),
     Question(
