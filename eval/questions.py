@@ -206,7 +206,8 @@ QUESTIONS = (
     Question(
         "gemma3_270m/ruler_8k",
         "Gemma 3 270M: RULER-style needles at 8K tokens",
-        "As `ruler_8k/`, with `--model gemma-3-270m --preset model_cards/gemma-3-270m` (the nearest 8-bit codes too).",
+        "As `ruler_8k/`, with `--model gemma-3-270m --preset model_cards/gemma-3-270m`; the rows with 8-bit "
+        "parameters rerun with the refined codes, INT4 and `recommended_k4v3` completed to the 24 cases.",
         (Report("ruler_summary.md", where=(("length", ("8192",)),), tables=(1,)),),
     ),
     Question(
