@@ -145,15 +145,21 @@ def test_timers_are_exclusive():
     assert t.totals["outer"] > 0 and t.totals["inner"] > 0
 
 
-def test_prefill_parts(tiny_tokenizer):
+def _timed_prefills(tok, *method_names: str) -> list[tuple[float, dict]]:
+    """(wall seconds, parts) of one instrumented prefill per method, on one tiny Llama and a 150-token prompt."""
     model = make_tiny_llama(num_kv_heads=2, heads=4, head_dim=32, layers=2)
     request = Request(*make_prompt(150))
     timers = Timers()
+    out = []
     with instrumented(timers):
-        wall = one_prefill(resolve_method("int2"), model, tiny_tokenizer, request, timers)
-        parts = dict(timers.totals)
-        wall_fp16 = one_prefill(resolve_method("fp16"), model, tiny_tokenizer, request, timers)
-        fp16_parts = dict(timers.totals)
+        for name in method_names:
+            wall = one_prefill(resolve_method(name), model, tok, request, timers)
+            out.append((wall, dict(timers.totals)))
+    return out
+
+
+def test_prefill_parts(tiny_tokenizer):
+    (wall, parts), (wall_fp16, fp16_parts) = _timed_prefills(tiny_tokenizer, "int2", "fp16")
     assert sum(parts.values()) == pytest.approx(wall, rel=0.05)
     for p in ("tokenize", "context location", "chunk texts", "quantization", "store build", "positions", "model"):
         assert parts.get(p, 0) > 0, p
@@ -164,12 +170,7 @@ def test_prefill_parts(tiny_tokenizer):
 def test_prefill_parts_of_recommended_include_its_deferred_build(tiny_tokenizer):
     """rotation="auto" defers a layer's store to the first decode step: the prefill times that build, the choice of
     rotation and the 8-bit-parameter quantizers among its parts."""
-    model = make_tiny_llama(num_kv_heads=2, heads=4, head_dim=32, layers=2)
-    request = Request(*make_prompt(150))
-    timers = Timers()
-    with instrumented(timers):
-        wall = one_prefill(resolve_method("recommended"), model, tiny_tokenizer, request, timers)
-        parts = dict(timers.totals)
+    ((wall, parts),) = _timed_prefills(tiny_tokenizer, "recommended")
     assert sum(parts.values()) == pytest.approx(wall, rel=0.05)
     for p in ("quantization", "store build", "rotation", "rotation choice"):
         assert parts.get(p, 0) > 0, p
