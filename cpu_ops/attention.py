@@ -54,7 +54,7 @@ def split_precision_attention(
     tokens_per_item: int | None = None,
     isa: str = "auto",
     full_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-    rotation: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
+    rotation: tuple[torch.Tensor | None, ...] | None = None,
     scale_table: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
@@ -101,9 +101,12 @@ def split_precision_attention(
         full_scales: with int8 ``full_keys`` / ``full_values`` (an 8-bit full part,
             ``hf_cocktail.storage.quant.quantize_tokens8``): their scales ``(B, H_kv, R, 1)``, one float dtype, the
             strides of each other; token ``t`` of head ``h`` reads ``code * scale``.
-        rotation: rotated storage, ``(query_matrices, output_matrices)``, each fp32 ``(H_kv, D, D)`` or None: the
-            query rows of kv head ``h`` are multiplied by ``query_matrices[h]`` (``q . R``) before attention, the
-            output by ``output_matrices[h]`` transposed (``o . R^T``) after it.
+        rotation: rotated storage, ``(query_matrices, output_matrices[, full_key_matrices])``, each fp32 ``(H_kv,
+            D, D)`` or None: the query rows of kv head ``h`` are multiplied by ``query_matrices[h]`` (``q . R``)
+            before attention, the output by ``output_matrices[h]`` transposed (``o . R^T``) after it. With
+            ``full_key_matrices`` the full part's keys are stored in a basis of their own (``k . F``,
+            ``hf_cocktail.storage.full_part.Int8FullPart.key_basis``): its scores use the query rows times
+            ``full_key_matrices[h]`` (``q . F``, from the query as given) instead.
         scale_table: fp32 ``(256,)``, ``hf_cocktail.storage.params8.scale_table``; needed by 8-bit scales and zeros.
         sinks: attention sinks (gpt-oss's ``module.sinks``), ``(H_q,)`` float: query head ``h``'s softmax
             denominator gains ``exp(sinks[h])``, a logit with no value; or None.
@@ -166,7 +169,7 @@ class PreparedArguments:
     seg_tensors: list  # per segment: k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, offsets, blocks, channels
     seg_ints: list  # per segment: key bits, value bits, chunk_size, group_size, outlier key channels
     tokens: int  # the segments' tokens, all sequences
-    rotation: list  # [query matrices, output matrices] (H_kv, D, D) fp32, or empty tensors
+    rotation: list  # [query, output, full-part key matrices] (H_kv, D, D) fp32, or empty tensors
     needs_table: bool  # 8-bit scales and zeros: every call passes the scale table (not kept here: it is shared)
 
 
@@ -368,13 +371,18 @@ def _full_scales(full_scales, shape: tuple) -> list[torch.Tensor]:
 
 
 def _rotation(rotation, H_kv: int, D: int) -> list[torch.Tensor]:
-    """``[query matrices, output matrices]`` ``(H_kv, D, D)`` fp32, checked (an empty tensor where None)."""
+    """``[query matrices, output matrices, full-part key matrices]`` ``(H_kv, D, D)`` fp32, checked (an empty tensor
+    where None or not given)."""
     if rotation is None:
-        return [_EMPTY, _EMPTY]
-    if not isinstance(rotation, (list, tuple)) or len(rotation) != 2:
-        _fail("rotation", "a pair (query matrices or None, output matrices or None)", type(rotation).__name__)
+        return [_EMPTY, _EMPTY, _EMPTY]
+    if not isinstance(rotation, (list, tuple)) or len(rotation) not in (2, 3):
+        _fail(
+            "rotation",
+            "a pair (query matrices or None, output matrices or None) or a triple with full-part key matrices",
+            type(rotation).__name__ if not isinstance(rotation, (list, tuple)) else f"{len(rotation)} items",
+        )
     out = []
-    for name, m in zip(("rotation[0]", "rotation[1]"), rotation):
+    for name, m in zip(("rotation[0]", "rotation[1]", "rotation[2]"), (*rotation, None)[:3]):
         if m is not None:
             _check_tensor(name, m, (torch.float32,), (H_kv, D, D))
         out.append(_EMPTY if m is None else m.contiguous())

@@ -70,7 +70,7 @@ def test_gemma3_270m_shapes_decode_on_the_fused_kernel(tiny_tokenizer, monkeypat
     real = cpu_attention.split_precision_attention_prepared  # the decode dispatch's entry into the kernel
 
     def spy(query, *args, **kwargs):
-        rotated = all(m.numel() for m in args[3].rotation)  # args[3]: the prepared arguments
+        rotated = all(m.numel() for m in args[3].rotation[:2])  # args[3]: the prepared arguments (query, output)
         calls.append((tuple(query.shape), kwargs.get("full_scales") is not None, rotated))
         return real(query, *args, **kwargs)
 

@@ -18,7 +18,7 @@ from hf_cocktail.decode import dispatch
 from hf_cocktail.decode.split_attention import split_precision_attention_torch
 from hf_cocktail.storage import params8
 from hf_cocktail.storage.full_part import Int8FullPart
-from hf_cocktail.storage.rotation import Rotation
+from hf_cocktail.storage.rotation import Rotation, shared_matrices
 
 from .test_triton_kernels import DEV, _interpret, attention_sdpa, make_store, triton_ops  # noqa: F401
 
@@ -120,3 +120,24 @@ def test_8_bit_formats_realistic_gpu(dtype, D, H_kv, n_rep):
     low = attention_sdpa(query, store, D**-0.5, dtype)
     err, err_low = ((x.double() - truth).abs().max().item() for x in (out, low))
     assert err <= 2 * err_low, f"kernel error {err:.3g}, PyTorch error at {dtype} {err_low:.3g}"
+
+
+@pytest.mark.parametrize("D,H_kv,L_q", [(64, 3, 1), (256, 1, 1), (128, 2, 3)])
+def test_an_8_bit_full_part_with_keys_in_their_own_basis(D, H_kv, L_q):
+    """The full part's keys stored times F (the layer's keys unrotated): the kernel scores them with the query of
+    their own basis (``full_query``) and equals the reference; without it the scores are those of rotated keys
+    against an unrotated query, far off (the argument is read)."""
+    basis = shared_matrices(H_kv, D, 0, DEV)
+    store = make_store(
+        [40, 33], {4: [9, 16], 2: [12, 7]}, H_kv, D, 8, 32, scale_bits=8, full_part_bits=8, full_key_basis=basis
+    )
+    assert store.full.key_basis is basis
+    query = (torch.randn(2, H_kv * 3, L_q, D, generator=torch.Generator().manual_seed(2)) * 2).to(DEV)
+    check(query, store, D**-0.5)
+    keys, values = store.full.split_path_tensors()
+    args = (query, keys, values, store.full.start_tensor(), [dispatch._kernel_segment(s) for s in store.segments])
+    kw = dict(full_scales=(store.full.scales.keys, store.full.scales.values), scale_table=params8.scale_table(DEV))
+    wrong = triton_ops.split_precision_attention(*args, D**-0.5, **kw)
+    right = triton_ops.split_precision_attention(*args, D**-0.5, full_query=store.full.key_query(query), **kw)
+    torch.testing.assert_close(right, coded_attention(query, store, D**-0.5))
+    assert (wrong - right).abs().max() > 0.05

@@ -176,15 +176,20 @@ def make_store(
     max_value_bits=None,
     scale_bits=16,
     full_part_bits=16,
+    full_key_basis=None,
 ):
     """A LayerStore of ``len(full)`` sequences with the given per-sequence token counts, on DEV: ``full`` for the
     full-precision part, ``packed`` maps each packed segment's bit width to its counts (in storage order);
     ``max_value_bits`` caps the values' code width (CocktailConfig.value_bits), ``scale_bits`` is the scales',
-    ``full_part_bits`` the full part's."""
+    ``full_part_bits`` the full part's, ``full_key_basis`` an 8-bit part's keys' own basis (or None)."""
     g = torch.Generator().manual_seed(seed)
     rnd = lambda n: torch.randn(H_kv, n, D, generator=g).to(DEV)  # noqa: E731
     fp = full_part_from_sequences(
-        [rnd(n).to(dtype) for n in full], [rnd(n).to(dtype) for n in full], full_part_bits, torch.float16
+        [rnd(n).to(dtype) for n in full],
+        [rnd(n).to(dtype) for n in full],
+        full_part_bits,
+        torch.float16,
+        full_key_basis,
     )
     quantize_keys, quantize_values = dispatch.quantizers("triton", torch.device(DEV))
     segs = [
@@ -329,8 +334,9 @@ def test_split_attention_every_segment_count(count):
     query = (torch.randn(len(full), H_kv * n_rep, Lq, D, generator=torch.Generator().manual_seed(3)) * 2).to(DEV)
     attn = _attention_launch(query, store, D**-0.5)
     assert attn.constexprs["SEGS"] == count
-    # the first pointer of each absent segment's 14 arguments (11 tensors with the outlier channel order, 3 ints)
-    absent = attn.args[16 + 14 * count : 16 + 14 * 2 : 14]
+    # the first pointer of each absent segment's 14 arguments (11 tensors with the outlier channel order, 3 ints),
+    # after the query, the full part's query and 15 arguments of strides and the full part
+    absent = attn.args[17 + 14 * count : 17 + 14 * 2 : 14]
     assert [t.dtype for t in absent] == [torch.uint8] * (2 - count)  # typed stand-ins, not the full keys
     ref = split_precision_attention_torch(query, store, D**-0.5)
     check_attention(query, store, D**-0.5, ref, tokens_per_split=tps)

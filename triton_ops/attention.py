@@ -67,6 +67,7 @@ def split_precision_attention(
     scale_table: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
+    full_query: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of ``hf_cocktail.decode.split_attention.split_precision_attention_torch`` (same semantics).
 
@@ -88,6 +89,7 @@ def split_precision_attention(
         scale_table=scale_table,
         sinks=sinks,
         softcap=softcap,
+        full_query=full_query,
     )
     attn.run(query.device)
     merge.run(query.device)
@@ -110,6 +112,7 @@ def plan_split_attention(
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
     num_sms: int | None = None,
+    full_query: torch.Tensor | None = None,
 ) -> tuple[Launch, Launch, torch.Tensor]:
     """The two launches of split-precision attention (:func:`split_attn_kernel` then :func:`merge_kernel`) and the
     output tensor they fill; :func:`split_precision_attention` runs them, :mod:`triton_ops.aot` compiles them.
@@ -139,6 +142,8 @@ def plan_split_attention(
             causal mask (Gemma 2's ``attn_logit_softcapping``).
         num_sms: streaming multiprocessors to fill when choosing ``tokens_per_split`` (default: the query's GPU's;
             on CPU, without it, one split per source, as the interpreter wants).
+        full_query: the query the full part's keys are scored with where they are stored in a basis of their own
+            (``hf_cocktail.storage.full_part.Int8FullPart.key_query``), ``query``'s shape; None: ``query``.
     """
     if query.dim() != 4:
         raise ValueError(f"query must have shape (B, H_q, L_q, D), got {tuple(query.shape)}")
@@ -152,8 +157,12 @@ def plan_split_attention(
         raise ValueError(f"the Triton kernel handles at most 2 packed segments, got {len(segments)}")
     if D not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head dim D must be one of {SUPPORTED_HEAD_DIMS}, got {D}")
-    if query.stride(-1) != 1:
-        query = query.contiguous()
+    if full_query is not None and full_query.shape != query.shape:
+        raise ValueError(f"full_query must have the query's shape {tuple(query.shape)}, got {tuple(full_query.shape)}")
+    if query.stride(-1) != 1 or (full_query is not None and full_query.stride() != query.stride()):
+        query = query.contiguous()  # the kernel reads both with the query's strides
+    if full_query is not None and full_query.stride() != query.stride():
+        full_query = full_query.contiguous()
     fk, fv = full_keys, full_values
     if fk.stride(-1) != 1 or fv.stride() != fk.stride():
         fk, fv = fk.contiguous(), fv.contiguous()
@@ -187,7 +196,20 @@ def plan_split_attention(
     attn = Launch(
         split_attn_kernel,
         (P, S_total),
-        (query, *q_strides, *full_args, *a_args, *b_args, part_o, part_m, part_l, *grid_args, *softmax, table),
+        (
+            query,
+            full_query if full_query is not None else query,
+            *q_strides,
+            *full_args,
+            *a_args,
+            *b_args,
+            part_o,
+            part_m,
+            part_l,
+            *grid_args,
+            *softmax,
+            table,
+        ),
         dict(
             D=D,
             BQ=BQ,
@@ -202,6 +224,7 @@ def plan_split_attention(
             P8_A=p8_a,
             P8_B=p8_b,
             F8=full_scales is not None,
+            FQ=full_query is not None,
             SOFTCAP=softcap is not None,
             DOT=dot,
             N_OUT_A=out_a,

@@ -116,6 +116,7 @@ def _packed_split(
 @triton.jit
 def split_attn_kernel(
     q_ptr,
+    qf_ptr,
     s_qb,
     s_qh,
     s_ql,
@@ -190,12 +191,14 @@ def split_attn_kernel(
     DOT: tl.constexpr,
     N_OUT_A: tl.constexpr,
     N_OUT_B: tl.constexpr,
+    FQ: tl.constexpr,
 ):
     """Grid ``(B * H_kv * n_qb, S_total)``: partial attention of one block of query rows over one token split.
     ``SEGS`` packed segments (0, 1 or 2): an absent segment's branch is not compiled (its arguments are unused
     stand-ins). ``qk_scale``: ``scaling * log2(e)``, or ``scaling`` with ``SOFTCAP`` (then ``cap`` is the cap).
     ``N_OUT_A`` / ``N_OUT_B``: a segment's outlier key channels (0: none, no code); its query rows are then gathered
-    once into its keys' stored channel order ``a_ch`` / ``b_ch`` (int32 ``(H_kv, D)``)."""
+    once into its keys' stored channel order ``a_ch`` / ``b_ch`` (int32 ``(H_kv, D)``). ``FQ``: the full part's keys
+    are stored in a basis of their own, scored with the query rows of ``qf_ptr`` (the query's strides) instead."""
     pid = tl.program_id(0)
     sp = tl.program_id(1)
     qb = pid % n_qb
@@ -213,6 +216,8 @@ def split_attn_kernel(
     if sp < S_full:
         # full-precision part, right-aligned: sequence b owns [start[b], R); key t is visible to query token i
         # iff t <= R - L_q + i (the last L_q tokens are the queries' own)
+        if FQ:  # compile-time: the full part's own query rows (its keys' basis)
+            q = tl.load(qf_ptr + q_off[:, None] + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * qk_scale
         lo = tl.load(start_ptr + b) + sp * TPS
         hi = tl.minimum(lo + TPS, R)
         f_off = b.to(tl.int64) * s_fb + h.to(tl.int64) * s_fh

@@ -111,7 +111,8 @@ static void run_item(const Problem& P, const WorkItem& w, float* m, float* l, fl
       vt(static_cast<size_t>(kBlock) * D, 0.0f), bias(rows, 0.0f);
   for (int r = 0; r < rows; ++r) m[r] = -INFINITY, l[r] = 0.0f;
   std::fill(acc, acc + static_cast<int64_t>(rows) * D, 0.0f);
-  const float* q = P.q + (static_cast<int64_t>(w.b) * P.H_kv + w.h) * rows * D;  // (rows, D), pre-scaled
+  // (rows, D), pre-scaled; the full part's keys in a basis of their own: its own query rows
+  const float* q = (w.src == 0 && P.qf ? P.qf : P.q) + (static_cast<int64_t>(w.b) * P.H_kv + w.h) * rows * D;
   // a block of n tokens is computed as n8 (n rounded up to 8): tile rows [n, n8) are zero, their scores -inf
   auto softmax_block = [&](int n) {  // the block's scores -> probabilities (running max, sum and acc rescaled)
     const int n8 = (n + 7) & ~7;

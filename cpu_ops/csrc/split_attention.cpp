@@ -89,6 +89,9 @@ struct Problem {
   int64_t fs_sb, fs_sh, fs_st;
   // rotated storage: per kv head, the query is multiplied by rot_q[h] (q . R) and the output by rot_o[h]^T
   const float *rot_q, *rot_o;  // (H_kv, D, D) fp32 each, or null
+  // an 8-bit full part whose keys have a basis of their own (hf_cocktail.full_part.Int8FullPart.key_basis F): its
+  // scores read these query rows, q . F from the unrotated query (B, H_kv, rows, D), pre-scaled as q; or null (q)
+  const float* qf;
   const int32_t* f_start;
   // gpt-oss attention sinks: query head hq's softmax denominator gains 2**sinks2[hq] (base 2), no value; or null
   const float* sinks2;
@@ -182,14 +185,16 @@ void check_offsets(const at::Tensor& off, int B, int64_t limit, const char* what
 // seg_ints: per segment key bits, value bits, chunk_size, group_size, outlier key channels n_out; isa: 0 auto, 1
 // the baseline build, 2 the avx2 build (fp32 arithmetic only) where the CPU has it;
 // full_key_scales, full_value_scales: (B, H_kv, R, 1) for an int8 full part (full_keys / full_values its codes), else
-// empty; rot_q, rot_o: (H_kv, D, D) fp32 or empty (rotated storage); scale_table: (256,) fp32 or empty;
+// empty; rot_q, rot_o: (H_kv, D, D) fp32 or empty (rotated storage); rot_f: (H_kv, D, D) fp32 or empty (the full
+// part's keys in a basis of their own: its scores use q . rot_f[h]); scale_table: (256,) fp32 or empty;
 // sinks: (H_q,) fp32 attention-sink logits or empty; softcap: the logit soft-cap (> 0) or 0 for none.
 // Returns (B, H_q, L_q, D) in query's dtype.
 at::Tensor split_attention(const at::Tensor& query, const at::Tensor& full_keys, const at::Tensor& full_values,
                            const at::Tensor& full_start, const std::vector<at::Tensor>& seg_tensors,
                            const std::vector<int64_t>& seg_ints, double scaling, int64_t tokens_per_item,
                            int64_t isa, const at::Tensor& full_key_scales, const at::Tensor& full_value_scales,
-                           const at::Tensor& rot_q, const at::Tensor& rot_o, const at::Tensor& scale_table,
+                           const at::Tensor& rot_q, const at::Tensor& rot_o, const at::Tensor& rot_f,
+                           const at::Tensor& scale_table,
                            const at::Tensor& sinks, double softcap) {
   TORCH_CHECK_VALUE(isa >= 0 && isa <= 2, "isa must be 0 (auto), 1 (baseline) or 2 (avx2), got ", isa);
   const Kernel& K = kernel(static_cast<Isa>(isa));
@@ -202,21 +207,34 @@ at::Tensor split_attention(const at::Tensor& query, const at::Tensor& full_keys,
   P.rows = P.n_rep * P.L_q;
   // the queries, pre-scaled by scaling * log2(e) (the softmax runs in base 2), as (B, H_kv, rows, D) fp32
   // (rotated storage: each row times its kv head's rot_q, q . R, first)
-  std::vector<float> q(static_cast<size_t>(P.B) * P.H_kv * P.rows * P.D), raw(P.D);
+  // (the full part's keys in a basis of their own: a second copy, each row times rot_f instead)
+  const size_t q_size = static_cast<size_t>(P.B) * P.H_kv * P.rows * P.D;
+  std::vector<float> q(q_size), qf(rot_f.numel() ? q_size : 0), raw(P.D);
   const DType q_dtype = dtype_of(query);
   const float qscale = static_cast<float>(scaling * 1.4426950408889634);
   P.rot_q = rot_q.numel() ? rot_q.data_ptr<float>() : nullptr;
   P.rot_o = rot_o.numel() ? rot_o.data_ptr<float>() : nullptr;
+  const float* rot_full = rot_f.numel() ? rot_f.data_ptr<float>() : nullptr;
   for (int64_t b = 0, row = 0; b < P.B; ++b)
     for (int64_t hq = 0; hq < query.size(1); ++hq)
       for (int64_t i = 0; i < P.L_q; ++i, ++row) {
         float* dst = q.data() + row * P.D;
+        const int64_t mat = (hq / P.n_rep) * P.D * P.D;
         K.to_float(query.data_ptr(), q_dtype, b * query.stride(0) + hq * query.stride(1) + i * query.stride(2), P.D,
-                   P.rot_q ? raw.data() : dst);
-        if (P.rot_q) K.times_matrix(raw.data(), P.rot_q + (hq / P.n_rep) * P.D * P.D, P.D, false, dst);
+                   raw.data());
+        if (P.rot_q)
+          K.times_matrix(raw.data(), P.rot_q + mat, P.D, false, dst);
+        else
+          std::copy(raw.begin(), raw.end(), dst);
         for (int d = 0; d < P.D; ++d) dst[d] *= qscale;
+        if (rot_full) {
+          float* fdst = qf.data() + row * P.D;
+          K.times_matrix(raw.data(), rot_full + mat, P.D, false, fdst);
+          for (int d = 0; d < P.D; ++d) fdst[d] *= qscale;
+        }
       }
   P.q = q.data();
+  P.qf = rot_full ? qf.data() : nullptr;
   P.fk = full_keys.data_ptr();
   P.fv = full_values.data_ptr();
   P.f_int8 = full_keys.scalar_type() == at::kChar;

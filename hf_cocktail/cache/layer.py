@@ -19,6 +19,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from hf_cocktail.decode.dispatch import attach_fused_writer, quantizers
 from hf_cocktail.planning.key_rotation import layer_rotation, tail_query_moment
+from hf_cocktail.storage.full_part import full_part_key_basis
 from hf_cocktail.storage.generated import AppendedPacking, crop_appended, pack_appended
 from hf_cocktail.storage.key_centering import centered, context_key_mean
 from hf_cocktail.storage.layer_bits import code_widths
@@ -264,6 +265,9 @@ class CocktailLayer(CacheLayerMixin):
             16 if self.all_full else cfg.full_part_bits,
             0.0 if self.all_full else cfg.key_outlier_share,
             mean,
+            full_part_key_basis(
+                16 if self.all_full else cfg.full_part_bits, rotation, H, D, cfg.rotation_seed, k.device
+            ),
         )
         self.store.packing = self._appended_packing(quantize_k, quantize_v, cfg.torch_scale_dtype(k.dtype))
         # the prefill's tokens past the cache's prompt_len age like appended ones: the prompt's tail without

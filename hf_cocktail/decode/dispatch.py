@@ -163,6 +163,7 @@ def _triton_attention(
     keys, values = full.split_path_tensors()  # an 8-bit full part: its int8 codes, read with their scales
     if isinstance(full, Int8FullPart):
         kw["full_scales"] = (full.scales.keys, full.scales.values)
+        kw["full_query"] = full.key_query(query)  # its keys in a basis of their own (None: the query serves)
     return triton_ops.split_precision_attention(
         query,
         keys,
@@ -217,8 +218,13 @@ def _cpu_prepared(store: LayerStore):
     kw: dict[str, object] = {}
     if any(s.scale_bits == 8 for s in segments):
         kw["scale_table"] = _cpu_scale_table()
-    if rotation is not None:
-        kw["rotation"] = (rotation.keys, rotation.values)
+    full_basis = store.full.key_basis  # an 8-bit full part's keys in a basis of their own (or None)
+    if rotation is not None or full_basis is not None:
+        kw["rotation"] = (
+            None if rotation is None else rotation.keys,
+            None if rotation is None else rotation.values,
+            full_basis,
+        )
     B, H_kv, _, D = store.full.shape
     prepared = cpu_ops.attention.prepare(B, H_kv, D, [_kernel_segment(s) for s in segments], **kw)
     store.kernel_cache["cpu"] = (rotation, tuple(segments), prepared)

@@ -57,6 +57,24 @@ def shared_matrices(
         return mats
 
 
+def per_head(
+    x: torch.Tensor, mats: torch.Tensor | None, transpose: bool = False, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``x (B, H, T, D)`` times ``mats (H_kv, D, D)`` (``transpose``: their transposes), ``H`` a multiple of ``H_kv``
+    (head ``h`` uses matrix ``h // (H // H_kv)``); computed in fp32, returned in ``out_dtype`` (default
+    ``x.dtype``); ``x`` as is without ``mats``."""
+    out_dtype = out_dtype or x.dtype
+    if mats is None:
+        return x.to(out_dtype)
+    m = mats.to(x.device)
+    if transpose:
+        m = m.transpose(-1, -2)
+    B, H, T, D = x.shape
+    n_rep = H // m.shape[0]
+    y = x.float().reshape(B, m.shape[0], n_rep * T, D) @ m
+    return y.reshape(B, H, T, D).to(out_dtype)
+
+
 @dataclass
 class Rotation:
     """The rotation a layer's store was written with (recorded with the data). ``keys``/``values``: ``(H_kv, D, D)``
@@ -79,6 +97,8 @@ class Rotation:
         mats = shared_matrices(num_heads, head_dim, seed, device)
         return cls(kind, seed, None if kind == "hadamard_values" else mats, None if kind == "hadamard_keys" else mats)
 
+    _apply = staticmethod(per_head)
+
     def __deepcopy__(self, memo: dict) -> Rotation:
         """The matrices are shared and never modified: a copied cache keeps sharing them."""
         return self
@@ -87,23 +107,6 @@ class Rotation:
         """The matrices held (one where keys and values share it)."""
         mats = [m for m in (self.keys, self.values) if m is not None]
         return mats[:1] if len(mats) == 2 and mats[0] is mats[1] else mats
-
-    @staticmethod
-    def _apply(
-        x: torch.Tensor, mats: torch.Tensor | None, transpose: bool = False, out_dtype: torch.dtype | None = None
-    ) -> torch.Tensor:
-        """``x (B, H, T, D)`` with ``H`` a multiple of ``H_kv`` (head ``h`` uses matrix ``h // (H // H_kv)``);
-        computed in fp32, returned in ``out_dtype`` (default ``x.dtype``)."""
-        out_dtype = out_dtype or x.dtype
-        if mats is None:
-            return x.to(out_dtype)
-        m = mats.to(x.device)
-        if transpose:
-            m = m.transpose(-1, -2)
-        B, H, T, D = x.shape
-        n_rep = H // m.shape[0]
-        y = x.float().reshape(B, m.shape[0], n_rep * T, D) @ m
-        return y.reshape(B, H, T, D).to(out_dtype)
 
     def rotate_keys(self, k: torch.Tensor) -> torch.Tensor:
         return self._apply(k, self.keys)
