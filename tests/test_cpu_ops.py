@@ -320,7 +320,7 @@ def _bad(args, i=None, **changes):
     else:
         seg = list(a[4][i])
         for k, v in changes.items():
-            seg[cpu_ops.attention._SEGMENT_FIELDS.index(k)] = v
+            seg[cpu_ops.attention.SEGMENT_FIELDS.index(k)] = v
         a[4] = [tuple(seg) if j == i else s for j, s in enumerate(a[4])]
     return a, kw
 

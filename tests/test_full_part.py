@@ -159,6 +159,8 @@ def test_generate_split_equals_dequantized_sdpa_and_reports_the_bytes(tiny_token
     B, H, _, D = full.shape
     R = full.codes._buffers[0].shape[2]  # the tokens and the room for appended ones (the same in both runs)
     saved = 2 * B * H * R * (2 * D - (D + 2))  # keys and values of layer 0: 2 bytes -> 1 byte + a 2-byte scale per D
+    assert full.head is not None and full.head.count == 4  # the sink tokens, also at the model's precision
+    saved -= full.head.deployed_bytes()
     assert rep16["fp16_equivalent_bytes"] == rep8["fp16_equivalent_bytes"]
     assert rep16["ratio_to_fp16"] * rep16["fp16_equivalent_bytes"] - saved == pytest.approx(
         rep8["ratio_to_fp16"] * rep8["fp16_equivalent_bytes"]

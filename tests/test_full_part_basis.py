@@ -13,8 +13,8 @@ import torch
 from hf_cocktail import CocktailCache, CocktailConfig
 from hf_cocktail.decode.split_attention import split_precision_attention_torch
 from hf_cocktail.integration.compat import cache_kwargs
-from hf_cocktail.storage.full_part import Int8FullPart, full_part_key_basis
-from hf_cocktail.storage.rotation import Rotation, shared_matrices
+from hf_cocktail.storage.full_part import Int8FullPart
+from hf_cocktail.storage.rotation import Rotation, full_part_key_basis, shared_matrices
 from hf_cocktail.storage.store import LayerStore
 
 from .conftest import FakeEncoder, assert_fused_cpu_kernel_matches_reference, make_prompt, make_tiny_llama

@@ -20,6 +20,7 @@ from hf_cocktail.storage import params8
 from hf_cocktail.storage.full_part import Int8FullPart
 from hf_cocktail.storage.rotation import Rotation, shared_matrices
 
+from .test_exact_head import exact_head_store
 from .test_triton_kernels import DEV, _interpret, attention_sdpa, make_store, triton_ops  # noqa: F401
 
 INTERPRET = not torch.cuda.is_available()
@@ -141,3 +142,31 @@ def test_an_8_bit_full_part_with_keys_in_their_own_basis(D, H_kv, L_q):
     right = triton_ops.split_precision_attention(*args, D**-0.5, full_query=store.full.key_query(query), **kw)
     torch.testing.assert_close(right, coded_attention(query, store, D**-0.5))
     assert (wrong - right).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("kind,basis", [(None, True), ("hadamard", False)])
+@pytest.mark.parametrize("L_q", [1, 2])
+def test_an_8_bit_full_part_with_an_exact_head(kind, basis, L_q):
+    """Each sequence's first 4 tokens read from the exact head (:mod:`hf_cocktail.storage.exact_head`), with and
+    without the part's own key basis, sequences starting at different places of the part."""
+    store, _, _ = exact_head_store(kind, D=64, basis=basis, device=DEV)
+    assert store.full.start[0] != store.full.start[1]
+    store.append(torch.randn(2, 2, L_q, 64).to(DEV), torch.randn(2, 2, L_q, 64).to(DEV))
+    query = (torch.randn(2, 4, L_q, 64, generator=torch.Generator().manual_seed(5)) * 2).to(DEV)
+    check(query, store, 64**-0.5)
+
+
+def test_the_exact_head_is_read_across_splits():
+    """Splits of 16 tokens with a 20-token head starting at different places of them (left padding); without the
+    head argument the result differs (the argument is read)."""
+    store, _, _ = exact_head_store(None, lengths=(70, 50), S=20, D=64, basis=True, device=DEV)
+    full = store.full
+    assert full.head.count == 20 and full.start == [3, 0]
+    query = (torch.randn(2, 4, 1, 64, generator=torch.Generator().manual_seed(5)) * 4).to(DEV)
+    segments = [dispatch._kernel_segment(s) for s in store.segments]
+    args = (query, *full.split_path_tensors(), full.start_tensor(), segments, 64**-0.5)
+    kw = dict(full_scales=(full.scales.keys, full.scales.values), full_query=full.key_query(query), tokens_per_split=16)
+    ref = split_precision_attention_torch(query, store, 64**-0.5)
+    right = triton_ops.split_precision_attention(*args, full_head=(full.head.keys, full.head.values), **kw)
+    torch.testing.assert_close(right, ref, atol=1e-5, rtol=1e-4)
+    assert (triton_ops.split_precision_attention(*args, **kw) - right).abs().max() > 1e-4

@@ -335,8 +335,8 @@ def test_split_attention_every_segment_count(count):
     attn = _attention_launch(query, store, D**-0.5)
     assert attn.constexprs["SEGS"] == count
     # the first pointer of each absent segment's 14 arguments (11 tensors with the outlier channel order, 3 ints),
-    # after the query, the full part's query and 15 arguments of strides and the full part
-    absent = attn.args[17 + 14 * count : 17 + 14 * 2 : 14]
+    # after the query, the full part's query and 18 arguments of strides and the full part
+    absent = attn.args[20 + 14 * count : 20 + 14 * 2 : 14]
     assert [t.dtype for t in absent] == [torch.uint8] * (2 - count)  # typed stand-ins, not the full keys
     ref = split_precision_attention_torch(query, store, D**-0.5)
     check_attention(query, store, D**-0.5, ref, tokens_per_split=tps)

@@ -31,8 +31,9 @@ NUM_SMS = 132  # H100 SXM / H200: tokens_per_split as on those GPUs
 class Case:
     """One attention launch: a model's heads and a stored format. ``segs``: per packed segment ``(key_bits,
     value_bits)`` (0, 1 or 2 of them); ``p8``: 8-bit scales and zeros; ``f8``: the 8-bit full part; ``fq``: its
-    keys in a basis of their own (an fp32 query of their own, the layer's keys unrotated); ``outliers``: the share of
-    key channels stored at 8 bits in every segment (outlier key channels, 16-bit scales only; 0: none)."""
+    keys in a basis of their own (an fp32 query of their own, the layer's keys unrotated); ``head``: its exact head
+    (4 sink tokens at the query's dtype); ``outliers``: the share of key channels stored at 8 bits in every segment
+    (outlier key channels, 16-bit scales only; 0: none)."""
 
     name: str
     D: int
@@ -49,10 +50,15 @@ class Case:
     model_shaped: bool = False
     outliers: float = 0.0
     fq: bool = False
+    head: bool = False
 
     def setting(self) -> str:
         segs = "+".join(f"k{k}v{v}" if k != v else f"int{k}" for k, v in self.segs) or "full part only"
-        extra = [f for f, on in (("p8", self.p8), ("f8", self.f8), ("fq", self.fq), ("sinks", self.sinks)) if on]
+        extra = [
+            f
+            for f, on in (("p8", self.p8), ("f8", self.f8), ("fq", self.fq), ("head", self.head), ("sinks", self.sinks))
+            if on
+        ]
         extra += [f"softcap{self.softcap:g}"] if self.softcap else []
         extra += [f"outliers1/{round(1 / self.outliers)}"] if self.outliers else []
         return " ".join([segs, *extra, str(self.dtype).removeprefix("torch."), f"Lq{self.L_q}"])
@@ -68,6 +74,8 @@ class Case:
             kw["full_scales"] = (torch.empty(B, H_kv, R, 1, dtype=torch.float16),) * 2
         if self.fq:
             kw["full_query"] = torch.empty(q.shape, dtype=torch.float32)
+        if self.head:
+            kw["full_head"] = (torch.empty(B, H_kv, 4, D, dtype=self.dtype),) * 2
         if self.p8:
             kw["scale_table"] = torch.empty(256, dtype=torch.float32)
         if self.sinks:
@@ -128,8 +136,8 @@ SETTINGS = (
 
 def model_cases() -> list[Case]:
     """Model-shaped decode: every model x every setting in bf16 at L_q 1, fp16 once, L_q 4 plain and with the 8-bit
-    formats (speculative decoding), 0 and 1 segments once, the 8-bit full part with keys in a basis of their own
-    (``fq``) with 2 and 1 segments; gpt-oss-20b's sinks (D 64, 8 KV heads, GQA 8) and
+    formats (speculative decoding), 0 and 1 segments once, the 8-bit full part with its exact head, with and without
+    keys in a basis of their own (``fq``), with 2 and 1 segments; gpt-oss-20b's sinks (D 64, 8 KV heads, GQA 8) and
     Gemma 2 9B's soft-capping (D 256, 8 KV heads, GQA 2, cap 50); outlier key channels (1/16 and 1/8 of D at
     8 bits) with INT4+INT2 and INT4+INT3, 1/16 at L_q 4 and with the 8-bit full part (:func:`outlier_cases`)."""
     out = outlier_cases()
@@ -142,8 +150,9 @@ def model_cases() -> list[Case]:
         out.append(Case(name, L_q=4, p8=True, f8=True, **base))
         out.append(Case(name, segs=(), **base))
         out.append(Case(name, segs=((4, 4),), p8=True, f8=True, **base))
-        out.append(Case(name, p8=True, f8=True, fq=True, **base))
-        out.append(Case(name, segs=((4, 4),), p8=True, f8=True, fq=True, **base))
+        out.append(Case(name, p8=True, f8=True, head=True, **base))
+        out.append(Case(name, p8=True, f8=True, fq=True, head=True, **base))
+        out.append(Case(name, segs=((4, 4),), p8=True, f8=True, fq=True, head=True, **base))
     for p8 in (False, True):
         out.append(Case("gpt-oss-20b", 64, 8, 8, sinks=True, p8=p8, f8=p8, model_shaped=True))
         out.append(Case("gemma2-9b", 256, 8, 2, softcap=50.0, p8=p8, f8=p8, model_shaped=True))
@@ -166,7 +175,8 @@ def outlier_cases() -> list[Case]:
 def ci_cases() -> list[Case]:
     """The CI's representative model-shaped set (:mod:`tests.test_triton_aot`, about 2 minutes on 2 cores): per
     model INT4+INT2 plain and with both 8-bit formats, L_q 4, no packed segment, one; sinks and soft-capping once;
-    INT4 with the 8-bit formats and the full part's keys in their own basis on Gemma 3 270M and SmolLM2;
+    the 8-bit formats with the full part's exact head on SmolLM2 (INT4+INT2) and Gemma 3 270M (INT4, keys in their
+    own basis);
     outlier key channels on SmolLM2 (1/16), Gemma 3 270M and Qwen2.5-7B (1/8)."""
     out = []
     for name, D, H_kv, n_rep in MODELS:
@@ -174,8 +184,8 @@ def ci_cases() -> list[Case]:
         out += [Case(name, **base), Case(name, p8=True, f8=True, **base), Case(name, L_q=4, **base)]
         out += [Case(name, segs=(), **base), Case(name, segs=((4, 4),), p8=True, f8=True, **base)]
     out.append(Case("gpt-oss-20b", 64, 8, 8, sinks=True, model_shaped=True))
-    out.append(Case("gemma3-270m", 256, 1, 4, segs=((4, 4),), p8=True, f8=True, fq=True, model_shaped=True))
-    out.append(Case("smollm2-135m", 64, 3, 3, segs=((4, 4),), p8=True, f8=True, fq=True, model_shaped=True))
+    out.append(Case("gemma3-270m", 256, 1, 4, segs=((4, 4),), p8=True, f8=True, fq=True, head=True, model_shaped=True))
+    out.append(Case("smollm2-135m", 64, 3, 3, p8=True, f8=True, head=True, model_shaped=True))
     out.append(Case("gemma2-9b", 256, 8, 2, softcap=50.0, model_shaped=True))
     out.append(Case("smollm2-135m", 64, 3, 3, outliers=1 / 16, model_shaped=True))
     out.append(Case("gemma3-270m", 256, 1, 4, outliers=1 / 8, model_shaped=True))

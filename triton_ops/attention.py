@@ -14,7 +14,15 @@ from collections.abc import Sequence
 import torch
 import triton
 
-from .attention_args import code_widths, full_scales_args, scale_table_arg, segment_args, sinks_arg, softcap_arg
+from .attention_args import (
+    code_widths,
+    full_head_args,
+    full_scales_args,
+    scale_table_arg,
+    segment_args,
+    sinks_arg,
+    softcap_arg,
+)
 from .attention_kernels import merge_kernel, split_attn_kernel
 from .checks import check_device
 from .launch import Launch
@@ -68,6 +76,7 @@ def split_precision_attention(
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
     full_query: torch.Tensor | None = None,
+    full_head: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Triton version of ``hf_cocktail.decode.split_attention.split_precision_attention_torch`` (same semantics).
 
@@ -90,6 +99,7 @@ def split_precision_attention(
         sinks=sinks,
         softcap=softcap,
         full_query=full_query,
+        full_head=full_head,
     )
     attn.run(query.device)
     merge.run(query.device)
@@ -113,6 +123,7 @@ def plan_split_attention(
     softcap: float | None = None,
     num_sms: int | None = None,
     full_query: torch.Tensor | None = None,
+    full_head: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[Launch, Launch, torch.Tensor]:
     """The two launches of split-precision attention (:func:`split_attn_kernel` then :func:`merge_kernel`) and the
     output tensor they fill; :func:`split_precision_attention` runs them, :mod:`triton_ops.aot` compiles them.
@@ -144,6 +155,9 @@ def plan_split_attention(
             on CPU, without it, one split per source, as the interpreter wants).
         full_query: the query the full part's keys are scored with where they are stored in a basis of their own
             (``hf_cocktail.storage.full_part.Int8FullPart.key_query``), ``query``'s shape; None: ``query``.
+        full_head: the full part's exact head (``hf_cocktail.storage.exact_head``), ``(keys, values)`` each ``(B,
+            H_kv, S, D)``: sequence ``b``'s tokens ``[full_start[b], full_start[b] + S)`` are read from them
+            (keys in the layer's basis, scored with ``query``); or None.
     """
     if query.dim() != 4:
         raise ValueError(f"query must have shape (B, H_q, L_q, D), got {tuple(query.shape)}")
@@ -176,6 +190,7 @@ def plan_split_attention(
         segment_args(s, i, m, fk) for i, (s, m) in enumerate(zip(segs, maxes))
     )
     fks, fvs = full_scales_args(full_scales, fk)
+    fhk, fhv, S_head = full_head_args(full_head, fk)
     table = scale_table_arg(scale_table, query.device) if p8_a or p8_b else fk
     sink = sinks_arg(sinks, H_q, query.device) if sinks is not None else fk
     cap = softcap_arg(softcap) if softcap is not None else 1.0
@@ -190,7 +205,7 @@ def plan_split_attention(
     part_l = torch.empty_like(part_m)
     out = torch.empty((B, H_q, Lq, D), dtype=query.dtype, device=dev)
     q_strides = (query.stride(0), query.stride(1), query.stride(2))
-    full_args = (fk, fv, *fk.stride()[:3], fks, fvs, *fks.stride()[:3], full_start, R)
+    full_args = (fk, fv, *fk.stride()[:3], fks, fvs, *fks.stride()[:3], full_start, R, fhk, fhv, S_head)
     softmax = (float(scaling) * (_LOG2E if softcap is None else 1.0), cap)
     grid_args = (H_kv, Lq, n_rep, n_qb, S_full, S_a, S_total, TPS)
     attn = Launch(
@@ -225,6 +240,7 @@ def plan_split_attention(
             P8_B=p8_b,
             F8=full_scales is not None,
             FQ=full_query is not None,
+            HEAD=full_head is not None,
             SOFTCAP=softcap is not None,
             DOT=dot,
             N_OUT_A=out_a,

@@ -29,6 +29,23 @@ def _remember_permutation(channels: torch.Tensor) -> None:
     _PERMUTATIONS[key] = weakref.ref(channels, lambda _ref: _PERMUTATIONS.pop(key, None))
 
 
+def full_head_args(full_head, fk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The full part's exact head ``(keys, values)`` ``(B, H_kv, S, D)`` (checked against the full part ``fk``'s
+    ``B, H_kv, D``, made contiguous) and ``S``; or ``fk`` twice as an unused stand-in and 0 (no head code compiled)."""
+    if full_head is None:
+        return fk, fk, 0
+    if not isinstance(full_head, (list, tuple)) or len(full_head) != 2:
+        raise ValueError(f"full_head must be a pair (head keys, head values), got {type(full_head).__name__}")
+    hk, hv = full_head
+    B, H, D = fk.shape[0], fk.shape[1], fk.shape[3]
+    for name, t in (("full_head[0]", hk), ("full_head[1]", hv)):
+        ok = isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() == 4
+        if not (ok and (t.shape[0], t.shape[1], t.shape[3]) == (B, H, D) and t.shape == hk.shape):
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a float tensor of shape ({B}, {H}, S, {D}) like full_head[0], got {got}")
+    return hk.contiguous(), hv.contiguous(), hk.shape[2]
+
+
 def full_scales_args(full_scales, fk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The int8 full part's scales ``(B, H_kv, R, 1)`` (checked), or ``fk`` twice as an unused stand-in."""
     if full_scales is None:

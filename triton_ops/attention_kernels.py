@@ -132,6 +132,9 @@ def split_attn_kernel(
     s_st,
     start_ptr,
     R,
+    fhk_ptr,
+    fhv_ptr,
+    S_head,
     a_kc,
     a_ks,
     a_kz,
@@ -192,13 +195,16 @@ def split_attn_kernel(
     N_OUT_A: tl.constexpr,
     N_OUT_B: tl.constexpr,
     FQ: tl.constexpr,
+    HEAD: tl.constexpr,
 ):
     """Grid ``(B * H_kv * n_qb, S_total)``: partial attention of one block of query rows over one token split.
     ``SEGS`` packed segments (0, 1 or 2): an absent segment's branch is not compiled (its arguments are unused
     stand-ins). ``qk_scale``: ``scaling * log2(e)``, or ``scaling`` with ``SOFTCAP`` (then ``cap`` is the cap).
     ``N_OUT_A`` / ``N_OUT_B``: a segment's outlier key channels (0: none, no code); its query rows are then gathered
     once into its keys' stored channel order ``a_ch`` / ``b_ch`` (int32 ``(H_kv, D)``). ``FQ``: the full part's keys
-    are stored in a basis of their own, scored with the query rows of ``qf_ptr`` (the query's strides) instead."""
+    are stored in a basis of their own, scored with the query rows of ``qf_ptr`` (the query's strides) instead.
+    ``HEAD``: the full part's exact head, sequence ``b``'s tokens ``[start[b], start[b] + S_head)`` read from
+    ``fhk_ptr`` / ``fhv_ptr`` ``(B, H_kv, S_head, D)`` (contiguous, the layer's basis: scored with ``q``)."""
     pid = tl.program_id(0)
     sp = tl.program_id(1)
     qb = pid % n_qb
@@ -216,11 +222,24 @@ def split_attn_kernel(
     if sp < S_full:
         # full-precision part, right-aligned: sequence b owns [start[b], R); key t is visible to query token i
         # iff t <= R - L_q + i (the last L_q tokens are the queries' own)
-        if FQ:  # compile-time: the full part's own query rows (its keys' basis)
-            q = tl.load(qf_ptr + q_off[:, None] + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * qk_scale
-        lo = tl.load(start_ptr + b) + sp * TPS
+        first = tl.load(start_ptr + b)
+        lo = first + sp * TPS
         hi = tl.minimum(lo + TPS, R)
         f_off = b.to(tl.int64) * s_fb + h.to(tl.int64) * s_fh
+        if HEAD:  # compile-time: the exact head's tokens of this split first, at the model's precision
+            h_hi = tl.minimum(hi, first + S_head)
+            h_off = (b.to(tl.int64) * H_kv + h) * S_head * D
+            for a in range(lo, h_hi, BT):
+                t = a + tl.arange(0, BT)
+                tm = t < h_hi
+                off = h_off + (t - first).to(tl.int64)[:, None] * D + d[None, :]
+                k = tl.load(fhk_ptr + off, mask=tm[:, None], other=0.0).to(tl.float32)
+                v = tl.load(fhv_ptr + off, mask=tm[:, None], other=0.0).to(tl.float32)
+                valid = rmask[:, None] & tm[None, :] & (t[None, :] <= (R - L_q + i)[:, None])
+                acc, m_i, l_i = _online_update(acc, m_i, l_i, q, k, v, valid, cap, SOFTCAP, DOT)
+            lo = tl.maximum(lo, h_hi)
+        if FQ:  # compile-time: the codes' own query rows (their keys' basis)
+            q = tl.load(qf_ptr + q_off[:, None] + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * qk_scale
         for a in range(lo, hi, BT):
             t = a + tl.arange(0, BT)
             tm = t < hi

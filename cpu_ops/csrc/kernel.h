@@ -111,8 +111,9 @@ static void run_item(const Problem& P, const WorkItem& w, float* m, float* l, fl
       vt(static_cast<size_t>(kBlock) * D, 0.0f), bias(rows, 0.0f);
   for (int r = 0; r < rows; ++r) m[r] = -INFINITY, l[r] = 0.0f;
   std::fill(acc, acc + static_cast<int64_t>(rows) * D, 0.0f);
-  // (rows, D), pre-scaled; the full part's keys in a basis of their own: its own query rows
-  const float* q = (w.src == 0 && P.qf ? P.qf : P.q) + (static_cast<int64_t>(w.b) * P.H_kv + w.h) * rows * D;
+  // (rows, D), pre-scaled; the full part's keys in a basis of their own: its codes' own query rows
+  const int64_t q_off = (static_cast<int64_t>(w.b) * P.H_kv + w.h) * rows * D;
+  const float* q = P.q + q_off;
   // a block of n tokens is computed as n8 (n rounded up to 8): tile rows [n, n8) are zero, their scores -inf
   auto softmax_block = [&](int n) {  // the block's scores -> probabilities (running max, sum and acc rescaled)
     const int n8 = (n + 7) & ~7;
@@ -128,11 +129,19 @@ static void run_item(const Problem& P, const WorkItem& w, float* m, float* l, fl
   };
 
   if (w.src == 0) {  // full-precision part: key t is visible to row r iff t <= R - L_q + r % L_q
-    const int64_t base = w.b * P.f_sb + w.h * P.f_sh;
-    for (int64_t a = w.lo; a < w.hi; a += kBlock) {
-      const int n = static_cast<int>(std::min<int64_t>(kBlock, w.hi - a));
+    const int64_t base = w.b * P.f_sb + w.h * P.f_sh, first = P.f_start[w.b];
+    // its exact head (tokens [first, first + S_head), model precision, the layer's basis) before the rest
+    const int64_t head_end = std::max(w.lo, std::min<int64_t>(w.hi, first + P.S_head));
+    const int64_t head_base = (static_cast<int64_t>(w.b) * P.H_kv + w.h) * P.S_head * D;
+    for (int64_t a = w.lo, step = 0; a < w.hi; a += step) {
+      const bool head = a < head_end;  // a block of head tokens only: they are scored with q
+      const int n = static_cast<int>(std::min<int64_t>(kBlock, (head ? head_end : w.hi) - a));
+      step = n;
       for (int t = 0; t < n; ++t) {
-        if (P.f_int8) {
+        if (head) {
+          to_float(P.fhk, P.fh_dtype, head_base + (a + t - first) * D, D, kt.data() + t * D);
+          to_float(P.fhv, P.fh_dtype, head_base + (a + t - first) * D, D, vt.data() + t * D);
+        } else if (P.f_int8) {
           const int64_t off = base + (a + t) * P.f_st, soff = w.b * P.fs_sb + w.h * P.fs_sh + (a + t) * P.fs_st;
           float sk, sv;
           to_float(P.fks, P.fs_dtype, soff, 1, &sk);
@@ -145,7 +154,7 @@ static void run_item(const Problem& P, const WorkItem& w, float* m, float* l, fl
         }
       }
       const int n8 = clear_tail(n);
-      block_scores(q, bias.data(), kt.data(), rows, n8, D, s.data());
+      block_scores(!head && P.qf ? P.qf + q_off : q, bias.data(), kt.data(), rows, n8, D, s.data());
       if (P.softcap2 > 0.0f) soft_cap(s.data(), rows, n8, P.softcap2);
       if (a + n > P.R - P.L_q + 1) {  // the block reaches the queries' own tokens
         for (int r = 0; r < rows; ++r)

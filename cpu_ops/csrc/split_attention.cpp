@@ -92,6 +92,11 @@ struct Problem {
   // an 8-bit full part whose keys have a basis of their own (hf_cocktail.full_part.Int8FullPart.key_basis F): its
   // scores read these query rows, q . F from the unrotated query (B, H_kv, rows, D), pre-scaled as q; or null (q)
   const float* qf;
+  // the full part's exact head (hf_cocktail.storage.exact_head): sequence b's tokens [f_start[b], f_start[b] + S_head)
+  // read from fhk / fhv (B, H_kv, S_head, D) contiguous, of fh_dtype, instead of fk / fv; S_head 0: none
+  const void *fhk, *fhv;
+  DType fh_dtype;
+  int64_t S_head;
   const int32_t* f_start;
   // gpt-oss attention sinks: query head hq's softmax denominator gains 2**sinks2[hq] (base 2), no value; or null
   const float* sinks2;
@@ -186,7 +191,8 @@ void check_offsets(const at::Tensor& off, int B, int64_t limit, const char* what
 // the baseline build, 2 the avx2 build (fp32 arithmetic only) where the CPU has it;
 // full_key_scales, full_value_scales: (B, H_kv, R, 1) for an int8 full part (full_keys / full_values its codes), else
 // empty; rot_q, rot_o: (H_kv, D, D) fp32 or empty (rotated storage); rot_f: (H_kv, D, D) fp32 or empty (the full
-// part's keys in a basis of their own: its scores use q . rot_f[h]); scale_table: (256,) fp32 or empty;
+// part's keys in a basis of their own: its scores use q . rot_f[h]); full_head_keys, full_head_values: (B, H_kv, S, D)
+// contiguous, one float dtype, or empty (the full part's exact head); scale_table: (256,) fp32 or empty;
 // sinks: (H_q,) fp32 attention-sink logits or empty; softcap: the logit soft-cap (> 0) or 0 for none.
 // Returns (B, H_q, L_q, D) in query's dtype.
 at::Tensor split_attention(const at::Tensor& query, const at::Tensor& full_keys, const at::Tensor& full_values,
@@ -194,6 +200,7 @@ at::Tensor split_attention(const at::Tensor& query, const at::Tensor& full_keys,
                            const std::vector<int64_t>& seg_ints, double scaling, int64_t tokens_per_item,
                            int64_t isa, const at::Tensor& full_key_scales, const at::Tensor& full_value_scales,
                            const at::Tensor& rot_q, const at::Tensor& rot_o, const at::Tensor& rot_f,
+                           const at::Tensor& full_head_keys, const at::Tensor& full_head_values,
                            const at::Tensor& scale_table,
                            const at::Tensor& sinks, double softcap) {
   TORCH_CHECK_VALUE(isa >= 0 && isa <= 2, "isa must be 0 (auto), 1 (baseline) or 2 (avx2), got ", isa);
@@ -253,6 +260,17 @@ at::Tensor split_attention(const at::Tensor& query, const at::Tensor& full_keys,
     P.fs_dtype = dtype_of(full_key_scales);
     P.fs_sb = full_key_scales.stride(0), P.fs_sh = full_key_scales.stride(1), P.fs_st = full_key_scales.stride(2);
   }
+  P.S_head = full_head_keys.numel() ? full_head_keys.size(2) : 0;
+  if (P.S_head) {
+    TORCH_CHECK_VALUE(full_head_keys.dim() == 4 && full_head_keys.size(0) == P.B && full_head_keys.size(1) == P.H_kv &&
+                          full_head_keys.size(3) == P.D && full_head_keys.is_contiguous() &&
+                          full_head_values.sizes() == full_head_keys.sizes() && full_head_values.is_contiguous() &&
+                          full_head_values.scalar_type() == full_head_keys.scalar_type(),
+                      "full_head keys and values must be contiguous (B, H_kv, S, D) of one dtype, got ",
+                      full_head_keys.sizes(), " and ", full_head_values.sizes());
+    P.fhk = full_head_keys.data_ptr(), P.fhv = full_head_values.data_ptr();
+    P.fh_dtype = dtype_of(full_head_keys);
+  }
   P.f_start = full_start.data_ptr<int32_t>();
   std::vector<float> sinks2(sinks.numel());  // in base 2, as the scores
   TORCH_CHECK_VALUE(sinks.numel() == 0 || sinks.numel() == query.size(1), "sinks must have H_q=", query.size(1),
@@ -262,8 +280,8 @@ at::Tensor split_attention(const at::Tensor& query, const at::Tensor& full_keys,
   TORCH_CHECK_VALUE(softcap >= 0.0 && std::isfinite(softcap), "softcap must be > 0 (or 0: none), got ", softcap);
   P.softcap2 = static_cast<float>(softcap * 1.4426950408889634);
   for (int b = 0; b < P.B; ++b)
-    TORCH_CHECK_VALUE(P.f_start[b] >= 0 && P.f_start[b] <= P.R, "full_start[", b, "] must be in [0, R=", P.R,
-                      "], got ", P.f_start[b]);
+    TORCH_CHECK_VALUE(P.f_start[b] >= 0 && P.f_start[b] <= P.R - P.S_head, "full_start[", b, "] must be in [0, R=",
+                      P.R, P.S_head ? " minus the exact head's tokens" : "", "], got ", P.f_start[b]);
   P.n_seg = static_cast<int>(seg_ints.size() / 5);
   for (int i = 0; i < P.n_seg; ++i) {
     const at::Tensor* t = seg_tensors.data() + 11 * i;

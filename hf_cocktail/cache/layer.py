@@ -19,11 +19,10 @@ from transformers.cache_utils import CacheLayerMixin
 
 from hf_cocktail.decode.dispatch import attach_fused_writer, quantizers
 from hf_cocktail.planning.key_rotation import layer_rotation, tail_query_moment
-from hf_cocktail.storage.full_part import full_part_key_basis
 from hf_cocktail.storage.generated import AppendedPacking, crop_appended, pack_appended
 from hf_cocktail.storage.key_centering import centered, context_key_mean
 from hf_cocktail.storage.layer_bits import code_widths
-from hf_cocktail.storage.rotation import Rotation
+from hf_cocktail.storage.rotation import Rotation, full_part_key_basis
 from hf_cocktail.storage.store import LayerStore
 
 
@@ -268,6 +267,7 @@ class CocktailLayer(CacheLayerMixin):
             full_part_key_basis(
                 16 if self.all_full else cfg.full_part_bits, rotation, H, D, cfg.rotation_seed, k.device
             ),
+            cfg.sink_tokens,  # an 8-bit full part keeps the prompt's sink tokens at the model's precision
         )
         self.store.packing = self._appended_packing(quantize_k, quantize_v, cfg.torch_scale_dtype(k.dtype))
         # the prefill's tokens past the cache's prompt_len age like appended ones: the prompt's tail without

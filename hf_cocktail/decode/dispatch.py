@@ -164,6 +164,8 @@ def _triton_attention(
     if isinstance(full, Int8FullPart):
         kw["full_scales"] = (full.scales.keys, full.scales.values)
         kw["full_query"] = full.key_query(query)  # its keys in a basis of their own (None: the query serves)
+        if full.head is not None:
+            kw["full_head"] = (full.head.keys, full.head.values)
     return triton_ops.split_precision_attention(
         query,
         keys,
@@ -187,6 +189,7 @@ def _cpu_attention(query: torch.Tensor, store: LayerStore, scaling: float, **ext
     full = store.full
     keys, values = full.split_path_tensors()  # an 8-bit full part: its int8 codes, read with their scales
     full_scales = (full.scales.keys, full.scales.values) if isinstance(full, Int8FullPart) else None
+    head = getattr(full, "head", None)  # an 8-bit part's exact head (or None)
     prepared = _cpu_prepared(store)
     return cpu_ops.attention.split_precision_attention_prepared(
         query,
@@ -197,6 +200,7 @@ def _cpu_attention(query: torch.Tensor, store: LayerStore, scaling: float, **ext
         scaling,
         full_scales=full_scales,
         scale_table=_cpu_scale_table() if prepared.needs_table else None,
+        full_head=None if head is None else (head.keys, head.values),
         **extras,
     )
 

@@ -13,6 +13,8 @@ left padding is never stored as a valid token), D head dim.
   (:attr:`Int8FullPart.key_basis`, a Hadamard rotation): one scale per token cannot serve a few large channels and
   many small ones at once, and a rotation spreads them (on Gemma 3 270M, 2K tokens, every global-layer key at 8 bits
   this way: KL divergence from FP16 2.1e-4 unrotated, 4.4e-5 rotated, keys centred in both; the lab log, issue 46).
+  Its first tokens of every sequence (the prompt's sink tokens) also stay at the model's precision
+  (:mod:`.exact_head`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from hf_cocktail.storage import quant
-from hf_cocktail.storage.rotation import Rotation, per_head, shared_matrices
+from hf_cocktail.storage.exact_head import ExactHead
+from hf_cocktail.storage.rotation import per_head
 
 # a fused 8-bit writer (cpu_ops.append_tokens8): (k, v, (key codes, value codes), (key scales, value scales), pos,
 # rotation=(key matrices, value matrices) or None) -> the four buffers' views of their first pos + L tokens
@@ -214,7 +217,10 @@ class Int8FullPart:
 
     ``key_basis``: ``(H_kv, D, D)`` fp32 orthonormal matrices ``F`` (one per KV head), or None. With them the codes
     are those of ``k·F`` (``k`` in the layer's basis): :attr:`keys` turns them back (``·Fᵀ``), and a kernel that reads
-    the codes scores them with the query ``q·F`` (:meth:`key_query`), as ``(q·F)·(k·F) = q·k``."""
+    the codes scores them with the query ``q·F`` (:meth:`key_query`), as ``(q·F)·(k·F) = q·k``.
+
+    ``head``: the first tokens of every sequence at the model's precision (:class:`~.exact_head.ExactHead`, keys in
+    the layer's basis), read instead of their codes; or None."""
 
     codes: FullPart
     scales: FullPart
@@ -222,6 +228,7 @@ class Int8FullPart:
     # a fused writer with the signature of cpu_ops.append_tokens8 (the decode dispatch sets it where it runs), or None
     write8: Write8 | None = field(default=None, repr=False)
     key_basis: torch.Tensor | None = field(default=None, repr=False)  # (H_kv, D, D) fp32, shared: never modified
+    head: ExactHead | None = field(default=None, repr=False)
 
     @classmethod
     def from_sequences(
@@ -230,35 +237,41 @@ class Int8FullPart:
         vs: list[torch.Tensor],
         scale_dtype: torch.dtype,
         key_basis: torch.Tensor | None = None,
+        exact_tokens: int = 0,
     ) -> Int8FullPart:
         """``ks[b]``, ``vs[b]``: ``(H_kv, R_b, D)`` -> right-aligned codes and scales; ``key_basis``: the keys' own
-        basis (the class docstring), or None."""
-        qk = [quant.quantize_tokens8(_in_basis(k[None], key_basis)[0], scale_dtype) for k in ks]
+        basis (the class docstring), or None; ``exact_tokens``: the first tokens of each sequence kept at the model's
+        precision too (the :attr:`head`)."""
+        qk = [quant.quantize_tokens8(per_head(k[None], key_basis)[0], scale_dtype) for k in ks]
         qv = [quant.quantize_tokens8(v, scale_dtype) for v in vs]
         codes = FullPart.from_sequences([c for c, _ in qk], [c for c, _ in qv])
         scales = FullPart.from_sequences([s for _, s in qk], [s for _, s in qv])
-        return cls(codes, scales, ks[0].dtype, key_basis=key_basis)
+        head = ExactHead.from_sequences(ks, vs, exact_tokens)
+        return cls(codes, scales, ks[0].dtype, key_basis=key_basis, head=head)
 
     @property
     def keys(self) -> torch.Tensor:
         """``(B, H_kv, R, D)`` in ``dtype``, in the layer's basis (left padding dequantizes to zeros)."""
-        return self._keys(self.codes.keys, self.scales.keys)
+        return self._exact(self._keys(self.codes.keys, self.scales.keys), "k")
+
+    def _exact(self, x: torch.Tensor, which: str, at: int = 0) -> torch.Tensor:
+        """``x``, the part's tokens from ``at`` on, with the :attr:`head`'s rows in place of their codes'."""
+        return x if self.head is None else self.head.overlay(x, which, self.start, at)
 
     def _keys(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         if self.key_basis is None:
             return quant.dequantize_tokens8(codes, scales, self.dtype)
-        return _in_basis(
-            quant.dequantize_tokens8(codes, scales, torch.float32), self.key_basis, back=True, dtype=self.dtype
-        )
+        keys = quant.dequantize_tokens8(codes, scales, torch.float32)
+        return per_head(keys, self.key_basis, transpose=True, out_dtype=self.dtype)
 
     def key_query(self, query: torch.Tensor) -> torch.Tensor | None:
         """The query a kernel reading the key codes scores them with: ``query (B, H_q, L_q, D)`` (in the layer's
         basis) times :attr:`key_basis`, fp32; None without a basis of their own (the layer's query serves)."""
-        return None if self.key_basis is None else _in_basis(query, self.key_basis, dtype=torch.float32)
+        return None if self.key_basis is None else per_head(query, self.key_basis, out_dtype=torch.float32)
 
     @property
     def values(self) -> torch.Tensor:
-        return quant.dequantize_tokens8(self.codes.values, self.scales.values, self.dtype)
+        return self._exact(quant.dequantize_tokens8(self.codes.values, self.scales.values, self.dtype), "v")
 
     @property
     def start(self) -> list[int]:
@@ -292,7 +305,7 @@ class Int8FullPart:
             if rotation is not None:
                 raise ValueError("Int8FullPart.append: rotation= needs the fused writer (write8); rotate k, v first")
             if basis is not None:
-                k = _in_basis(k, basis, dtype=v.dtype)
+                k = per_head(k, basis, out_dtype=v.dtype)
             codes, scales = quant.quantize_tokens8(torch.stack([k, v]), self.scales.keys.dtype, check=False)
             self.codes.append(codes[0], codes[1])
             self.scales.append(scales[0], scales[1])
@@ -309,14 +322,19 @@ class Int8FullPart:
     def truncate(self, n: int) -> None:
         self.codes.truncate(n)
         self.scales.truncate(n)
+        if self.head is not None:
+            self.head = self.head.truncated(self.length - max(self.start))
 
     def tokens(self, at: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens ``[at, at + n)`` of every sequence dequantized to ``dtype``, ``(B, H_kv, n, D)`` keys and values."""
         (kc, vc), (ks, vs) = self.codes.tokens(at, n), self.scales.tokens(at, n)
-        return self._keys(kc, ks), quant.dequantize_tokens8(vc, vs, self.dtype)
+        keys, values = self._keys(kc, ks), quant.dequantize_tokens8(vc, vs, self.dtype)
+        return self._exact(keys, "k", at), self._exact(values, "v", at)
 
     def remove(self, at: int, n: int) -> None:
-        """:meth:`FullPart.remove` of the codes and their scales."""
+        """:meth:`FullPart.remove` of the codes and their scales (never of :attr:`head` tokens: the oldest ones)."""
+        if self.head is not None and n and at < max(self.start) + self.head.count:
+            raise ValueError(f"tokens from {at} include exact head tokens (up to {max(self.start) + self.head.count})")
         self.codes.remove(at, n)
         self.scales.remove(at, n)
 
@@ -327,11 +345,13 @@ class Int8FullPart:
         return self.codes.valid_tokens()
 
     def nbytes(self) -> int:
-        return self.codes.nbytes() + self.scales.nbytes()
+        return self.codes.nbytes() + self.scales.nbytes() + (0 if self.head is None else self.head.nbytes())
 
     def deployed_bytes(self) -> int:
-        """The codes and scales as held (scales in their storage dtype, 2 bytes for the default float16)."""
-        return self.nbytes()
+        """The codes and scales as held (scales in their storage dtype, 2 bytes for the default float16), the
+        :attr:`head` at 2 bytes per element."""
+        head = 0 if self.head is None else self.head.deployed_bytes()
+        return self.codes.nbytes() + self.scales.nbytes() + head
 
     def reserved_bytes(self) -> int:
         return self.codes.reserved_bytes() + self.scales.reserved_bytes()
@@ -349,18 +369,10 @@ class Int8FullPart:
         return self.write8 is not None
 
     def select(self, indices: list[int]) -> Int8FullPart:
+        head = None if self.head is None else self.head.select(indices)
         return Int8FullPart(
-            self.codes.select(indices), self.scales.select(indices), self.dtype, self.write8, self.key_basis
+            self.codes.select(indices), self.scales.select(indices), self.dtype, self.write8, self.key_basis, head
         )
-
-
-def _in_basis(
-    x: torch.Tensor, basis: torch.Tensor | None, back: bool = False, dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    """``x (B, H, T, D)`` times ``basis`` ``(H_kv, D, D)`` (``back``: its transpose) per KV head, computed in fp32
-    as :class:`~hf_cocktail.storage.rotation.Rotation` rotates (the same operations, so the fused writer's bits);
-    in ``dtype`` (default ``x.dtype``); ``x`` itself without a basis."""
-    return per_head(x, basis, transpose=back, out_dtype=dtype)
 
 
 def full_part_from_sequences(
@@ -369,23 +381,12 @@ def full_part_from_sequences(
     bits: int,
     scale_dtype: torch.dtype,
     key_basis: torch.Tensor | None = None,
+    exact_tokens: int = 0,
 ) -> FullPart | Int8FullPart:
     """The full part of ``ks[b]``, ``vs[b]`` (``(H_kv, R_b, D)``) at ``bits`` (:data:`quant.FULL_PART_BITS`);
-    ``key_basis``: an 8-bit part's keys' own basis (:class:`Int8FullPart`), or None."""
+    ``key_basis``, ``exact_tokens``: an 8-bit part's keys' own basis and exact first tokens (:class:`Int8FullPart`)."""
     if bits not in quant.FULL_PART_BITS:
         raise ValueError(f"full_part_bits must be one of {quant.FULL_PART_BITS}, got {bits!r}")
     if bits == 16:
         return FullPart.from_sequences(ks, vs)
-    return Int8FullPart.from_sequences(ks, vs, scale_dtype, key_basis)
-
-
-def full_part_key_basis(
-    bits: int, rotation: Rotation | None, num_heads: int, head_dim: int, seed: int, device: torch.device | str
-) -> torch.Tensor | None:
-    """The keys' own basis of a full part at ``bits`` in a layer stored with ``rotation``: where an 8-bit part's
-    keys would be stored unrotated (no rotation, or one of values only), the ``(H_kv, D, D)`` matrices of
-    ``"hadamard"`` rotation with ``seed`` (shared, :func:`~hf_cocktail.storage.rotation.shared_matrices`); else
-    None (a 16-bit part, or keys rotated with the layer's packed keys)."""
-    if bits == 16 or (rotation is not None and rotation.keys is not None):
-        return None
-    return shared_matrices(num_heads, head_dim, seed, device)
+    return Int8FullPart.from_sequences(ks, vs, scale_dtype, key_basis, exact_tokens)

@@ -140,3 +140,15 @@ class Rotation:
     def to(self, device: torch.device | str) -> Rotation:
         move = lambda m: None if m is None else m.to(device)
         return Rotation(self.kind, self.seed, move(self.keys), move(self.values))
+
+
+def full_part_key_basis(
+    bits: int, rotation: Rotation | None, num_heads: int, head_dim: int, seed: int, device: torch.device | str
+) -> torch.Tensor | None:
+    """The keys' own basis of a full part at ``bits`` in a layer stored with ``rotation``: where an 8-bit part's
+    keys would be stored unrotated (no rotation, or one of values only), the ``(H_kv, D, D)`` matrices of
+    ``"hadamard"`` rotation with ``seed`` (shared, :func:`~hf_cocktail.storage.rotation.shared_matrices`); else
+    None (a 16-bit part, or keys rotated with the layer's packed keys)."""
+    if bits == 16 or (rotation is not None and rotation.keys is not None):
+        return None
+    return shared_matrices(num_heads, head_dim, seed, device)

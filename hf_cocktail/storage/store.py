@@ -97,6 +97,7 @@ class LayerStore:
         key_outlier_share: float = 0.0,
         key_mean: torch.Tensor | None = None,
         full_key_basis: torch.Tensor | None = None,
+        exact_tokens: int = 0,
     ) -> LayerStore:
         """Store a prefill: ``k, v (B, H_kv, L, D)``; ``positions[b]`` maps ``"full"`` and each packed bit width to
         the prompt positions of sequence ``b`` that go there (chunk order kept). With ``rotation`` everything is
@@ -104,7 +105,8 @@ class LayerStore:
         ``max_value_bits`` caps the values' code width (``None``: values get their chunk's bits, as keys do);
         ``scale_bits=8`` stores 8-bit scales and zeros; ``full_part_bits=8`` the full part as 8-bit codes;
         ``key_mean (B, H_kv, 1, D)``: keys stored minus it (:mod:`.key_centering`); ``full_key_basis (H_kv, D, D)``:
-        an 8-bit full part's keys in a basis of their own (:class:`~.full_part.Int8FullPart`)."""
+        an 8-bit full part's keys in a basis of their own, ``exact_tokens``: its first tokens of each sequence at the
+        model's precision too (:class:`~.full_part.Int8FullPart`)."""
         k = centered(k, key_mean)
         if rotation is not None:
             k, v = rotation.rotate_keys(k), rotation.rotate_values(v)
@@ -134,7 +136,7 @@ class LayerStore:
             )
             for bits in packed_bits
         ]
-        full = full_part_from_sequences(fulls_k, fulls_v, full_part_bits, scale_dtype, full_key_basis)
+        full = full_part_from_sequences(fulls_k, fulls_v, full_part_bits, scale_dtype, full_key_basis, exact_tokens)
         return cls(full, packed, rotation, key_mean)
 
     def dequantized(self, positions: list[dict], seq_len: int, prefill_len: int) -> tuple[torch.Tensor, torch.Tensor]:
