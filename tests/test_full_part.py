@@ -202,6 +202,7 @@ def test_model_card_says_how_the_full_part_and_salient_tokens_are_stored():
     from hf_cocktail.presets.model_card import make_model_card
 
     card = make_model_card(CocktailConfig(full_part_bits=8, salient_tokens=0.01))
+    assert "the first 4 tokens (attention sinks) stay at full precision." in card
     assert "(`full_part_bits=8`)" in card and '(`salient_tokens=0.01`; needs `attn_implementation="cocktail"`)' in card
     plain = make_model_card(CocktailConfig())
     assert "full_part_bits=8" not in plain and "salient_tokens=" not in plain

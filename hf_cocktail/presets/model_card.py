@@ -167,9 +167,13 @@ def _storage(config: Any) -> str:
         )
     if getattr(config, "full_part_bits", 16) == 8:
         stored += (
-            " The tokens outside the packed chunks (template, question, FP16 chunks, sink and salient tokens, "
-            "generated tokens) are stored as 8-bit codes with one scale per token and head (`full_part_bits=8`)."
+            " The tokens outside the packed chunks (template, question, FP16 chunks, salient tokens, generated "
+            "tokens) are stored as 8-bit codes with one scale per token and head (`full_part_bits=8`)"
         )
+        if getattr(config, "rotation", None) not in ("hadamard", "hadamard_keys"):
+            stored += ", keys in a Hadamard basis where the layer's keys are unrotated"
+        sinks = getattr(config, "sink_tokens", 0)
+        stored += f"; the first {sinks} tokens (attention sinks) stay at full precision." if sinks else "."
     return stored
 
 
