@@ -74,15 +74,23 @@ def table_arg(scale_table) -> torch.Tensor:
     return scale_table.contiguous()
 
 
-def full_scales_args(full_scales, shape: tuple) -> list[torch.Tensor]:
-    """``[key scales, value scales]`` of an int8 full part ``(B, H_kv, R, 1)``, checked, or two empty tensors."""
-    if full_scales is None:
+def key_value_pair(name: str, pair, what: str, shape: tuple) -> list[torch.Tensor]:
+    """``[keys' tensor, values' tensor]`` of ``pair`` (``what``: how the message names its two items), both of one
+    float dtype and ``shape`` (``None``: any size), checked; two empty tensors for None."""
+    if pair is None:
         return [EMPTY, EMPTY]
-    if not isinstance(full_scales, (list, tuple)) or len(full_scales) != 2:
-        fail("full_scales", "a pair (key scales, value scales)", type(full_scales).__name__)
-    ks, vs = full_scales
-    check_tensor("full_scales[0]", ks, FLOAT_DTYPES, (*shape, 1))
-    check_tensor("full_scales[1]", vs, (ks.dtype,), ks.shape)
+    if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+        fail(name, f"a pair ({what})", type(pair).__name__)
+    k, v = pair
+    check_tensor(f"{name}[0]", k, FLOAT_DTYPES, shape)
+    check_tensor(f"{name}[1]", v, (k.dtype,), k.shape)
+    return [k, v]
+
+
+def full_scales_args(full_scales, shape: tuple) -> list[torch.Tensor]:
+    """``[key scales, value scales]`` of an int8 full part ``(B, H_kv, R, 1)``, checked (the same strides), or two
+    empty tensors."""
+    ks, vs = key_value_pair("full_scales", full_scales, "key scales, value scales", (*shape, 1))
     if ks.stride() != vs.stride():
         fail("full_scales[1]'s strides", f"those of full_scales[0] {ks.stride()}", vs.stride())
     return [ks, vs]
@@ -90,14 +98,7 @@ def full_scales_args(full_scales, shape: tuple) -> list[torch.Tensor]:
 
 def full_head_args(full_head, shape: tuple) -> list[torch.Tensor]:
     """``[head keys, head values]`` ``(B, H_kv, S, D)`` (contiguous), checked, or two empty tensors."""
-    if full_head is None:
-        return [EMPTY, EMPTY]
-    if not isinstance(full_head, (list, tuple)) or len(full_head) != 2:
-        fail("full_head", "a pair (head keys, head values)", type(full_head).__name__)
-    hk, hv = full_head
-    check_tensor("full_head[0]", hk, FLOAT_DTYPES, shape)
-    check_tensor("full_head[1]", hv, (hk.dtype,), hk.shape)
-    return [hk.contiguous(), hv.contiguous()]
+    return [t.contiguous() for t in key_value_pair("full_head", full_head, "head keys, head values", shape)]
 
 
 def rotation_args(rotation, H_kv: int, D: int) -> list[torch.Tensor]:

@@ -176,6 +176,19 @@ def generate_split_and_sdpa(tokenizer, config, n_words=120, needle_at=60):
     return runs
 
 
+def generate_greedy(model, tokenizer, config, max_new_tokens=24):
+    """``(generate output with logits, cache)``: a 100-word prompt (a needle at word 50) continued greedily by
+    ``model`` through a ``CocktailCache(config)`` prepared with its document and question."""
+    from hf_cocktail import CocktailCache
+    from hf_cocktail.integration.compat import cache_kwargs
+
+    prompt, ctx, q = make_prompt(100, needle_at=50)
+    cache = CocktailCache(config, encoder=FakeEncoder())
+    inputs = cache.prepare_inputs(tokenizer, prompt, contexts=ctx, queries=q)
+    gen = dict(max_new_tokens=max_new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    return model.generate(**inputs, **cache_kwargs(model, cache), **gen), cache
+
+
 def random_text(n_words, seed=0):
     rng = random.Random(seed)
     return " ".join(rng.choice(WORDS[:180]) for _ in range(n_words))

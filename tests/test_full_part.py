@@ -10,7 +10,7 @@ from hf_cocktail.decode.split_attention import split_precision_attention_torch
 from hf_cocktail.integration.compat import cache_kwargs
 from hf_cocktail.storage import quant
 from hf_cocktail.storage.full_part import FullPart, Int8FullPart, full_part_from_sequences
-from hf_cocktail.storage.rotation import Rotation
+from hf_cocktail.storage.rotation import Rotation, full_part_key_basis
 from hf_cocktail.storage.store import LayerStore
 
 from .conftest import (
@@ -120,11 +120,14 @@ def _store(full_part_bits, rotation=None, B=2, T=72, H=2, D=32, seed=0):
         {"full": torch.arange(60 + b, T), 4: torch.arange(0, 20 + b), 2: torch.arange(20 + b, 60 + b)} for b in range(B)
     ]
     rot = None if rotation is None else Rotation.make(rotation, H, D, seed=1)
-    store = LayerStore.build(k, v, positions, 8, 16, torch.float16, rotation=rot, full_part_bits=full_part_bits)
+    basis = full_part_key_basis(full_part_bits, rot, H, D, 1, "cpu")  # as a cache gives it (unrotated keys only)
+    store = LayerStore.build(
+        k, v, positions, 8, 16, torch.float16, rotation=rot, full_part_bits=full_part_bits, full_key_basis=basis
+    )
     return store, positions, (k, v)
 
 
-@pytest.mark.parametrize("rotation", [None, "hadamard"])
+@pytest.mark.parametrize("rotation", [None, "hadamard", "hadamard_values"])
 def test_split_attention_equals_sdpa_over_the_dequantized_cache(rotation):
     store, positions, (k, _) = _store(8, rotation)
     assert isinstance(store.full, Int8FullPart)

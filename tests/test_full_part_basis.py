@@ -10,14 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_cocktail import CocktailCache, CocktailConfig
+from hf_cocktail import CocktailConfig
 from hf_cocktail.decode.split_attention import split_precision_attention_torch
-from hf_cocktail.integration.compat import cache_kwargs
 from hf_cocktail.storage.full_part import Int8FullPart
 from hf_cocktail.storage.rotation import Rotation, full_part_key_basis, shared_matrices
 from hf_cocktail.storage.store import LayerStore
 
-from .conftest import FakeEncoder, assert_fused_cpu_kernel_matches_reference, make_prompt, make_tiny_llama
+from .conftest import assert_fused_cpu_kernel_matches_reference, generate_greedy, make_tiny_llama
 
 
 def _outlier_keys(H=2, T=50, D=64, seed=0) -> torch.Tensor:
@@ -71,18 +70,6 @@ def _store(kind, B=2, T=72, H=2, D=32):
 
 
 @pytest.mark.parametrize("kind", [None, "hadamard_values"])
-def test_attention_equals_sdpa_over_the_dequantized_cache(kind):
-    store, positions = _store(kind)
-    assert store.full.key_basis is not None
-    store.append(torch.randn(2, 2, 1, 32), torch.randn(2, 2, 1, 32))
-    query = torch.randn(2, 4, 1, 32, generator=torch.Generator().manual_seed(5))
-    out = split_precision_attention_torch(query, store, 32**-0.5)
-    keys, values = store.dequantized(positions, 73, 72)
-    ref = torch.nn.functional.scaled_dot_product_attention(query, keys, values, scale=32**-0.5, enable_gqa=True)
-    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
-
-
-@pytest.mark.parametrize("kind", [None, "hadamard_values"])
 @pytest.mark.parametrize("L_q", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_cpu_kernel_equals_the_reference(kind, L_q, dtype):
@@ -120,7 +107,6 @@ def test_a_cache_gives_its_8_bit_part_a_basis_where_the_layer_keys_are_unrotated
     """generate through a CocktailCache (generated tokens packed as they leave the residual window) gives the
     tokens and logits of the PyTorch backend; the part's basis is there exactly where the layer's keys are
     unrotated."""
-    prompt, ctx, q = make_prompt(100, needle_at=50)
     model = make_tiny_llama(head_dim=32)
     runs = {}
     for backend in ("cpu", "torch"):
@@ -128,17 +114,7 @@ def test_a_cache_gives_its_8_bit_part_a_basis_where_the_layer_keys_are_unrotated
             chunk_size=8, group_size=16, uniform_bits=4, rotation=rotation, full_part_bits=8, residual_tokens=8
         )
         cfg.backend = backend
-        cache = CocktailCache(cfg, encoder=FakeEncoder())
-        inputs = cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q)
-        out = model.generate(
-            **inputs,
-            **cache_kwargs(model, cache),
-            max_new_tokens=24,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        runs[backend] = (out, cache)
+        runs[backend] = generate_greedy(model, tiny_tokenizer, cfg)
     (fused, cache), (ref, _) = runs["cpu"], runs["torch"]
     assert all((layer.store.full.key_basis is not None) == has_basis for layer in cache.layers)
     assert all(layer.store.packed_appended > 0 for layer in cache.layers)

@@ -8,15 +8,14 @@ import pytest
 import torch
 
 import cpu_ops
-from hf_cocktail import CocktailCache, CocktailConfig
+from hf_cocktail import CocktailConfig
 from hf_cocktail.cache import layer as layer_module
-from hf_cocktail.integration.compat import cache_kwargs
 from hf_cocktail.storage import quant
 from hf_cocktail.storage.full_part import Int8FullPart
 from hf_cocktail.storage.rotation import Rotation
 from hf_cocktail.storage.store import LayerStore
 
-from .conftest import FakeEncoder, make_prompt, make_tiny_llama
+from .conftest import generate_greedy, make_tiny_llama
 
 if not cpu_ops.available():
     if os.environ.get("HF_COCKTAIL_REQUIRE_CPU_OPS") == "1":  # CI: a build failure must fail, not skip
@@ -204,23 +203,12 @@ PRESET_LIKE = dict(  # the SmolLM2 preset's formats: rotated, 8-bit scales, per-
 def generate_with_and_without_writer(tiny_tokenizer, monkeypatch, cfg: CocktailConfig):
     """``{"fused": (output, cache), "reference": (output, cache)}``: greedy ``generate`` with the fused writer the
     dispatch attaches, then with none (monkeypatched away: the PyTorch rotation, quantization and copies)."""
-    prompt, ctx, q = make_prompt(100, needle_at=50)
     model = make_tiny_llama(head_dim=32)
     runs = {}
     for writer in ("fused", "reference"):
         if writer == "reference":
             monkeypatch.setattr(layer_module, "attach_fused_writer", lambda store, backend: None)
-        cache = CocktailCache(cfg, encoder=FakeEncoder())
-        inputs = cache.prepare_inputs(tiny_tokenizer, prompt, contexts=ctx, queries=q)
-        out = model.generate(
-            **inputs,
-            **cache_kwargs(model, cache),
-            max_new_tokens=24,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        runs[writer] = (out, cache)
+        runs[writer] = generate_greedy(model, tiny_tokenizer, cfg)
     return runs
 
 
