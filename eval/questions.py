@@ -64,6 +64,15 @@ REFINED = (  # the 8-bit parameters' codes refined per group (params8.refine_cod
     " The rows with 8-bit parameters shown (`recommended`, `int4_auto_s8_g64`, `recommended_f8`, the presets) were "
     "rerun with the refined codes (`8b994da`); the folder's other 8-bit-parameter rows are from before."
 )
+FULL8_RERUN = (  # the 8-bit full part's exact sinks and own key basis (5694d71): which rows were rerun
+    " The rows with an 8-bit full part (`recommended_f8`, the presets, the `_f8` storages) were rerun when that part "
+    "came to keep its sink tokens at full precision and its keys in a basis of their own (`5694d71`)."
+)
+FULL8_BEFORE = (
+    " Its rows with an 8-bit full part (the presets, `_f8` storages) are from before that part kept its sink tokens "
+    "at full precision and its keys in a basis of their own (`5694d71`; at 8K that roughly halved Gemma 3's preset's "
+    "divergence: `gemma3_270m/fidelity_8k/`)."
+)
 LONGBENCH_SHOWN = ("cocktail", "int4", "kivi2", "hqq2", "recommended_k4v3")  # the report: int2, nosearch, quanto2 too
 SINGLE_LENGTH = (("length", ("2000",)),)  # a one-length RULER run: its "all" rows repeat the length's
 ROOFLINE_ROWS = (
@@ -81,14 +90,14 @@ QUESTIONS = (
         "`eval.kld`, 32 LongBench windows of 2048 tokens (2 per task) and 4 needle prompts, every method on the same "
         "prefill; the folder holds every variant measured (the lab log says which study each belongs to), the page "
         "the ones the README and the presets build on. `recommended` and `int4_auto_s8_g64` were rerun with the "
-        "refined 8-bit codes (`8b994da`); the other 8-bit-parameter rows are from before.",
+        "refined 8-bit codes (`8b994da`); the other 8-bit-parameter rows are from before." + FULL8_BEFORE,
         (Report("summary.md", ("longbench",), KLD_SHOWN),),
     ),
     Question(
         "kld_calibrated",
         "SmolLM2-135M-Instruct: the calibrated preset against uniform INT4, same windows",
         "`eval.kld --preset model_cards/smollm2-135m-instruct` on the windows and needles of `kld/`; the preset's rows "
-        "rerun with the refined 8-bit codes (`8b994da`).",
+        "rerun with the refined 8-bit codes (`8b994da`)." + FULL8_BEFORE,
         (Report("summary.md", ("Paired with `int4`",), ("preset",)),),
     ),
     Question(
@@ -107,33 +116,38 @@ QUESTIONS = (
         "rotation, the shipped preset and the preset calibrated at `--target-bytes 0.20` (`presets_020/`)."
         + REFINED
         + ' `recommended`, `int4_auto_s8_g64` and `recommended_f8` were rerun once more when `rotation="auto"` came '
-        "to choose on the nearest codes (`66bf7cd`).",
+        "to choose on the nearest codes (`66bf7cd`)." + FULL8_RERUN,
         (Report("summary.md", ("longbench",), FIDELITY_SHOWN),),
     ),
     Question(
         "gemma3_270m/fidelity_8k",
         "Gemma 3 270M at 8K: `recommended()`, the storages it was chosen from, a preset at 0.20x",
         "As `fidelity_8k/`, with uniform INT4 changed one thing at a time (8-bit parameters, rerun with the refined "
-        "codes; G = 64; an 8-bit full part): the 8-bit full part is what costs Gemma its fidelity." + REFINED,
+        "codes; G = 64; an 8-bit full part): the 8-bit full part was what cost Gemma its fidelity."
+        + REFINED
+        + FULL8_RERUN,
         (Report("summary.md", ("longbench",), FIDELITY_SHOWN + ("int4_s8", "int4_f8")),),
     ),
     Question(
         "fidelity_2k",
         "SmolLM2-135M-Instruct at 2K: the same settings",
-        "`eval.kld --window 2048 --per-task 1` on 8 LongBench tasks (issue 46's 2K comparison)." + REFINED,
+        "`eval.kld --window 2048 --per-task 1` on 8 LongBench tasks (issue 46's 2K comparison)."
+        + REFINED
+        + FULL8_RERUN,
         (Report("summary.md", ("longbench",), FIDELITY_SHOWN),),
     ),
     Question(
         "gemma3_270m/fidelity_2k",
         "Gemma 3 270M at 2K: the same settings",
-        "`eval.kld --model gemma-3-270m --window 2048 --per-task 1` on 8 LongBench tasks." + REFINED,
+        "`eval.kld --model gemma-3-270m --window 2048 --per-task 1` on 8 LongBench tasks." + REFINED + FULL8_RERUN,
         (Report("summary.md", ("longbench",), FIDELITY_SHOWN),),
     ),
     Question(
         "presets_020",
         "Presets calibrated at a fifth of the bytes (not shipped)",
         "`python -m hf_cocktail.calibrate ... --target-bytes 0.20` with the bytes measured on an 8K-token prompt "
-        "(`--bytes-window`, default), for both models, rerun 2026-12-07 with centred keys and the refined 8-bit codes: "
+        "(`--bytes-window`, default), for both models, rerun 2026-12-07 with centred keys and the refined 8-bit codes, "
+        "and again with the 8-bit full part's exact sinks and own key basis (`5694d71`; the same widths chosen): "
         "their cards, configs and `calibration.json`; measured in `fidelity_8k/` and `fidelity_2k/` as `preset_020` "
         "(`--preset preset_020=eval/results/presets_020/<model>`).",
     ),
@@ -164,7 +178,7 @@ QUESTIONS = (
         "gemma3_270m/kld_calibrated",
         "Gemma 3 270M: the calibrated preset against uniform INT4, same windows",
         "`eval.kld --model gemma-3-270m --preset model_cards/gemma-3-270m` on the windows and needles of "
-        "`gemma3_270m/kld/`; the preset's rows rerun with the refined 8-bit codes (`8b994da`).",
+        "`gemma3_270m/kld/`; the preset's rows rerun with the refined 8-bit codes (`8b994da`)." + FULL8_BEFORE,
         (Report("summary.md", ("Paired with `int4`",), ("preset",)),),
     ),
     Question(
@@ -184,7 +198,7 @@ QUESTIONS = (
         "ruler_calibrated",
         "SmolLM2-135M-Instruct: RULER-style needles with the calibrated preset",
         "`eval.needle --variant single,multikey,multivalue,multiquery`, 128 cases at 2000 tokens (`NOTE.md`: which "
-        "runs the records come from).",
+        "runs the records come from)." + FULL8_BEFORE,
         (Report("ruler_summary.md", where=SINGLE_LENGTH, tables=(1,)),),
     ),
     Question(
@@ -200,14 +214,15 @@ QUESTIONS = (
         "uniform INT4, `recommended()` (centred keys), before the centring (`int4_auto_s8_g64`) and before that "
         "(`recommended_k4v3`), the shipped preset. The rows with 8-bit parameters (`recommended`, "
         '`int4_auto_s8_g64`, `preset`) rerun with the refined codes (`8b994da`; `rotation="auto"` still chose on '
-        "refined codes, before `66bf7cd`).",
+        "refined codes, before `66bf7cd`)." + FULL8_BEFORE,
         (Report("ruler_summary.md", where=(("length", ("8192",)),), tables=(1,)),),
     ),
     Question(
         "gemma3_270m/ruler_8k",
         "Gemma 3 270M: RULER-style needles at 8K tokens",
         "As `ruler_8k/`, with `--model gemma-3-270m --preset model_cards/gemma-3-270m`; the rows with 8-bit "
-        "parameters rerun with the refined codes, INT4 and `recommended_k4v3` completed to the 24 cases.",
+        "parameters rerun with the refined codes, INT4 and `recommended_k4v3` completed to the 24 cases."
+        + FULL8_BEFORE,
         (Report("ruler_summary.md", where=(("length", ("8192",)),), tables=(1,)),),
     ),
     Question(
@@ -219,7 +234,8 @@ QUESTIONS = (
     Question(
         "gemma3_270m/ruler",
         "Gemma 3 270M: RULER-style needles with the calibrated preset",
-        "`eval.needle --model gemma-3-270m`, 256 cases at 2000 tokens (`NOTE.md`: how the folder was filled).",
+        "`eval.needle --model gemma-3-270m`, 256 cases at 2000 tokens (`NOTE.md`: how the folder was filled)."
+        + FULL8_BEFORE,
         (Report("ruler_summary.md", where=SINGLE_LENGTH, tables=(1,)),),
     ),
     Question(
@@ -263,7 +279,9 @@ QUESTIONS = (
         "`smollm2_fp32_32k.md` holds 32K, `smollm2_bf16.md` bf16, "
         "`gemma3_fp32.md` Gemma 3 270M, "
         "`smollm2_layers_preset_8k.md` the per-layer-widths preset (cited by its card) and "
-        "`smollm2_generated_packing_8k.md` generated tokens packed against never packed (issue 44).",
+        "`smollm2_generated_packing_8k.md` generated tokens packed against never packed (issue 44). The 8K/16K runs "
+        "of both models (with the presets at 0.20x) were rerun after the 8-bit full part came to keep its sinks exact "
+        "and its keys in a basis of their own (`5694d71`); the 32K, bf16 and per-layer-widths runs are from before.",
         (Report("smollm2_fp32_8k_16k.md"),),
         ("latency.png",),
     ),
