@@ -173,10 +173,10 @@ def plan_split_attention(
         raise ValueError(f"head dim D must be one of {SUPPORTED_HEAD_DIMS}, got {D}")
     if full_query is not None and full_query.shape != query.shape:
         raise ValueError(f"full_query must have the query's shape {tuple(query.shape)}, got {tuple(full_query.shape)}")
-    if query.stride(-1) != 1 or (full_query is not None and full_query.stride() != query.stride()):
-        query = query.contiguous()  # the kernel reads both with the query's strides
-    if full_query is not None and full_query.stride() != query.stride():
-        full_query = full_query.contiguous()
+    if full_query is not None:  # the kernel reads both with the query's strides
+        query, full_query = query.contiguous(), full_query.contiguous()
+    elif query.stride(-1) != 1:
+        query = query.contiguous()
     fk, fv = full_keys, full_values
     if fk.stride(-1) != 1 or fv.stride() != fk.stride():
         fk, fv = fk.contiguous(), fv.contiguous()

@@ -249,6 +249,7 @@ class CocktailLayer(CacheLayerMixin):
             if self.all_full
             else Rotation.make(self._rotation_kind(centered(k, mean), plans), H, D, cfg.rotation_seed, k.device)
         )
+        full_bits = 16 if self.all_full else cfg.full_part_bits
         self.store = LayerStore.build(
             k,
             v,
@@ -261,12 +262,10 @@ class CocktailLayer(CacheLayerMixin):
             rotation,
             code_widths(16, self.cache.layer_bits_pair(self.layer_idx), cfg.value_bits)[1],
             cfg.scale_bits,
-            16 if self.all_full else cfg.full_part_bits,
+            full_bits,
             0.0 if self.all_full else cfg.key_outlier_share,
             mean,
-            full_part_key_basis(
-                16 if self.all_full else cfg.full_part_bits, rotation, H, D, cfg.rotation_seed, k.device
-            ),
+            full_part_key_basis(full_bits, rotation, H, D, cfg.rotation_seed, k.device),
             cfg.sink_tokens,  # an 8-bit full part keeps the prompt's sink tokens at the model's precision
         )
         self.store.packing = self._appended_packing(quantize_k, quantize_v, cfg.torch_scale_dtype(k.dtype))
