@@ -13,7 +13,7 @@ import torch
 from hf_cocktail.decode import dispatch
 from hf_cocktail.storage.exact_head import ExactHead
 from hf_cocktail.storage.full_part import Int8FullPart
-from hf_cocktail.storage.rotation import Rotation, full_part_key_basis, shared_matrices
+from hf_cocktail.storage.rotation import Rotation, shared_matrices
 from hf_cocktail.storage.store import LayerStore
 
 from .conftest import assert_fused_cpu_kernel_matches_reference
@@ -80,7 +80,7 @@ def exact_head_store(kind, lengths=(70, 66), S=4, H=2, D=32, basis=True, device=
         last = torch.arange(T - 6, T)
         positions.append({"full": torch.cat([torch.arange(T - n, first), last]), 4: torch.arange(first, T - 6)})
     rotation = Rotation.make(kind, H, D, seed=1, device=device)
-    fb = full_part_key_basis(8, rotation, H, D, 1, device) if basis else None
+    fb = shared_matrices(H, D, 1, device) if basis else None
     store = LayerStore.build(
         k, v, positions, 8, 16, torch.float16, rotation=rotation, full_part_bits=8, full_key_basis=fb, exact_tokens=S
     )

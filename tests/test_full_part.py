@@ -120,7 +120,7 @@ def _store(full_part_bits, rotation=None, B=2, T=72, H=2, D=32, seed=0):
         {"full": torch.arange(60 + b, T), 4: torch.arange(0, 20 + b), 2: torch.arange(20 + b, 60 + b)} for b in range(B)
     ]
     rot = None if rotation is None else Rotation.make(rotation, H, D, seed=1)
-    basis = full_part_key_basis(full_part_bits, rot, H, D, 1, "cpu")  # as a cache gives it (unrotated keys only)
+    basis = full_part_key_basis(full_part_bits, rot)  # as a cache gives it (unrotated keys beside rotated values)
     store = LayerStore.build(
         k, v, positions, 8, 16, torch.float16, rotation=rot, full_part_bits=full_part_bits, full_key_basis=basis
     )

@@ -1,6 +1,7 @@
 """An 8-bit full part whose keys have a basis of their own (``Int8FullPart.key_basis``): where the layer's keys are
-stored unrotated, the part stores ``k·F`` (F a Hadamard rotation) so that one scale per token serves channels of
-very different sizes; reads in the layer's basis (PyTorch), the kernels score it with ``q·F``.
+stored unrotated beside rotated values, the part stores ``k·F`` (F the values' Hadamard rotation, held anyway) so
+that one scale per token serves channels of very different sizes; reads in the layer's basis (PyTorch), the kernels
+score it with ``q·F``.
 
 Shapes: B sequences, H_kv key/value heads, T tokens, D head dim.
 """
@@ -44,15 +45,16 @@ def test_keys_in_their_own_basis_read_back_in_the_layer_basis_and_lose_less():
 
 @pytest.mark.parametrize(
     "bits,kind,has_basis",
-    [(8, None, True), (8, "hadamard_values", True), (8, "hadamard", False), (8, "hadamard_keys", False)]
-    + [(16, None, False)],
+    [(8, None, False), (8, "hadamard_values", True), (8, "hadamard", False), (8, "hadamard_keys", False)]
+    + [(16, "hadamard_values", False)],
 )
-def test_the_basis_is_given_only_where_an_8_bit_part_would_keep_its_keys_unrotated(bits, kind, has_basis):
-    rotation = Rotation.make(kind, 2, 64, 0)
-    basis = full_part_key_basis(bits, rotation, 2, 64, 3, "cpu")
+def test_the_basis_is_the_values_matrices_beside_unrotated_keys(bits, kind, has_basis):
+    """Only where the layer holds matrices anyway (its values') and its keys are unrotated: the basis costs no byte."""
+    rotation = Rotation.make(kind, 2, 64, 3)
+    basis = full_part_key_basis(bits, rotation)
     assert (basis is not None) == has_basis
     if has_basis:
-        assert basis is shared_matrices(2, 64, 3)
+        assert basis is shared_matrices(2, 64, 3) and rotation is not None and basis is rotation.values
 
 
 def _store(kind, B=2, T=72, H=2, D=32):
@@ -63,7 +65,7 @@ def _store(kind, B=2, T=72, H=2, D=32):
         {"full": torch.arange(60 + b, T), 4: torch.arange(0, 20 + b), 2: torch.arange(20 + b, 60 + b)} for b in range(B)
     ]
     rotation = Rotation.make(kind, H, D, seed=1)
-    basis = full_part_key_basis(8, rotation, H, D, 1, "cpu")
+    basis = shared_matrices(H, D, 1)  # the store takes a basis beside unrotated keys, whatever the values' rotation
     return LayerStore.build(
         k, v, positions, 8, 16, torch.float16, rotation=rotation, full_part_bits=8, full_key_basis=basis
     ), positions
@@ -102,11 +104,11 @@ def test_the_cpu_kernel_reads_the_full_part_key_matrices():
         fused(*args, 32**-0.5, rotation=(None, None, None, None), **kw)
 
 
-@pytest.mark.parametrize("rotation,has_basis", [(None, True), ("hadamard", False)])
+@pytest.mark.parametrize("rotation,has_basis", [(None, False), ("hadamard_values", True), ("hadamard", False)])
 def test_a_cache_gives_its_8_bit_part_a_basis_where_the_layer_keys_are_unrotated(tiny_tokenizer, rotation, has_basis):
     """generate through a CocktailCache (generated tokens packed as they leave the residual window) gives the
     tokens and logits of the PyTorch backend; the part's basis is there exactly where the layer's keys are
-    unrotated."""
+    unrotated beside rotated values."""
     model = make_tiny_llama(head_dim=32)
     runs = {}
     for backend in ("cpu", "torch"):

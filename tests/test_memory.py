@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from hf_cocktail import CocktailCache, CocktailConfig
+from hf_cocktail.cache.reports import memory_report
 from hf_cocktail.integration.compat import cache_kwargs
 from hf_cocktail.storage.full_part import HEADROOM_STEP, FullPart
-from hf_cocktail.storage.rotation import Rotation
+from hf_cocktail.storage.rotation import Rotation, shared_matrices
+from hf_cocktail.storage.store import LayerStore
 
 from .conftest import FakeEncoder, make_prompt, make_tiny_llama
 from .test_architectures import make_model
@@ -20,6 +22,8 @@ CONFIGS = {
     "paper": {},
     "rotated_8bit": dict(rotation="hadamard", scale_bits=8, full_part_bits=8, low_bits=3),
     "salient": dict(rotation="hadamard_keys", salient_tokens=0.1),
+    "unrotated_8bit_part": dict(scale_bits=8, full_part_bits=8),
+    "values_rotated_8bit_part": dict(rotation="hadamard_values", full_part_bits=8),  # keys in the values' basis
 }
 
 
@@ -125,3 +129,24 @@ def test_one_rotation_matrix_is_shared_by_every_layer_and_cache(tiny_tokenizer):
     rep = a.memory_report()
     assert rep["rotation_bytes"] == 2 * 32 * 32 * 4  # (H_kv 2, D 32, D 32) fp32, once
     assert Rotation.make("hadamard", 2, 32, 1).keys is not a.layers[0].store.rotation.keys  # another seed
+
+
+@pytest.mark.parametrize("kind", [None, "hadamard_values"])
+def test_an_8_bit_part_key_basis_is_counted_once(kind):
+    """A store whose 8-bit full part has keys in a basis of their own holds its ``(H_kv, D, D)`` matrices: counted
+    with the rotation's, once where they are the values' matrices."""
+    H, D = 2, 32
+    k, v = torch.randn(1, H, 40, D), torch.randn(1, H, 40, D)
+    rotation = Rotation.make(kind, H, D, seed=1)
+    store = LayerStore.build(
+        k,
+        v,
+        [{"full": torch.arange(32, 40), 4: torch.arange(0, 32)}],
+        8,
+        16,
+        torch.float16,
+        rotation=rotation,
+        full_part_bits=8,
+        full_key_basis=shared_matrices(H, D, 1),
+    )
+    assert memory_report([store], [], [])["rotation_bytes"] == H * D * D * 4

@@ -265,7 +265,7 @@ class CocktailLayer(CacheLayerMixin):
             full_bits,
             0.0 if self.all_full else cfg.key_outlier_share,
             mean,
-            full_part_key_basis(full_bits, rotation, H, D, cfg.rotation_seed, k.device),
+            full_part_key_basis(full_bits, rotation),
             cfg.sink_tokens,  # an 8-bit full part keeps the prompt's sink tokens at the model's precision
         )
         self.store.packing = self._appended_packing(quantize_k, quantize_v, cfg.torch_scale_dtype(k.dtype))

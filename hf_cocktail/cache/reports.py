@@ -45,6 +45,13 @@ def plan_tensors(plans: Sequence[Any] | None, input_ids: torch.Tensor | None) ->
     return [t for t in out if t is not None]
 
 
+def matrices(store: LayerStore) -> list[torch.Tensor]:
+    """The ``(H_kv, D, D)`` matrices a store reads with: its rotation's and its 8-bit full part's key basis (often
+    one of the rotation's; :func:`storage_bytes` counts a storage once)."""
+    mats = [] if store.rotation is None else store.rotation.tensors()
+    return mats if store.full.key_basis is None else [*mats, store.full.key_basis]
+
+
 def memory_report(
     stores: Sequence[LayerStore],
     context_copies: Iterable[tuple[torch.Tensor, ...]],
@@ -56,7 +63,8 @@ def memory_report(
 ) -> dict[str, Any]:
     """Breakdown of every byte the cache holds plus what the model's default cache would hold in FP16 for the same
     tokens. ``total_bytes``: packed codes, scales and zeros, the full part's tokens (``full_precision_bytes``) and
-    its room for the next appended tokens (``headroom_bytes``), the rotation matrices (each once), the index tensors
+    its room for the next appended tokens (``headroom_bytes``), the rotation matrices and 8-bit full parts' key bases
+    (``rotation_bytes``, each storage once), the index tensors
     (offsets cached on the device, the plans' token positions, attention masses and salient positions, the
     prompt's ids: ``index_bytes``, from ``plan_bytes`` and the stores) and the model's own (sliding-window) layers
     (``native_bytes``: every tensor they hold). ``ratio_to_fp16`` divides the same total, with full-precision
@@ -92,7 +100,7 @@ def memory_report(
         index += st.index_bytes()
         tokens = st.full.valid_tokens() + sum(s.num_tokens for s in st.segments)
         fp16_equiv += tokens * H * D * 2 * 2
-    rep["rotation_bytes"] = storage_bytes(t for st in stores if st.rotation is not None for t in st.rotation.tensors())
+    rep["rotation_bytes"] = storage_bytes(t for st in stores for t in matrices(st))
     rep["index_bytes"] = index + plan_bytes
     rep["native_layers_bytes"] = native_bytes
     rep["native_layers_fp16_bytes"] = native_fp16_bytes

@@ -115,8 +115,8 @@ class CocktailConfig(ConfigFiles):
             bytes come on top of the plan's (``target_bits`` budgets the chunks only).
         full_part_bits: storage of the tokens outside the packed chunks (template, question, FP16 chunks, sink and
             salient tokens, generated tokens): 16 (the paper: the model's precision) or 8 (8-bit codes with one scale
-            per token and head, keys in the layer's rotated basis, or in a Hadamard basis of their own where the
-            layer's keys are unrotated; the first ``sink_tokens`` tokens stay at the model's precision beside them;
+            per token and head, keys in the layer's rotated basis, or in the values' where only the values are
+            rotated; the first ``sink_tokens`` tokens stay at the model's precision beside them;
             :mod:`hf_cocktail.storage.full_part`). The
             plan's FP16 tier (16 in ``precision_map``) is then 8-bit; ``target_bits`` counts it at 8 (the scale's 16/D
             bits left out). ``full_precision_layers`` stay at the model's precision.

@@ -9,10 +9,11 @@ left padding is never stored as a valid token), D head dim.
   (:func:`hf_cocktail.storage.quant.quantize_tokens8`): 8 + 16/D bits per element instead of 16. Its ``keys`` and
   ``values`` are dequantized on each read (the PyTorch attention reads them once per step; the fused kernels read the
   codes and scales themselves; ``update`` hands out the codes, :meth:`Int8FullPart.split_path_tensors`), so the codes
-  are all it keeps. Where the layer's keys are stored unrotated, its keys get a basis of their own
-  (:attr:`Int8FullPart.key_basis`, a Hadamard rotation): one scale per token cannot serve a few large channels and
-  many small ones at once, and a rotation spreads them (on Gemma 3 270M, 2K tokens, every global-layer key at 8 bits
-  this way: KL divergence from FP16 2.1e-4 unrotated, 4.4e-5 rotated, keys centred in both; the lab log, issue 46).
+  are all it keeps. Where the layer's keys are stored unrotated beside rotated values, its keys get a basis of their
+  own (:attr:`Int8FullPart.key_basis`, the values' Hadamard rotation, which the layer holds anyway:
+  :func:`~.rotation.full_part_key_basis`): one scale per token cannot serve a few large channels and many small ones
+  at once, and a rotation spreads them (on Gemma 3 270M, 2K tokens, every global-layer key at 8 bits this way: KL
+  divergence from FP16 2.1e-4 unrotated, 4.4e-5 rotated, keys centred in both; the lab log, issue 46).
   Its first tokens of every sequence (the prompt's sink tokens) also stay at the model's precision
   (:mod:`.exact_head`).
 """
@@ -20,7 +21,8 @@ left padding is never stored as a valid token), D head dim.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from copy import deepcopy
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -263,6 +265,11 @@ class Int8FullPart:
             return quant.dequantize_tokens8(codes, scales, self.dtype)
         keys = quant.dequantize_tokens8(codes, scales, torch.float32)
         return per_head(keys, self.key_basis, transpose=True, out_dtype=self.dtype)
+
+    def __deepcopy__(self, memo: dict) -> Int8FullPart:
+        """A copy shares the key basis (never modified; often the layer's rotation matrices, shared too)."""
+        memo[id(self.key_basis)] = self.key_basis
+        return replace(self, **{f.name: deepcopy(getattr(self, f.name), memo) for f in fields(self)})
 
     def key_query(self, query: torch.Tensor) -> torch.Tensor | None:
         """The query a kernel reading the key codes scores them with: ``query (B, H_q, L_q, D)`` (in the layer's

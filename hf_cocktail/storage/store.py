@@ -67,9 +67,9 @@ class LayerStore:
             full.append(*rotation.rotate_pair(k, v))
 
     def nbytes(self) -> int:
-        """Every byte this store's tensors hold but the rotation matrices (shared with other layers and caches, so
-        a cache counts each once: :meth:`CocktailCache.nbytes`): codes, scales and zeros, the full part with its
-        room for appended tokens, and the offsets cached on the device."""
+        """Every byte this store's tensors hold but the rotation matrices and the full part's key basis (shared
+        with other layers and caches, so a cache counts each once: :meth:`CocktailCache.nbytes`): codes, scales and
+        zeros, the full part with its room for appended tokens, and the offsets cached on the device."""
         packed = sum(s.nbytes_codes() + s.nbytes_params() for s in self.segments) + self.key_mean_bytes()
         return self.full.nbytes() + self.full.reserved_bytes() + packed + self.index_bytes()
 
