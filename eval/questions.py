@@ -68,10 +68,14 @@ FULL8_RERUN = (  # the 8-bit full part's exact sinks and own key basis (5694d71)
     " The rows with an 8-bit full part (`recommended_f8`, the presets, the `_f8` storages) were rerun when that part "
     "came to keep its sink tokens at full precision and its keys in a basis of their own (`5694d71`)."
 )
+UNROTATED_F8 = (  # no key basis without a rotation (c79742b): which rows were rerun
+    " The rows with an 8-bit full part in layers with no rotation at all ({rows}) were rerun once more when such a "
+    "part stopped taking a Hadamard basis for its keys that `memory_report` had not counted (`c79742b`)."
+)
 FULL8_BEFORE = (
     " Its rows with an 8-bit full part (the presets, `_f8` storages) are from before that part kept its sink tokens "
-    "at full precision and its keys in a basis of their own (`5694d71`; at 8K that roughly halved Gemma 3's preset's "
-    "divergence: `gemma3_270m/fidelity_8k/`)."
+    "at full precision and, beside values-only rotation, its keys in the values' basis (`5694d71`, `c79742b`; "
+    "`gemma3_270m/fidelity_8k/` has both at 8K)."
 )
 LONGBENCH_SHOWN = ("cocktail", "int4", "kivi2", "hqq2", "recommended_k4v3")  # the report: int2, nosearch, quanto2 too
 SINGLE_LENGTH = (("length", ("2000",)),)  # a one-length RULER run: its "all" rows repeat the length's
@@ -116,7 +120,7 @@ QUESTIONS = (
         "rotation, the shipped preset and the preset calibrated at `--target-bytes 0.20` (`presets_020/`)."
         + REFINED
         + ' `recommended`, `int4_auto_s8_g64` and `recommended_f8` were rerun once more when `rotation="auto"` came '
-        "to choose on the nearest codes (`66bf7cd`)." + FULL8_RERUN,
+        "to choose on the nearest codes (`66bf7cd`)." + FULL8_RERUN + UNROTATED_F8.format(rows="`int4_s8_g64_f8`"),
         (Report("summary.md", ("longbench",), FIDELITY_SHOWN),),
     ),
     Question(
@@ -125,7 +129,8 @@ QUESTIONS = (
         "As `fidelity_8k/`, with uniform INT4 changed one thing at a time (8-bit parameters, rerun with the refined "
         "codes; G = 64; an 8-bit full part): the 8-bit full part was what cost Gemma its fidelity."
         + REFINED
-        + FULL8_RERUN,
+        + FULL8_RERUN
+        + UNROTATED_F8.format(rows="the presets, `int4_f8`, `int4_s8_g64_f8`"),
         (Report("summary.md", ("longbench",), FIDELITY_SHOWN + ("int4_s8", "int4_f8")),),
     ),
     Question(
@@ -139,7 +144,10 @@ QUESTIONS = (
     Question(
         "gemma3_270m/fidelity_2k",
         "Gemma 3 270M at 2K: the same settings",
-        "`eval.kld --model gemma-3-270m --window 2048 --per-task 1` on 8 LongBench tasks." + REFINED + FULL8_RERUN,
+        "`eval.kld --model gemma-3-270m --window 2048 --per-task 1` on 8 LongBench tasks."
+        + REFINED
+        + FULL8_RERUN
+        + UNROTATED_F8.format(rows="`preset_020`"),
         (Report("summary.md", ("longbench",), FIDELITY_SHOWN),),
     ),
     Question(
@@ -147,7 +155,9 @@ QUESTIONS = (
         "Presets calibrated at a fifth of the bytes (not shipped)",
         "`python -m hf_cocktail.calibrate ... --target-bytes 0.20` with the bytes measured on an 8K-token prompt "
         "(`--bytes-window`, default), for both models, rerun 2026-12-07 with centred keys and the refined 8-bit codes, "
-        "and again with the 8-bit full part's exact sinks and own key basis (`5694d71`; the same widths chosen): "
+        "and again with the 8-bit full part's exact sinks and own key basis (`5694d71`; the same widths chosen), "
+        "Gemma 3's once more when a part in unrotated layers lost that basis (`c79742b`; the same widths, held-out "
+        "KLD 0.0029 -> 0.0031 at 0.1995x): "
         "their cards, configs and `calibration.json`; measured in `fidelity_8k/` and `fidelity_2k/` as `preset_020` "
         "(`--preset preset_020=eval/results/presets_020/<model>`).",
     ),
@@ -281,7 +291,8 @@ QUESTIONS = (
         "`smollm2_layers_preset_8k.md` the per-layer-widths preset (cited by its card) and "
         "`smollm2_generated_packing_8k.md` generated tokens packed against never packed (issue 44). The 8K/16K runs "
         "of both models (with the presets at 0.20x) were rerun after the 8-bit full part came to keep its sinks exact "
-        "and its keys in a basis of their own (`5694d71`); the 32K, bf16 and per-layer-widths runs are from before.",
+        "and its keys in a basis of their own (`5694d71`), Gemma 3's once more when its presets' unrotated layers lost "
+        "that basis (`c79742b`); the 32K, bf16 and per-layer-widths runs are from before.",
         (Report("smollm2_fp32_8k_16k.md"),),
         ("latency.png",),
     ),
