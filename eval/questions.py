@@ -101,7 +101,8 @@ QUESTIONS = (
         "kld_calibrated",
         "SmolLM2-135M-Instruct: the calibrated preset against uniform INT4, same windows",
         "`eval.kld --preset model_cards/smollm2-135m-instruct` on the windows and needles of `kld/`; the preset's rows "
-        "rerun with the refined 8-bit codes (`8b994da`)." + FULL8_BEFORE,
+        "rerun with the refined 8-bit codes (`8b994da`), and again with the 8-bit full part's exact sinks (`5694d71`, "
+        "`c79742b`).",
         (Report("summary.md", ("Paired with `int4`",), ("preset",)),),
     ),
     Question(
@@ -188,7 +189,8 @@ QUESTIONS = (
         "gemma3_270m/kld_calibrated",
         "Gemma 3 270M: the calibrated preset against uniform INT4, same windows",
         "`eval.kld --model gemma-3-270m --preset model_cards/gemma-3-270m` on the windows and needles of "
-        "`gemma3_270m/kld/`; the preset's rows rerun with the refined 8-bit codes (`8b994da`)." + FULL8_BEFORE,
+        "`gemma3_270m/kld/`; the preset's rows rerun with the refined 8-bit codes (`8b994da`), and again with the "
+        "8-bit full part's exact sinks (`5694d71`, `c79742b`).",
         (Report("summary.md", ("Paired with `int4`",), ("preset",)),),
     ),
     Question(
