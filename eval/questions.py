@@ -210,7 +210,7 @@ QUESTIONS = (
         "ruler_calibrated",
         "SmolLM2-135M-Instruct: RULER-style needles with the calibrated preset",
         "`eval.needle --variant single,multikey,multivalue,multiquery`, 128 cases at 2000 tokens (`NOTE.md`: which "
-        "runs the records come from)." + FULL8_BEFORE,
+        "runs the records come from); the preset's rows rerun with the 8-bit full part's exact sinks (`5694d71`).",
         (Report("ruler_summary.md", where=SINGLE_LENGTH, tables=(1,)),),
     ),
     Question(
