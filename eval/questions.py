@@ -148,7 +148,7 @@ QUESTIONS = (
         "`eval.kld --model gemma-3-270m --window 2048 --per-task 1` on 8 LongBench tasks."
         + REFINED
         + FULL8_RERUN
-        + UNROTATED_F8.format(rows="`preset_020`"),
+        + UNROTATED_F8.format(rows="`preset_020`; `preset` measured then too"),
         (Report("summary.md", ("longbench",), FIDELITY_SHOWN),),
     ),
     Question(
