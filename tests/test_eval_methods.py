@@ -111,7 +111,7 @@ def test_kv_accounting_cocktail_int2(tiny_llama, tiny_tokenizer):
     assert br.precision_counts == {"fp16": 0, "int4": 0, "int2": math.ceil(N / C)}
     rep = br.cache.memory_report()  # + the index tensors (token positions, prompt ids); no decode: no headroom yet
     assert rep["headroom_bytes"] == rep["rotation_bytes"] == 0
-    assert rep["index_bytes"] == 2 * 8 * L  # the prompt's ids and each token's position in the plan, int64
+    assert rep["index_bytes"] == 2 * 4 * L  # the prompt's ids and each token's position in the plan, int32
     assert cache_kv_bytes(br.cache) == layers * per_layer + rep["index_bytes"]
     assert cache_kv_bytes(br.cache, deployed=False) == br.cache.nbytes()
 

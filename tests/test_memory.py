@@ -150,3 +150,24 @@ def test_an_8_bit_part_key_basis_is_counted_once(kind):
         full_key_basis=shared_matrices(H, D, 1),
     )
     assert memory_report([store], [], [])["rotation_bytes"] == H * D * D * 4
+
+
+@pytest.mark.parametrize("prepared", [True, False])
+def test_the_positions_and_prompt_ids_a_cache_keeps_are_int32(tiny_tokenizer, prepared):
+    """The plans' token positions and the prompt's ids stay for the cache's life: 4 bytes each, and the report
+    counts exactly them (with or without ``prepare_inputs``)."""
+    model = make_tiny_llama()
+    prompt, context, query = make_prompt(200)
+    config = CocktailConfig(uniform_bits=4)
+    if prepared:
+        cache = generate(model, tiny_tokenizer, config, (prompt, context, query), max_new_tokens=1)
+    else:
+        cache = CocktailCache(config, encoder=FakeEncoder())
+        enc = tiny_tokenizer(prompt, return_tensors="pt")
+        with torch.no_grad():
+            model.generate(**enc, **cache_kwargs(model, cache), max_new_tokens=1, do_sample=False)
+    held = [*cache._plans[0].positions.values(), cache._input_ids]
+    assert {t.dtype for t in held} == {torch.int32}
+    L = cache._input_ids.shape[1]
+    assert sum(p.numel() for p in cache._plans[0].positions.values()) == L
+    assert cache.memory_report()["index_bytes"] == 2 * 4 * L

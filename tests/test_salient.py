@@ -79,9 +79,9 @@ def test_the_plans_keep_each_layers_salient_positions_instead_of_its_mass(tiny_t
     n = round(0.1 * sum(p.numel() for part, p in plan.positions.items() if part != "full"))
     assert plan.layer_mass == {} and sorted(plan.layer_salient) == [0, 1]
     for layer, kept in plan.layer_salient.items():
-        assert kept.dtype == torch.long and kept.numel() == n
+        assert kept.dtype == torch.int32 and kept.numel() == n
         assert torch.equal(kept, salient_positions(recorded_masses[layer], plan.positions, plan.ctx_start, 0.1))
-    # the plans' bytes: n int64 positions per layer where there were n_ctx fp32 masses
+    # the plans' bytes: n int32 positions per layer where there were n_ctx fp32 masses
     plain = cache.memory_report()["index_bytes"]
     plan.layer_mass = dict(recorded_masses)
     assert cache.memory_report()["index_bytes"] - plain == 2 * n_ctx * 4

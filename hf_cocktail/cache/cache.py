@@ -107,7 +107,7 @@ class CocktailCache(CacheLifecycles, HybridStates, Cache):
         enc, plans = prepare_plans(tokenizer, prompts, contexts, queries, self.config, tokenizer_kwargs)
         self.reset()
         self._plans = plans
-        self._input_ids = enc["input_ids"].clone()
+        self._input_ids = enc["input_ids"].to(planning.INDEX_DTYPE, copy=True)
         self.prompt_len = enc["input_ids"].shape[1]  # (reset armed the watch)
         return enc.to(device) if device is not None else enc
 

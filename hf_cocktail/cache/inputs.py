@@ -120,7 +120,7 @@ def plan_watched_prefill(
             cfg.scorer,
             cfg.residual_tokens,
         )
-    return plans, None if ids is None else ids.detach().to("cpu", copy=True)
+    return plans, None if ids is None else ids.detach().to("cpu", planning.INDEX_DTYPE, copy=True)
 
 
 def plans_from_prefill(

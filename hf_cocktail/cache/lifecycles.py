@@ -14,6 +14,7 @@ import torch
 from hf_cocktail.cache import layout
 from hf_cocktail.cache.layer import CocktailLayer, LayerState
 from hf_cocktail.cache.prefill_watch import check_head_dims
+from hf_cocktail.planning.plans import INDEX_DTYPE
 
 
 def _views_more(t: torch.Tensor) -> bool:
@@ -116,7 +117,7 @@ class CacheLifecycles:
         plan.query = query
         plan.layer_mass, plan.layer_salient = {}, {}  # salient_tokens: the new question's prefill attention decides
         self.run_search()
-        self._input_ids = ids.clone()
+        self._input_ids = ids.to(INDEX_DTYPE, copy=True)
         self.prompt_len = ids.shape[1]
         for layer in self._cocktail_layers():
             layer.prepare_requery(end)

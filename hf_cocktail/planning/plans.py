@@ -13,6 +13,10 @@ import torch
 
 from hf_cocktail.storage.quant import CHUNK_BITS
 
+# token positions and prompt ids a cache holds for as long as it lives: 4 bytes each (prompts and vocabularies
+# stay below 2**31), half of int64's, which at 8K tokens were 0.5% of a 4-bit cache's bytes (issue 46)
+INDEX_DTYPE = torch.int32
+
 
 @dataclass
 class SequencePlan:
@@ -64,14 +68,14 @@ class SequencePlan:
             parts[bits].extend(range(*self.chunk_range(i, chunk_size)))
         full = list(range(self.pad, self.ctx_start)) + parts[16] + list(range(self.ctx_end, prefill_len))
         self.positions = {
-            "full": torch.tensor(full, dtype=torch.long),
-            **{b: torch.tensor(parts[b], dtype=torch.long) for b in packed_bits},
+            "full": torch.tensor(full, dtype=INDEX_DTYPE),
+            **{b: torch.tensor(parts[b], dtype=INDEX_DTYPE) for b in packed_bits},
         }
 
     def all_full_positions(self, prefill_len: int, packed_bits: Sequence[int] = (4, 2)) -> dict:
         """Positions for a layer kept entirely at full precision (``full_precision_layers``)."""
-        empty = torch.zeros(0, dtype=torch.long)
-        return {"full": torch.arange(self.pad, prefill_len), **{b: empty for b in packed_bits}}
+        empty = torch.zeros(0, dtype=INDEX_DTYPE)
+        return {"full": torch.arange(self.pad, prefill_len, dtype=INDEX_DTYPE), **{b: empty for b in packed_bits}}
 
 
 def token_span(offsets: torch.Tensor, mask: torch.Tensor, first: int, char_start: int, char_end: int) -> list[int]:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hf_cocktail.planning.plans import SequencePlan
+from hf_cocktail.planning.plans import INDEX_DTYPE, SequencePlan
 from hf_cocktail.planning.scoring import attention_mass
 
 
@@ -74,7 +74,7 @@ def salient_positions(mass: torch.Tensor, positions: dict, ctx_start: int, fract
     most ``mass`` (``(ctx_end - ctx_start,)``, indexed from ``ctx_start``), in token order; ties go to the earlier
     token."""
     parts = [p for part, p in positions.items() if part != "full"]
-    packed = torch.sort(torch.cat(parts)).values if parts else torch.zeros(0, dtype=torch.long)
+    packed = torch.sort(torch.cat(parts)).values if parts else torch.zeros(0, dtype=INDEX_DTYPE)
     n = int(round(fraction * packed.numel()))
     if n == 0:
         return packed[:0]
@@ -121,7 +121,7 @@ def with_salient(positions: dict, plan: SequencePlan, layer_idx: int, fraction: 
     """Layer ``layer_idx``'s ``positions`` of one sequence with its salient tokens moved to ``"full"``.
 
     The first call for a layer chooses its salient positions from the layer's prefill mass and keeps them in
-    ``plan.layer_salient`` in place of the mass (``round(fraction * n)`` int64 positions instead of one fp32 per
+    ``plan.layer_salient`` in place of the mass (``round(fraction * n)`` int32 positions instead of one fp32 per
     context token: the plans' share of ``memory_report()``); later calls reuse them."""
     salient = plan.layer_salient.get(layer_idx)
     if salient is None:
