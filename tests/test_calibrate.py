@@ -13,7 +13,6 @@ import pytest
 from eval.methods.labels import label
 from hf_cocktail import CocktailConfig
 from hf_cocktail.calibrate import calibrate_model, run
-from hf_cocktail.calibrate import candidates
 from hf_cocktail.calibrate.candidates import largest_fitting, rotation_suffix
 from hf_cocktail.calibrate.cli import main
 from hf_cocktail.calibrate.recall import insertion_points, recall_window
@@ -280,24 +279,6 @@ def test_a_rotated_choice_also_builds_unrotated_caps_whose_bytes_hold_no_matrice
         "per-layer caps at 2.9 bits, 16-bit full part, 1% salient tokens, values rotated",
         "per-layer caps at 2.9 bits, 16-bit full part, 1% salient tokens",
     ]
-
-
-def test_the_caps_are_also_fitted_with_values_in_groups_of_128_where_the_head_dim_allows():
-    assert candidates.value_groups(256) == [32, 128] and candidates.value_groups(64) == [32]
-    deltas = [{(4, 4): 0.0, (2, 2): 0.1}]  # one layer: its (key bits, value bits) options and their deltas
-    spaces = candidates.caps_spaces(deltas, [0], 1, 256, ["hadamard_values", None])
-    assert list(spaces) == [("hadamard_values", 32), ("hadamard_values", 128), (None, 32), (None, 128)]
-    wide = spaces[(None, 128)]
-    config = wide.config(3.0, 8, 0.01)
-    assert config.group_size == 128 and config.group_size_for(256) == 128
-    # every budget fits: the names say the space, and the search finds the space again from a candidate's info
-    found = candidates.caps_candidates(wide, lambda cfg: 0.1, 0.2)
-    assert [c.name for c in found][:2] == ["caps4.0_f8_sal0_g128", "caps4.0_f8_sal1_g128"]
-    assert all(spaces[candidates.space_key(c.info)] is wide for c in found)
-    assert label("caps2.9_f8_sal1_hadv_g128") == (
-        "per-layer caps at 2.9 bits, 8-bit full part, 1% salient tokens, values rotated, values in groups of 128"
-    )
-    assert candidates.storage(80, None, 32)["group_size"] == 80  # a head dim 32 does not divide: one group
 
 
 def test_the_card_says_which_side_a_partial_rotation_rotates():

@@ -3,9 +3,8 @@
 * **caps** (no chunk search): every context chunk at 4 bits, stored with the rotation (none, keys and values, keys
   only or values only) whose KL divergence is the lowest at the sensitivity's base widths, each Cocktail layer
   capped at the widths the layer solve picks at a mean code-bit budget (:func:`.solve.solve`), for every storage
-  variant (the 8-bit full part or not, 0 / 1 / 2% salient tokens) and value group size (32 channels, or 128 where
-  the head dim allows: a quarter of the values' scale and zero bytes, which the budget spends on code bits); the
-  budget is the largest on a 0.1-bit grid whose bytes fit the target.
+  variant (the 8-bit full part or not, 0 / 1 / 2% salient tokens); the budget is the largest on a 0.1-bit grid whose
+  bytes fit the target.
 * **search** (the query-aware chunk search on top of the caps): the caps at a higher budget, chunks planned by
   ``target_bits`` (the ``scorer`` ranks them: the highest keep the caps, the rest ``low_bits``), ``target_bits`` the
   largest whose bytes fit.
@@ -28,7 +27,6 @@ STORAGE = {"rotation": "hadamard", "scale_bits": 8, "chunk_size": 32, "center_ke
 VARIANTS = tuple((fp, sal) for fp in (8, 16) for sal in (0.0, 0.01, 0.02))  # (full_part_bits, salient_tokens)
 ROTATION_TAGS = {"hadamard": "had", "hadamard_keys": "hadk", "hadamard_values": "hadv"}  # as eval's method ids
 BUDGETS = tuple(round(2.0 + 0.1 * i, 1) for i in range(21))  # mean code bits per K/V element, 2.0 .. 4.0
-VALUE_GROUPS = (32, 128)  # value group sizes the caps are fitted with (channels per scale and zero)
 
 
 @dataclass
@@ -43,28 +41,10 @@ class Candidate:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-def storage(head_dim: int, rotation: str | None = "hadamard", group_size: int = 32) -> dict[str, Any]:
-    """The packed storage every calibrated setting shares: the rotation calibration picks, values in groups of
-    ``group_size`` channels (32 by default; the head dim where it does not divide it)."""
-    return {**STORAGE, "rotation": rotation, "group_size": group_size if head_dim % group_size == 0 else head_dim}
-
-
-def value_groups(head_dim: int) -> list[int]:
-    """The value group sizes of :data:`VALUE_GROUPS` the caps are fitted with at ``head_dim`` (D): 32, and each
-    larger one that divides D (128 at D 128 and 256; none more at D 64)."""
-    return [g for g in VALUE_GROUPS if g == VALUE_GROUPS[0] or head_dim % g == 0]
-
-
-def caps_spaces(
-    deltas, cocktail_layers: Sequence[int], num_layers: int, head_dim: int, rotations: Sequence[str | None]
-) -> dict[tuple[str | None, int], CapsSpace]:
-    """The spaces the caps are fitted in, by ``(rotation, value group size)``: every rotation with every group size
-    of :func:`value_groups`."""
-    return {
-        (r, g): CapsSpace(deltas, cocktail_layers, num_layers, head_dim, r, g)
-        for r in rotations
-        for g in value_groups(head_dim)
-    }
+def storage(head_dim: int, rotation: str | None = "hadamard") -> dict[str, Any]:
+    """The packed storage every calibrated setting shares (values in groups of 32 channels, or the head dim; the
+    rotation calibration picks)."""
+    return {**STORAGE, "rotation": rotation, "group_size": 32 if head_dim % 32 == 0 else head_dim}
 
 
 def full_layer_bits(picks: Sequence[tuple[int, int]], cocktail_layers: Sequence[int], num_layers: int) -> list:
@@ -78,17 +58,9 @@ def full_layer_bits(picks: Sequence[tuple[int, int]], cocktail_layers: Sequence[
 class CapsSpace:
     """Configs with the layer solve's caps at a budget, for one model's layers."""
 
-    def __init__(
-        self,
-        deltas,
-        cocktail_layers: Sequence[int],
-        num_layers: int,
-        head_dim: int,
-        rotation: str | None,
-        group_size: int = VALUE_GROUPS[0],
-    ):
+    def __init__(self, deltas, cocktail_layers: Sequence[int], num_layers: int, head_dim: int, rotation: str | None):
         self.deltas, self.cocktail_layers, self.num_layers = deltas, list(cocktail_layers), num_layers
-        self.head_dim, self.rotation, self.group_size = head_dim, rotation, group_size
+        self.head_dim, self.rotation = head_dim, rotation
         cheapest = sum(min(o[0] + o[1] for o in layer) for layer in deltas) / (2 * len(deltas))
         self.budgets = [b for b in BUDGETS if b >= cheapest - 1e-9]
 
@@ -99,7 +71,7 @@ class CapsSpace:
     def config(self, budget: float, full_part_bits: int, salient: float, **search: Any) -> CocktailConfig:
         kw: dict[str, Any] = {"uniform_bits": 4} if not search else {"uniform_bits": None, **search}
         return CocktailConfig(
-            **storage(self.head_dim, self.rotation, self.group_size),
+            **storage(self.head_dim, self.rotation),
             **kw,
             layer_bits=tuple(map(tuple, self.layer_bits(budget))),
             full_part_bits=full_part_bits,
@@ -126,30 +98,17 @@ def rotation_suffix(rotation: str | None) -> str:
     return "" if rotation is None else f"_{ROTATION_TAGS[rotation]}"
 
 
-def space_suffix(space: CapsSpace) -> str:
-    """A candidate name's ending for its space: the rotation's (:func:`rotation_suffix`), then ``"_g128"`` where
-    values are grouped by other than 32 channels."""
-    group = "" if space.group_size == VALUE_GROUPS[0] else f"_g{space.group_size}"
-    return rotation_suffix(space.rotation) + group
-
-
-def space_key(info: dict[str, Any]) -> tuple[str | None, int]:
-    """The ``(rotation, group_size)`` of the space a candidate's ``info`` says it was fitted in."""
-    return info["rotation"], info["group_size"]
-
-
 def caps_candidates(space: CapsSpace, ratio_of: Callable[[CocktailConfig], float], target: float) -> list[Candidate]:
     """Per storage variant, the caps at the largest budget that fits ``target`` (variants where none fits are left
-    out); a rotated space's names end in its rotation's tag (``caps2.9_f16_sal1_hadv``), a space with larger value
-    groups in theirs (``caps2.9_f8_sal1_g128``)."""
+    out); a rotated space's names end in its rotation's tag (``caps2.9_f16_sal1_hadv``)."""
     out = []
-    suffix = space_suffix(space)
+    suffix = rotation_suffix(space.rotation)
     for fp, sal in VARIANTS:
         found = largest_fitting(space.budgets, lambda b: ratio_of(space.config(b, fp, sal)), target)
         if found is not None:
             b, r = found
             name = f"caps{b:.1f}_f{fp}_sal{round(100 * sal)}{suffix}"
-            info = {"full_part_bits": fp, "salient": sal, "rotation": space.rotation, "group_size": space.group_size}
+            info = {"full_part_bits": fp, "salient": sal, "rotation": space.rotation}
             out.append(Candidate(name, space.config(b, fp, sal), "caps", b, r, info))
     return out
 
@@ -186,9 +145,9 @@ def search_candidates(
             if found is not None:
                 t, r = found
                 name = f"search_{scorer}_l{low}_caps{cap_budget:.1f}_t{t:.2f}_f{fp}_sal{round(100 * sal)}"
-                name += space_suffix(space)
+                name += rotation_suffix(space.rotation)
                 info = {"full_part_bits": fp, "salient": sal, "scorer": scorer, "low_bits": low, "target_bits": t}
-                info.update(rotation=space.rotation, group_size=space.group_size)
+                info["rotation"] = space.rotation
                 out.append(Candidate(name, cfg(t), "search", cap_budget, r, info))
     return out
 

@@ -35,11 +35,10 @@ from tqdm.auto import tqdm
 from hf_cocktail.calibrate.agreement import real_base_kl
 from hf_cocktail.calibrate.candidates import (
     Candidate,
+    CapsSpace,
     baselines,
     caps_candidates,
-    caps_spaces,
     search_candidates,
-    space_key,
     storage,
 )
 from hf_cocktail.calibrate.fake_quant import FakeQuantizer
@@ -324,8 +323,8 @@ def calibrate_model(
     bytes_prep = preps[0] if long is None else prepare(model, tokenizer, long)
     head_dim = preps[0].prefill.layers[cocktail[0]].keys.shape[-1]
     num_layers = len(preps[0].prefill.layers)
-    spaces = caps_spaces(deltas, cocktail, num_layers, head_dim, caps_rotations(rotation_choice))
-    rotation_choice = {**rotation_choice, "caps_rotations": [str(r) for r in caps_rotations(rotation_choice)]}
+    spaces = {r: CapsSpace(deltas, cocktail, num_layers, head_dim, r) for r in caps_rotations(rotation_choice)}
+    rotation_choice = {**rotation_choice, "caps_rotations": [str(r) for r in spaces]}
 
     fit_bar = tqdm(desc="calibrate: bytes of candidate settings", disable=not progress, unit="fill")
 
@@ -350,7 +349,7 @@ def calibrate_model(
         picked = choose(caps_records, reference_record(measured))
         best_caps = next(c for c, m in zip(caps, caps_records) if m is picked)
         t2 = time.perf_counter()
-        space = spaces[space_key(best_caps.info)]
+        space = spaces[best_caps.info["rotation"]]
         search = search_candidates(space, best_caps, ratio_of, target, search_scorers, encoder)
         timings["fit_search"] = time.perf_counter() - t2
         measured += validate_all(*val_args, search, target, progress, ratio_of)
