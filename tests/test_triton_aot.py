@@ -37,6 +37,7 @@ def test_model_shaped_split_attention_compiles_for_sm90_without_spills(tmp_path)
 
     assert len(rows) >= 30 and {r["case"] for r in rows} >= {"llama3-8b", "qwen2.5-7b", "gemma3-270m", "mha-d128"}
     assert {r["constexprs"]["SEGS"] for r in rows} == {"0", "1", "2"}
+    assert {r["constexprs"]["G_A"] for r in rows if r["kernel"] == "split_attn_kernel"} >= {"32", "64"}  # recommended()
     for r in rows:  # every compile was read, so that a parse failure cannot pass for "no spill"
         assert "error" in r or {"regs", "spill_stores", "spill_loads", "shared"} <= r.keys(), r
     assert problems(rows) == [], "\n".join(problems(rows))

@@ -24,6 +24,7 @@ from .attention import plan_split_attention
 from .quantize import plan_quantize_keys, plan_quantize_values
 
 CHUNK, GROUP = 32, 32  # CocktailConfig's chunk_size and group_size defaults
+REC_GROUP = 64  # CocktailConfig.recommended()'s value groups (64 channels at D 64, 128 and 256)
 NUM_SMS = 132  # H100 SXM / H200: tokens_per_split as on those GPUs
 
 
@@ -33,7 +34,7 @@ class Case:
     value_bits)`` (0, 1 or 2 of them); ``p8``: 8-bit scales and zeros; ``f8``: the 8-bit full part; ``fq``: its
     keys in a basis of their own (an fp32 query of their own, the layer's keys unrotated); ``head``: its exact head
     (4 sink tokens at the query's dtype); ``outliers``: the share of key channels stored at 8 bits in every segment
-    (outlier key channels, 16-bit scales only; 0: none)."""
+    (outlier key channels, 16-bit scales only; 0: none); ``G``: the value group size (a compile-time constant)."""
 
     name: str
     D: int
@@ -51,6 +52,7 @@ class Case:
     outliers: float = 0.0
     fq: bool = False
     head: bool = False
+    G: int = GROUP
 
     def setting(self) -> str:
         segs = "+".join(f"k{k}v{v}" if k != v else f"int{k}" for k, v in self.segs) or "full part only"
@@ -61,6 +63,7 @@ class Case:
         ]
         extra += [f"softcap{self.softcap:g}"] if self.softcap else []
         extra += [f"outliers1/{round(1 / self.outliers)}"] if self.outliers else []
+        extra += [f"G{self.G}"] if self.G != GROUP else []
         return " ".join([segs, *extra, str(self.dtype).removeprefix("torch."), f"Lq{self.L_q}"])
 
     def launches(self) -> dict:
@@ -83,7 +86,7 @@ class Case:
         kw["softcap"] = self.softcap
         start = torch.zeros(B, dtype=torch.int32)
         segments = [
-            _segment(bits, B, H_kv, D, self.p8, n, _outlier_count(self.outliers, D, bits[0]))
+            _segment(bits, B, H_kv, D, self.p8, n, _outlier_count(self.outliers, D, bits[0]), self.G)
             for bits, n in zip(self.segs, (2013, 2999))
         ]
         attn, merge, _ = plan_split_attention(q, fk, fv, start, segments, D**-0.5, **kw)
@@ -97,18 +100,21 @@ def _outlier_count(share: float, D: int, bits: int) -> int:
     return min(math.ceil(share * D / m) * m, D - m) if share else 0
 
 
-def _segment(bits: tuple[int, int], B: int, H_kv: int, D: int, p8: bool, N: int, n_out: int = 0) -> tuple:
-    """A packed segment's kernel tuple (``PackedSegment.coded_kernel_args``'s layout) of ``N`` tokens; with
-    ``n_out`` outlier key channels, their item ``(n_out, channels)`` last (dispatch's layout)."""
+def _segment(
+    bits: tuple[int, int], B: int, H_kv: int, D: int, p8: bool, N: int, n_out: int = 0, G: int = GROUP
+) -> tuple:
+    """A packed segment's kernel tuple (``PackedSegment.coded_kernel_args``'s layout) of ``N`` tokens, values in
+    groups of ``G`` channels; with ``n_out`` outlier key channels, their item ``(n_out, channels)`` last (dispatch's
+    layout)."""
     M = -(-N // CHUNK) + B
     kb, vb = bits
     pdt = torch.uint8 if p8 else torch.float16
     k_params = [torch.empty(H_kv, M, D, dtype=pdt) for _ in range(2)]
-    v_params = [torch.empty(H_kv, N, D // GROUP, dtype=pdt) for _ in range(2)]
+    v_params = [torch.empty(H_kv, N, D // G, dtype=pdt) for _ in range(2)]
     offsets = [torch.zeros(B + 1, dtype=torch.int32) for _ in range(2)]
     k_codes = torch.empty(H_kv, N, (D - n_out) * kb // 8 + n_out, dtype=torch.uint8)
     v_codes = torch.empty(H_kv, N, D * vb // 8, dtype=torch.uint8)
-    seg = (bits if kb != vb else kb, CHUNK, GROUP, k_codes, *k_params, v_codes, *v_params, *offsets)
+    seg = (bits if kb != vb else kb, CHUNK, G, k_codes, *k_params, v_codes, *v_params, *offsets)
     if n_out:
         return (*seg, (n_out, torch.arange(D, dtype=torch.int32).expand(H_kv, D).contiguous()))
     return seg + ((torch.empty(H_kv, M, 3), torch.empty(H_kv, M, 3)) if p8 else ())
@@ -137,7 +143,9 @@ SETTINGS = (
 def model_cases() -> list[Case]:
     """Model-shaped decode: every model x every setting in bf16 at L_q 1, fp16 once, L_q 4 plain and with the 8-bit
     formats (speculative decoding), 0 and 1 segments once, the 8-bit full part with its exact head, with and without
-    keys in a basis of their own (``fq``), with 2 and 1 segments; gpt-oss-20b's sinks (D 64, 8 KV heads, GQA 8) and
+    keys in a basis of their own (``fq``), with 2 and 1 segments; ``recommended()``'s format (INT4, 8-bit parameters,
+    values in groups of 64) with its 16-bit full part and with an 8-bit one (exact head, keys in their own basis);
+    gpt-oss-20b's sinks (D 64, 8 KV heads, GQA 8) and
     Gemma 2 9B's soft-capping (D 256, 8 KV heads, GQA 2, cap 50); outlier key channels (1/16 and 1/8 of D at
     8 bits) with INT4+INT2 and INT4+INT3, 1/16 at L_q 4 and with the 8-bit full part (:func:`outlier_cases`)."""
     out = outlier_cases()
@@ -153,6 +161,8 @@ def model_cases() -> list[Case]:
         out.append(Case(name, p8=True, f8=True, head=True, **base))
         out.append(Case(name, p8=True, f8=True, fq=True, head=True, **base))
         out.append(Case(name, segs=((4, 4),), p8=True, f8=True, fq=True, head=True, **base))
+        out.append(Case(name, segs=((4, 4),), p8=True, G=REC_GROUP, **base))
+        out.append(Case(name, segs=((4, 4),), p8=True, f8=True, fq=True, head=True, G=REC_GROUP, **base))
     for p8 in (False, True):
         out.append(Case("gpt-oss-20b", 64, 8, 8, sinks=True, p8=p8, f8=p8, model_shaped=True))
         out.append(Case("gemma2-9b", 256, 8, 2, softcap=50.0, p8=p8, f8=p8, model_shaped=True))
@@ -176,7 +186,7 @@ def ci_cases() -> list[Case]:
     """The CI's representative model-shaped set (:mod:`tests.test_triton_aot`, about 2 minutes on 2 cores): per
     model INT4+INT2 plain and with both 8-bit formats, L_q 4, no packed segment, one; sinks and soft-capping once;
     the 8-bit formats with the full part's exact head on SmolLM2 (INT4+INT2) and Gemma 3 270M (INT4, keys in their
-    own basis);
+    own basis); ``recommended()``'s format (values in groups of 64) on Gemma 3 270M;
     outlier key channels on SmolLM2 (1/16), Gemma 3 270M and Qwen2.5-7B (1/8)."""
     out = []
     for name, D, H_kv, n_rep in MODELS:
@@ -186,6 +196,7 @@ def ci_cases() -> list[Case]:
     out.append(Case("gpt-oss-20b", 64, 8, 8, sinks=True, model_shaped=True))
     out.append(Case("gemma3-270m", 256, 1, 4, segs=((4, 4),), p8=True, f8=True, fq=True, head=True, model_shaped=True))
     out.append(Case("smollm2-135m", 64, 3, 3, p8=True, f8=True, head=True, model_shaped=True))
+    out.append(Case("gemma3-270m", 256, 1, 4, segs=((4, 4),), p8=True, G=REC_GROUP, model_shaped=True))
     out.append(Case("gemma2-9b", 256, 8, 2, softcap=50.0, model_shaped=True))
     out.append(Case("smollm2-135m", 64, 3, 3, outliers=1 / 16, model_shaped=True))
     out.append(Case("gemma3-270m", 256, 1, 4, outliers=1 / 8, model_shaped=True))
@@ -215,7 +226,8 @@ def sweep_cases() -> list[Case]:
 
 def quantize_launches() -> list[tuple[str, str, object]]:
     """``(kernel, setting, Launch)`` of the quantize kernels: every head dim and code width from bf16, fp16 and
-    fp32 states with their scale dtypes (prefill on 1000 tokens of 8 heads)."""
+    fp32 states with their scale dtypes (prefill on 1000 tokens of 8 heads); values also in ``recommended()``'s
+    groups of 64 (INT4 from bf16)."""
     out = []
     for D in (64, 128, 256):
         for bits in (2, 3, 4):
@@ -224,4 +236,7 @@ def quantize_launches() -> list[tuple[str, str, object]]:
                 tag = f"D{D} int{bits} {str(dtype).removeprefix('torch.')} scales {str(sd or dtype)[6:]}"
                 out.append(("_quant_keys_kernel", tag, plan_quantize_keys(x, bits, CHUNK, sd)[0]))
                 out.append(("_quant_values_kernel", tag, plan_quantize_values(x, bits, GROUP, sd)[0]))
+        x = torch.empty(8, 1000, D, dtype=torch.bfloat16)
+        tag = f"D{D} int4 bfloat16 scales float16 G{REC_GROUP}"
+        out.append(("_quant_values_kernel", tag, plan_quantize_values(x, 4, REC_GROUP, torch.float16)[0]))
     return out
