@@ -117,6 +117,18 @@ def test_head_dims_and_kv_heads(D, H_kv, rotation):
     check(*make_store(D=D, H_kv=H_kv, n_rep=4 if H_kv == 1 else 2, rotation=rotation, T=48, seed=D + H_kv))
 
 
+@pytest.mark.parametrize("D,G", [(64, 64), (256, 64), (256, 128)])
+@pytest.mark.parametrize("full_part_bits", [8, 16])
+def test_recommended_value_groups(D, G, full_part_bits):
+    """``recommended()``'s format: 8-bit scale / zero codes on values in groups of 64 channels (128 once), rotated
+    values, a 16- or 8-bit full part; SmolLM2's and Gemma 3 270M's heads."""
+    H_kv, n_rep = (1, 4) if D == 256 else (3, 3)
+    kw = dict(full_part_bits=full_part_bits, rotation="hadamard_values")
+    query, store = make_store(D=D, H_kv=H_kv, n_rep=n_rep, G=G, **kw)
+    assert {s.group_size for s in store.segments} == {G}
+    check(query, store)
+
+
 @pytest.mark.parametrize("scale_bits", [8, 16])
 @pytest.mark.parametrize("full_part_bits", [8, 16])
 @pytest.mark.parametrize("rotation", [None, "hadamard", "hadamard_keys", "hadamard_values"])

@@ -57,6 +57,20 @@ def test_8_bit_formats_every_head_dim_and_kv_heads(D, H_kv):
     check(query, store, D**-0.5)
 
 
+@pytest.mark.parametrize("D,G", [(64, 64), (256, 64), (256, 128)])
+@pytest.mark.parametrize("full_part_bits", [16, 8])
+def test_recommended_value_groups_read_as_stored(D, G, full_part_bits):
+    """``recommended()``'s format: INT4 keys and values, 8-bit scale / zero codes, values in groups of 64 channels
+    (a compile-time constant of its own; 128 once), a 16- or 8-bit full part; Gemma 3 270M's and SmolLM2's head dims
+    (the rotation is applied outside the kernel)."""
+    H_kv = 1 if D == 256 else 3
+    store = make_store([6, 2], {4: [23, 9]}, H_kv, D, 8, G, scale_bits=8, full_part_bits=full_part_bits, seed=G)
+    assert {s.group_size for s in store.segments} == {G}
+    query = torch.randn(2, H_kv * (4 if H_kv == 1 else 3), 1, D, generator=torch.Generator().manual_seed(3)) * 2
+    query = query.to(DEV)
+    check(query, store, D**-0.5)
+
+
 @pytest.mark.parametrize("scale_bits,full_part_bits", [(8, 16), (16, 8), (16, 16)])
 def test_each_format_alone(scale_bits, full_part_bits):
     store = make_store(
