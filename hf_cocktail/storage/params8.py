@@ -43,11 +43,6 @@ from hf_cocktail.storage.quant import (
 SCALE_LOG_STEPS = 16  # an 8-bit scale code c stands for s_max * 2 ** (-c / SCALE_LOG_STEPS)
 # the code steps refine_codes tries around the nearest codes, (0, 0) first so that a tie keeps them
 REFINE_STEPS = tuple((dz, ds) for dz in (0, -1, 1) for ds in (0, -1, 1))
-# at <= CLIP_MAX_BITS bits refine_codes also tries clipped ranges: the scale code CLIP_SCALE_STEPS steps above the
-# nearest (a scale 2 ** (-d / 16) of it: 0.92x .. 0.71x), the zero moved up by half the range given up, and its
-# neighbours (min-max spends a 2-bit group's four levels on its extremes; a narrower range costs them less)
-CLIP_SCALE_STEPS = (2, 4, 6, 8)
-CLIP_MAX_BITS = 3
 REFINE_SLICE_ELEMENTS = 1 << 16  # elements of x refined at once (their 9 candidates in fp32: ~2.4 MB, in cache)
 
 
@@ -128,12 +123,11 @@ def refine_codes(
     bits: int,
     block_of_row: torch.Tensor | None = None,
 ):
-    """Per group, the pair of codes among the nearest (``scale_codes``, ``zero_codes``), their neighbours
-    (:data:`REFINE_STEPS`: each code -1, 0 or +1, within 0..255) and, at <= 3 bits, clipped ranges
-    (:func:`candidate_codes`) whose decoded scale and zero give back the group's values ``x`` with the least squared
-    error; a tie keeps the nearest codes. The block's numbers do not change. Rows (dim 1) go a slice of
-    :data:`REFINE_SLICE_ELEMENTS` elements at a time, the candidates of a slice at once (one appended chunk: a
-    handful of operations, not one per candidate).
+    """Per group, the pair of codes among the nearest (``scale_codes``, ``zero_codes``) and their neighbours
+    (:data:`REFINE_STEPS`: each code -1, 0 or +1, within 0..255) whose decoded scale and zero give back the group's
+    values ``x`` with the least squared error; a tie keeps the nearest codes. The block's numbers do not change. Rows
+    (dim 1) go a slice of :data:`REFINE_SLICE_ELEMENTS` elements at a time, the 9 candidates of a slice at once (one
+    appended chunk: a handful of operations, not 9 times as many).
 
     Args:
         x: fp32 values, the groups' elements along ``group_dim`` (keys ``(H, M, C, D)``, dim 2; values ``(H, N, K,
@@ -156,32 +150,12 @@ def refine_codes(
     return tuple(torch.cat([p[i] for p in parts], 1) for i in range(3))
 
 
-def candidate_codes(scale_codes, zero_codes, block, bits: int, block_of_row=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``(scale_codes, zero_codes)`` pairs :func:`refine_codes` chooses from, stacked along a new leading dim
-    (uint8 ``(S, *codes)``): the nearest codes' neighbours (:data:`REFINE_STEPS`, the nearest first; S = 9) and, at
-    ``bits`` <= :data:`CLIP_MAX_BITS`, the clipped ranges (:data:`CLIP_SCALE_STEPS`, each zero re-centred and its
-    neighbours; S = 21). Codes clamp to 0..255."""
-    sc0, zc0 = scale_codes.to(torch.int16), zero_codes.to(torch.int16)
-    zs = [zc0 + dz for dz, _ in REFINE_STEPS]
-    ss = [sc0 + ds for _, ds in REFINE_STEPS]
-    if bits <= CLIP_MAX_BITS:
-        scale, _ = decode_params8(scale_codes, zero_codes, block, block_of_row)
-        rows = block if block_of_row is None else block.index_select(1, block_of_row)
-        z_step = rows[..., 2:3].float()
-        for d in CLIP_SCALE_STEPS:
-            given_up = ((1 << bits) - 1) * scale * (1 - 2.0 ** (-d / SCALE_LOG_STEPS))
-            moved = torch.where(z_step > 0, torch.round(given_up / 2 / torch.where(z_step > 0, z_step, 1.0)), 0.0)
-            zc = zc0 + moved.clamp_(0, 255).to(torch.int16)
-            zs += [zc - 1, zc, zc + 1]
-            ss += [sc0 + d] * 3
-    pack = lambda codes: torch.stack(codes).clamp_(0, 255).to(torch.uint8)  # noqa: E731
-    return pack(ss), pack(zs)
-
-
 def _refine_rows(x, group_dim, scale_codes, zero_codes, block, bits, block_of_row):
-    """:func:`refine_codes` on a slice of rows, the candidates (:func:`candidate_codes`) stacked along a new leading
-    dim."""
-    sc, zc = candidate_codes(scale_codes, zero_codes, block, bits, block_of_row)  # (S, *codes)
+    """:func:`refine_codes` on a slice of rows, the candidates stacked along a new leading dim (S = 9)."""
+    steps = torch.tensor(REFINE_STEPS, dtype=torch.int16, device=x.device)
+    steps = steps.view(len(REFINE_STEPS), 2, *([1] * scale_codes.dim()))
+    zc = (zero_codes.to(torch.int16) + steps[:, 0]).clamp_(0, 255).to(torch.uint8)  # (S, *codes)
+    sc = (scale_codes.to(torch.int16) + steps[:, 1]).clamp_(0, 255).to(torch.uint8)
     scale, zero = (t.unsqueeze(group_dim + 1) for t in decode_params8(sc, zc, block, block_of_row))
     codes = group_codes(x, scale, zero, bits)  # (S, *x)
     err = (codes.float() * scale + zero - x).square_().sum(group_dim + 1)
