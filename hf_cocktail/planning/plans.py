@@ -14,7 +14,7 @@ import torch
 from hf_cocktail.storage.quant import CHUNK_BITS
 
 # token positions and prompt ids a cache holds for as long as it lives: 4 bytes each (prompts and vocabularies
-# stay below 2**31), half of int64's, which at 8K tokens were 0.5% of a 4-bit cache's bytes (issue 46)
+# stay below 2**31), half of int64's, which cost Gemma 3 270M 0.005x of its quantized layers' FP16 bytes (issue 46)
 INDEX_DTYPE = torch.int32
 
 
